@@ -1,0 +1,147 @@
+"""`LLM`: the offline Python API in the shape vLLM users know (generate, chat)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence, Union
+
+from jserve.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path:
+    """Turn on JAX's persistent compilation cache (default: ~/.cache/jserve/jax)."""
+    import jax
+
+    path = Path(directory or os.environ.get("JSERVE_COMPILATION_CACHE")
+                or Path.home() / ".cache" / "jserve" / "jax")
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+class LLM:
+    """A model loaded for offline generation.
+
+    Args:
+      model: a jserve checkpoint folder, a Hugging Face folder, a `.gguf` file, or a converted
+        model's name; None for the default SmolLM2-135M-Instruct (converted on first use).
+      dtype: weight dtype used when a conversion is needed ("float32" or "bfloat16").
+      max_model_len: context length (prompt + output); default the model's, capped at 8192.
+      max_num_seqs: the most sequences run in one batch.
+      seed: seeds the random streams of requests that give no seed of their own.
+      shardings: optional weight shardings, passed to `checkpoint.load_checkpoint`.
+      compilation_cache: directory for JAX's persistent compilation cache; False turns it off.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
+                 max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
+                 shardings: Any = None, compilation_cache: str | os.PathLike | bool | None = None):
+        from jserve import buckets
+        from jserve.checkpoint import load_checkpoint, resolve_model
+        from jserve.dense_runner import DenseRunner
+        from jserve.generate import Generator
+        from jserve.tokenizer import Tokenizer
+
+        if compilation_cache is not False:
+            enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        self.path = resolve_model(model, dtype=dtype)
+        self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings)
+        self.tokenizer = Tokenizer.load(self.path)
+        limit = self.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, 8192)
+        elif not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be an integer in [2, {limit}], got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        self.runner = DenseRunner(self.config, params, max_model_len=max_model_len,
+                                  batch_buckets=batch_buckets)
+        eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
+        self.generator = Generator(self.runner, self.tokenizer, eos, seed=seed)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; each prompt is text, token ids, or
+        `{"prompt": text}` / `{"prompt_token_ids": ids}`. Returns one RequestOutput per prompt."""
+        items = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(items))
+        texts, ids = [], []
+        for item in items:
+            text, tokens = self._encode(item)
+            texts.append(text)
+            ids.append(tokens)
+        return self.generator.generate(ids, params, texts)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate."""
+        if not messages:
+            raise ValueError("messages is empty")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conv in conversations:
+            for m in conv:
+                if not isinstance(m, Mapping) or "role" not in m:
+                    raise ValueError(f"each chat message needs a 'role' and 'content', got {m!r}")
+            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    def stats(self) -> dict[str, Any]:
+        return {"compilations": self.runner.num_compilations}
+
+    def _encode(self, item: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(item, str):
+            return item, self.tokenizer.encode(item)
+        if isinstance(item, Mapping):
+            if "prompt_token_ids" in item:
+                return item.get("prompt"), _check_ids(item["prompt_token_ids"])
+            if "prompt" in item and isinstance(item["prompt"], str):
+                return item["prompt"], self.tokenizer.encode(item["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' (str) or 'prompt_token_ids', got keys {list(item)}")
+        return None, _check_ids(item)
+
+
+def _check_ids(ids: Any) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ValueError(f"prompt token ids must be a list of integers, got {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"prompt token ids must be integers, got {t!r}")
+        out.append(int(t))
+    return out
+
+
+def _as_prompt_list(prompts: Any) -> list:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if isinstance(prompts, Sequence) and prompts:
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, token ids, or a non-empty list of them, got {prompts!r}")
+
+
+def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"give one SamplingParams or a list of {n} (one per prompt), got {len(params)}")
+    return params

