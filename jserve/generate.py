@@ -71,7 +71,7 @@ class Generator:
             base = p.seed if p.seed is not None else int(self._rng.integers(0, 2**31))
             for i in range(p.n):
                 rows.append(_Row(r, i, list(ids), p, (base + 7919 * i) % 2**32, limit,
-                                 self.tokenizer.detokenizer(ids),
+                                 self.tokenizer.detokenizer(ids, skip_special_tokens=p.skip_special_tokens),
                                  logprobs=[] if p.logprobs is not None else None))
         prompt_lps: dict[int, list] = {}
         group = self.runner.max_batch
@@ -116,14 +116,14 @@ class Generator:
             row.token_ids.append(token)
             if row.logprobs is not None:
                 row.logprobs.append(self._logprob_entry(out, i, token, row.params.logprobs))
-            delta = row.detok.add([token])
-            self._check_stop(row, token, delta)
+            self._check_stop(row, token, row.detok.add([token]))
+            if row.finish_reason and not isinstance(row.stop_reason, str):
+                row.text += row.detok.flush()  # text held back for an incomplete character
 
     def _check_stop(self, row: _Row, token: int, delta: str) -> None:
         p = row.params
-        hidden = p.skip_special_tokens and token in self.tokenizer.all_special_ids
         prev_len = len(row.text)
-        row.text += "" if hidden else delta
+        row.text += delta
         n = len(row.token_ids)
         if n >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
