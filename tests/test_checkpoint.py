@@ -1,0 +1,120 @@
+"""Conversion to Orbax, restore (with shardings), malformed inputs, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jserve import cli
+from jserve.checkpoint import convert, load_checkpoint, read_params, unpermute_rotary
+
+from conftest import DATA
+
+
+@pytest.fixture
+def tiny_hf_folder(tmp_path, smollm2_checkpoint):
+    """The tiny llama3 model with a real tokenizer beside it (a complete HF folder)."""
+    folder = tmp_path / "tiny-llama3"
+    shutil.copytree(DATA / "arch" / "llama3", folder)
+    shutil.copy(smollm2_checkpoint / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>",
+                                                             "eos_token": "<|im_end|>"}))
+    return folder
+
+
+def test_convert_restore_and_generate_from_hf_folder(tiny_hf_folder, tmp_path):
+    from jserve import LLM, SamplingParams
+
+    out = cli.main(["convert", str(tiny_hf_folder), "--out", str(tmp_path / "ckpt"), "--quiet"])
+    assert out == 0
+    config, params, generation = load_checkpoint(tmp_path / "ckpt")
+    _, reference = read_params(tiny_hf_folder)
+    assert set(params) == set(reference)
+    for name, value in reference.items():
+        np.testing.assert_array_equal(np.asarray(params[name]), value)
+    assert generation["dtype"] == "float32" and generation["eos_token_ids"] == [2]
+    ref = np.load(tiny_hf_folder / "reference.npz")
+    llm = LLM(str(tmp_path / "ckpt"), max_num_seqs=2)
+    got = llm.generate([[int(t) for t in ref["input_ids"][0, :10]]],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert got.outputs[0].token_ids == ref["greedy_ids"][0].tolist()
+
+
+def test_restore_into_given_shardings(tiny_hf_folder, tmp_path):
+    convert(tiny_hf_folder, tmp_path / "ckpt", progress=False)
+    device = jax.devices()[-1]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    seen = []
+
+    def pick(name, shape):
+        seen.append(name)
+        return sharding
+
+    _, params, _ = load_checkpoint(tmp_path / "ckpt", shardings=pick)
+    assert set(seen) == set(params)
+    assert all(p.sharding == sharding for p in params.values())
+
+
+def test_bfloat16_conversion(tiny_hf_folder, tmp_path):
+    convert(tiny_hf_folder, tmp_path / "bf16", dtype="bfloat16", progress=False)
+    _, params, generation = load_checkpoint(tmp_path / "bf16")
+    assert generation["dtype"] == "bfloat16"
+    assert all(p.dtype == jax.numpy.bfloat16 for p in params.values())
+
+
+def test_malformed_checkpoints_name_the_problem(tmp_path):
+    src = DATA / "arch" / "qwen2"
+    tensors = load_file(src / "model.safetensors")
+    cases = {
+        "missing": ({k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, "w_up.*\\[1\\]"),
+        "shape": ({**tensors, "model.layers.0.self_attn.q_proj.weight": np.zeros((3, 3), np.float32)},
+                  "q_proj.*\\(3, 3\\)"),
+        "extra": ({**tensors, "model.layers.0.self_attn.rotary.weird": np.zeros(2, np.float32)}, "weird"),
+        "layer": ({**tensors, "model.layers.7.mlp.up_proj.weight": tensors["model.layers.0.mlp.up_proj.weight"]},
+                  "layer 7"),
+    }
+    for name, (tensors_, pattern) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copy(src / "config.json", folder / "config.json")
+        save_file(tensors_, folder / "model.safetensors")
+        with pytest.raises(ValueError, match=pattern):
+            read_params(folder)
+    config = json.loads((src / "config.json").read_text())
+    bad = tmp_path / "arch"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ValueError, match="FalconForCausalLM"):
+        read_params(bad)
+    with pytest.raises(ValueError, match="not a jserve checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_unpermute_undoes_llama_cpp_permutation():
+    heads, head_dim, width = 3, 8, 5
+    w = np.arange(heads * head_dim * width, dtype=np.float32).reshape(heads * head_dim, width)
+    # llama.cpp's convert_hf_to_gguf.py permute():
+    permuted = w.reshape(heads, 2, head_dim // 2, width).swapaxes(1, 2).reshape(w.shape)
+    np.testing.assert_array_equal(unpermute_rotary(permuted, heads), w)
+
+
+def test_cli_generate_json(smollm2_checkpoint, golden, capsys):
+    case = golden["cases"][0]
+    rc = cli.main(["generate", "--model", str(smollm2_checkpoint), "--prompt", case["prompt"],
+                   "--max-tokens", "5", "--max-model-len", "256", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_token_ids"] == case["prompt_ids"]
+    assert out["token_ids"] == case["greedy_ids"][:5]
+    assert out["text"].startswith(" Paris")
+
+
+def test_cli_reports_bad_model(capsys):
+    rc = cli.main(["generate", "--model", "/nonexistent/model", "--prompt", "x"])
+    assert rc == 2
+    assert "/nonexistent/model" in capsys.readouterr().err
