@@ -130,6 +130,26 @@ def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32") ->
                      f"a .gguf file, nor a converted model under {root}")
 
 
+def read_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, str]:
+    """(ModelConfig, weight dtype name) without loading weights: a checkpoint, HF folder or GGUF."""
+    p = Path(model) if model is not None else None
+    if p is not None and not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
+        p = default_checkpoint_root() / str(model)
+    if p is None or str(model) == DEFAULT_MODEL:
+        p = resolve_model(None)
+    if is_checkpoint(p):
+        generation = json.loads((p / "generation.json").read_text())
+        return ModelConfig.from_json((p / "config.json").read_text()), generation.get("dtype", "float32")
+    if (p / "config.json").is_file():
+        cfg = json.loads((p / "config.json").read_text())
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+        return ModelConfig.from_hf_config(cfg), "float32" if dtype == "float32" else "bfloat16"
+    if p.is_file() and p.suffix == ".gguf":
+        return _read_gguf(p)[0], "float32"
+    raise ValueError(f"model {str(model)!r} is neither a jserve checkpoint, a Hugging Face folder "
+                     f"with config.json, nor a .gguf file")
+
+
 # --------------------------------------------------------------------------------- conversion
 
 def read_params(source: str | os.PathLike, *, dtype: str = "float32", progress: bool = False):

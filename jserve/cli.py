@@ -1,10 +1,11 @@
-"""Command line: `jserve convert | generate`."""
+"""Command line: `jserve convert | generate | plan`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import re
 import sys
 from typing import Sequence
 
@@ -39,6 +40,57 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_bytes(text: str) -> int:
+    """'16GiB', '80GB', '512MiB', '1e9' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 16GiB, 80GB, 512MiB)")
+    return int(float(m.group(1)) * units[m.group(2).lower()])
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from jserve.checkpoint import read_model_config
+    from jserve.kv_cache import device_memory_bytes, dtype_bytes, plan_memory
+
+    config, weight_dtype = read_model_config(args.model)
+    weight_dtype = args.weight_dtype or weight_dtype
+    device = args.device_memory
+    if device is None and args.kv_budget is None:
+        device = device_memory_bytes()
+        if device is None:
+            raise ValueError("this device reports no memory size: give --device-memory or --kv-budget")
+    plan = plan_memory(config, weight_dtype_bytes=dtype_bytes(weight_dtype), kv_dtype=args.kv_dtype,
+                       page_size=args.page_size, context=args.context, device_bytes=device,
+                       memory_fraction=args.memory_fraction, kv_budget_bytes=args.kv_budget,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    rows = [
+        ("model", f"{config.architecture}, {config.num_layers} layers, {config.num_params() / 1e9:.3f} B params"),
+        ("device memory", _human(plan.device_bytes)),
+        (f"usable ({args.memory_fraction:g})" if args.kv_budget is None else "usable", _human(plan.usable_bytes)),
+        (f"weights ({weight_dtype})", _human(plan.weight_bytes)),
+        (f"activations ({args.max_num_batched_tokens} tokens)", _human(plan.activation_bytes)),
+        (f"KV per token ({args.kv_dtype})", _human(plan.kv_bytes_per_token)),
+        (f"KV per page ({plan.page_size} tokens)", _human(plan.kv_bytes_per_page)),
+        ("KV pages", f"{plan.num_pages} ({_human(plan.kv_bytes)})"),
+        ("tokens in cache", f"{(plan.num_pages - 1) * plan.page_size}"),
+        (f"sequences of {plan.context} tokens", f"{plan.max_sequences}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jserve", description="LLM serving engine on JAX")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -69,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype if the model must be converted first")
     p.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("plan", help="how weights, activations and KV pages fit in device memory")
+    p.add_argument("--model", default=None, help="checkpoint, HF folder (config.json is enough) or .gguf")
+    p.add_argument("--device-memory", type=parse_bytes, default=None, help="e.g. 16GiB (default: this device's)")
+    p.add_argument("--kv-budget", type=parse_bytes, default=None, help="explicit bytes for KV pages")
+    p.add_argument("--memory-fraction", type=float, default=0.9)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--kv-dtype", default="bfloat16")
+    p.add_argument("--weight-dtype", default=None, help="default: the checkpoint's")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.set_defaults(func=_plan)
     return parser
 
 
