@@ -1,0 +1,434 @@
+"""Page table: the KV-cache pages each request owns, with refcounts, copy-on-write and a prefix cache.
+
+Pure Python (neither jax nor numpy): the scheduler drives it, the runner only reads `page_ids()`.
+
+`PagePool` owns `num_pages` pages of `page_size` token slots each. Page 0 is the null page: never
+handed out, padded page-table entries point to it. Every other page is exactly one of *free*,
+*used* (refcount > 0: owned by one or more requests) or *cached* (refcount 0, but its contents are
+indexed by the prefix cache, so a later request can reuse them until the pool needs the page;
+cached pages are evicted least recently used first).
+
+`PageTable` keeps three counts per request, `num_computed_tokens <= num_allocated_tokens <=
+num_tokens`: tokens whose K/V is written, tokens that have a slot, tokens known (prompt + sampled).
+The scheduler's contract:
+
+1. Admit: `n = lookup_prefix(prompt, cache_salt=salt)` says how many leading tokens are cached;
+   pick a chunk `k <= len(prompt) - n` and call `allocate_prompt(rid, prompt, num_new_tokens=k,
+   cache_salt=salt)`. It shares the cached pages (they count as computed) and gives slots to the
+   next `k` tokens. None means the pool is short and nothing changed (`can_allocate_prompt` asks).
+2. Each step, for `k` more known tokens to compute: `allocate_slots(rid, k)`. None: short, nothing
+   changed (preempt someone). Otherwise the list of `(src, dst)` page copies the device must do
+   before the step writes K/V (copy-on-write of a partial last page shared after `fork`).
+3. After the step ran: `mark_computed(rid, k)`. Pages that are now full and computed enter the
+   prefix cache under sha256(parent page hash, the page's token ids, cache salt): tenants with
+   different salts never share a page.
+4. After sampling: `append_tokens(rid, [token])`; its slot comes with the next `allocate_slots`.
+5. `fork(parent, child)` shares every page (parallel samples); `free(rid)` on finish, abort or
+   preemption (re-admit with prompt + output as the prompt; the prefix cache saves the recompute).
+
+A request always computes at least its last prompt token, and writes never touch a cached page:
+so a prompt of `m` full pages, all cached, reuses `m - 1` of them and recomputes the last page
+(as vLLM does) rather than copying a cached page to rewrite one slot of it.
+"""
+
+import collections
+import dataclasses
+import hashlib
+import operator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+NULL_PAGE = 0
+
+
+def hash_page(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None) -> bytes:
+    """Chained hash of one full page; sha256 because a collision would serve another prefix's K/V."""
+    return hashlib.sha256(repr((parent_hash, tuple(token_ids), cache_salt)).encode()).digest()
+
+
+def iter_page_hashes(token_ids: Sequence[int], page_size: int, cache_salt: str | None) -> Iterator[bytes]:
+    """Yields the chained hash of each full page of `token_ids`, first page first."""
+    parent = None
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = hash_page(parent, token_ids[start:start + page_size], cache_salt)
+        yield parent
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_count(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _as_token_ids(token_ids: Iterable[int]) -> list[int]:
+    # Plain ints: a numpy int would hash (repr) differently from the same Python int.
+    return [operator.index(t) for t in token_ids]
+
+
+class PagePool:
+    """Free list, refcounts, prefix-hash index and the LRU of cached pages; knows nothing of requests."""
+
+    def __init__(self, num_pages: int, page_size: int = 16):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._refcounts = [0] * num_pages
+        self._free = collections.deque(range(1, num_pages))
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._page_by_hash: dict[bytes, int] = {}
+        self._hash_by_page: dict[int, bytes] = {}
+        self.num_evicted_pages = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Idle pages (refcount 0) kept for the prefix cache."""
+        return len(self._cached)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages owned by live requests."""
+        return self.num_pages - 1 - len(self._free) - len(self._cached)
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages `allocate` can hand out: free ones, then cached ones by eviction."""
+        return len(self._free) + len(self._cached)
+
+    def refcount(self, page: int) -> int:
+        return self._refcounts[page]
+
+    def page_hash(self, page: int) -> bytes | None:
+        return self._hash_by_page.get(page)
+
+    def cached_page(self, page_hash: bytes) -> int | None:
+        """The used or cached page holding this prefix hash, if any."""
+        return self._page_by_hash.get(page_hash)
+
+    def allocate(self, num: int) -> list[int] | None:
+        """Takes `num` pages (refcount 1), evicting cached ones once none is free; None if short."""
+        _check_count("num", num)
+        if num > self.num_available_pages:
+            return None
+        pages = [self._free.popleft() if self._free else self._evict_lru() for _ in range(num)]
+        for page in pages:
+            self._refcounts[page] = 1
+        return pages
+
+    def share(self, page: int) -> None:
+        """One more owner for a used or cached page."""
+        if self._refcounts[page] == 0:
+            del self._cached[page]  # a KeyError here means a free page was shared: our bug
+        self._refcounts[page] += 1
+
+    def release(self, pages: Iterable[int]) -> None:
+        """One owner fewer for each page, in order: the first to become cached is evicted first."""
+        for page in pages:
+            assert self._refcounts[page] > 0, f"page {page} released more often than shared"
+            self._refcounts[page] -= 1
+            if self._refcounts[page] == 0:
+                if page in self._hash_by_page:
+                    self._cached[page] = None
+                else:
+                    self._free.append(page)
+
+    def register(self, page: int, page_hash: bytes) -> bool:
+        """Indexes a full, computed, used page; False (not indexed) if another page holds this prefix."""
+        assert self._refcounts[page] > 0 and page not in self._hash_by_page, page
+        if page_hash in self._page_by_hash:
+            return False
+        self._page_by_hash[page_hash] = page
+        self._hash_by_page[page] = page_hash
+        return True
+
+    def evict(self, num_pages: int | None = None) -> int:
+        """Frees up to `num_pages` (all if None) cached pages, LRU first; returns how many."""
+        if num_pages is not None:
+            _check_count("num_pages", num_pages)
+        num = len(self._cached) if num_pages is None else min(num_pages, len(self._cached))
+        for _ in range(num):
+            self._free.append(self._evict_lru())
+        return num
+
+    def _evict_lru(self) -> int:
+        page, _ = self._cached.popitem(last=False)
+        del self._page_by_hash[self._hash_by_page.pop(page)]
+        self.num_evicted_pages += 1
+        return page
+
+    def check_invariants(self, owner_counts: collections.Counter) -> None:
+        """Asserts that every page is exactly one of null, free, used (refcount = owners) or cached."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is twice on the free list"
+        assert set(owner_counts) <= set(range(1, self.num_pages)), "an owner holds the null page or no page"
+        assert self._refcounts[NULL_PAGE] == 0 and NULL_PAGE not in free, "the null page was handed out"
+        assert NULL_PAGE not in self._cached and NULL_PAGE not in self._hash_by_page, "null page cached"
+        for page in range(1, self.num_pages):
+            refcount, num_owners = self._refcounts[page], owner_counts[page]
+            assert refcount == num_owners, f"page {page}: refcount {refcount}, {num_owners} owners"
+            states = (page in free, page in self._cached, refcount > 0)
+            assert sum(states) == 1, f"page {page}: (free, cached, used) = {states}"
+            assert page not in free or page not in self._hash_by_page, f"free page {page} has a hash"
+            assert page not in self._cached or page in self._hash_by_page, f"cached page {page} has no hash"
+        assert len(self._page_by_hash) == len(self._hash_by_page), "hash index not one-to-one"
+        for page, page_hash in self._hash_by_page.items():
+            assert self._page_by_hash.get(page_hash) == page, f"hash index disagrees on page {page}"
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One request's view: its tokens and the pages holding their K/V, in order."""
+
+    token_ids: list[int]
+    cache_salt: str | None
+    page_ids: list[int]
+    num_computed: int
+    num_allocated: int
+    page_hashes: list[bytes]  # chained hashes of the full computed pages (prefix caching only)
+
+
+class _PromptPlan(NamedTuple):
+    token_ids: list[int]
+    cached_hashes: list[bytes]
+    cached_pages: list[int]
+    num_new_tokens: int
+    num_fresh_pages: int
+    fits: bool
+
+
+class PageTable:
+    """Per-request page lists over a `PagePool`: admission with prefix reuse, growth, fork, free."""
+
+    def __init__(self, num_pages: int, page_size: int = 16, *, enable_prefix_caching: bool = False):
+        self.pool = PagePool(num_pages, page_size)
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._seqs: dict[Hashable, _Sequence] = {}
+        # Prefix-cache counters, counted at successful admission: hit rate = hit / query tokens.
+        self.num_prefix_queries = 0
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._seqs
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    def _seq(self, request_id: Hashable) -> _Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        return seq
+
+    def page_ids(self, request_id: Hashable) -> list[int]:
+        """The request's pages in token order (a copy); slot `i` is page `i // page_size`."""
+        return list(self._seq(request_id).page_ids)
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        return len(self._seq(request_id).token_ids)
+
+    def num_allocated_tokens(self, request_id: Hashable) -> int:
+        return self._seq(request_id).num_allocated
+
+    def num_computed_tokens(self, request_id: Hashable) -> int:
+        return self._seq(request_id).num_computed
+
+    # Admission.
+
+    def lookup_prefix(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
+        """How many leading tokens of a prompt are cached: whole pages, never the last token."""
+        return len(self._cached_prefix(_as_token_ids(token_ids), cache_salt)[1]) * self.page_size
+
+    def _cached_prefix(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], list[int]]:
+        hashes, pages = [], []
+        if self.enable_prefix_caching:
+            for page_hash in iter_page_hashes(token_ids[:-1], self.page_size, cache_salt):
+                page = self.pool.cached_page(page_hash)
+                if page is None:
+                    break
+                hashes.append(page_hash)
+                pages.append(page)
+        return hashes, pages
+
+    def _plan_prompt(self, token_ids: Iterable[int], num_new_tokens: int | None,
+                     cache_salt: str | None) -> _PromptPlan:
+        token_ids = _as_token_ids(token_ids)
+        if not token_ids:
+            raise ValueError("token_ids is empty: a prompt needs at least one token")
+        hashes, pages = self._cached_prefix(token_ids, cache_salt)
+        num_cached = len(pages) * self.page_size
+        num_uncached = len(token_ids) - num_cached
+        if num_new_tokens is None:
+            num_new_tokens = num_uncached
+        elif not 0 <= num_new_tokens <= num_uncached:
+            raise ValueError(f"num_new_tokens={num_new_tokens} outside [0, {num_uncached}]: "
+                             f"{len(token_ids)} prompt tokens, {num_cached} cached")
+        num_fresh = _cdiv(num_cached + num_new_tokens, self.page_size) - len(pages)
+        # Cached idle pages taken now can no longer be evicted to make room for the fresh ones.
+        num_idle = sum(self.pool.refcount(page) == 0 for page in pages)
+        fits = num_fresh + num_idle <= self.pool.num_available_pages
+        return _PromptPlan(token_ids, hashes, pages, num_new_tokens, num_fresh, fits)
+
+    def can_allocate_prompt(self, token_ids: Sequence[int], *, num_new_tokens: int | None = None,
+                            cache_salt: str | None = None) -> bool:
+        """Whether `allocate_prompt` with these arguments would succeed now."""
+        return self._plan_prompt(token_ids, num_new_tokens, cache_salt).fits
+
+    def allocate_prompt(self, request_id: Hashable, token_ids: Sequence[int], *,
+                        num_new_tokens: int | None = None, cache_salt: str | None = None) -> int | None:
+        """Admits a request: shares its cached prefix pages and gives slots to `num_new_tokens` more.
+
+        Args:
+          token_ids: the prompt (after a preemption: prompt + output so far).
+          num_new_tokens: tokens after the cached prefix to give slots to now (the first chunk);
+            None: all of them. At most `len(token_ids) - lookup_prefix(token_ids)`.
+          cache_salt: per-tenant salt mixed into every page hash.
+        Returns:
+          The number of cached tokens (already computed; may be 0), or None when the pool is short,
+          in which case nothing changed.
+        """
+        if request_id in self._seqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        plan = self._plan_prompt(token_ids, num_new_tokens, cache_salt)
+        if not plan.fits:
+            return None
+        for page in plan.cached_pages:
+            self.pool.share(page)
+        fresh = self.pool.allocate(plan.num_fresh_pages)
+        assert fresh is not None, "plan said the pages fit"
+        num_cached = len(plan.cached_pages) * self.page_size
+        self._seqs[request_id] = _Sequence(
+            token_ids=plan.token_ids, cache_salt=cache_salt, page_ids=plan.cached_pages + fresh,
+            num_computed=num_cached, num_allocated=num_cached + plan.num_new_tokens,
+            page_hashes=plan.cached_hashes)
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += 1
+            self.num_prefix_query_tokens += len(plan.token_ids)
+            self.num_prefix_hit_tokens += num_cached
+        return num_cached
+
+    # Growth.
+
+    def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Adds known tokens (sampled ones); they get slots with a later `allocate_slots`."""
+        self._seq(request_id).token_ids.extend(_as_token_ids(token_ids))
+
+    def _plan_slots(self, seq: _Sequence, num_new_tokens: int) -> tuple[int, bool]:
+        """Fresh pages needed for `num_new_tokens` more slots, and whether the last page is copied first."""
+        _check_count("num_new_tokens", num_new_tokens)
+        num_unallocated = len(seq.token_ids) - seq.num_allocated
+        if num_new_tokens > num_unallocated:
+            raise ValueError(f"num_new_tokens={num_new_tokens} exceeds the {num_unallocated} known "
+                             "tokens without a slot (append_tokens first)")
+        if num_new_tokens == 0:
+            return 0, False
+        # The first new slot lands in the last page if that is partial; shared, it must be copied.
+        copy_last = seq.num_allocated % self.page_size != 0 and self.pool.refcount(seq.page_ids[-1]) > 1
+        num_pages = _cdiv(seq.num_allocated + num_new_tokens, self.page_size)
+        return num_pages - len(seq.page_ids) + copy_last, copy_last
+
+    def can_allocate_slots(self, request_id: Hashable, num_new_tokens: int) -> bool:
+        """Whether `allocate_slots` with these arguments would succeed now."""
+        num_fresh, _ = self._plan_slots(self._seq(request_id), num_new_tokens)
+        return num_fresh <= self.pool.num_available_pages
+
+    def allocate_slots(self, request_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Gives slots to the next `num_new_tokens` known tokens, adding pages as needed.
+
+        Returns:
+          The `(src_page, dst_page)` copies the device must do before writing K/V (copy-on-write;
+          an empty list most of the time), or None when the pool is short, in which case nothing
+          changed.
+        """
+        seq = self._seq(request_id)
+        num_fresh, copy_last = self._plan_slots(seq, num_new_tokens)
+        fresh = self.pool.allocate(num_fresh)
+        if fresh is None:
+            return None
+        copies = []
+        if copy_last:
+            src, dst = seq.page_ids[-1], fresh.pop()
+            seq.page_ids[-1] = dst
+            self.pool.release([src])
+            copies.append((src, dst))
+        seq.page_ids.extend(fresh)
+        seq.num_allocated += num_new_tokens
+        return copies
+
+    def mark_computed(self, request_id: Hashable, num_new_tokens: int) -> None:
+        """Records that the step wrote K/V for the next `num_new_tokens` allocated tokens.
+
+        With prefix caching, pages now full and computed enter the prefix cache.
+        """
+        seq = self._seq(request_id)
+        _check_count("num_new_tokens", num_new_tokens)
+        num_pending = seq.num_allocated - seq.num_computed
+        if num_new_tokens > num_pending:
+            raise ValueError(f"num_new_tokens={num_new_tokens} exceeds the {num_pending} allocated, "
+                             "uncomputed tokens")
+        seq.num_computed += num_new_tokens
+        if not self.enable_prefix_caching:
+            return
+        size = self.page_size
+        for i in range(len(seq.page_hashes), seq.num_computed // size):
+            parent = seq.page_hashes[-1] if seq.page_hashes else None
+            page_hash = hash_page(parent, seq.token_ids[i * size:(i + 1) * size], seq.cache_salt)
+            seq.page_hashes.append(page_hash)
+            # False when another page already holds this prefix: that one stays the cached copy.
+            self.pool.register(seq.page_ids[i], page_hash)
+
+    # Sharing and release.
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Makes `child_id` a copy of `parent_id` sharing every page (e.g. parallel samples).
+
+        The parent must have no allocated, uncomputed tokens. The first of them to write into a
+        shared partial last page gets a copy of it (see `allocate_slots`).
+        """
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"duplicate request id {child_id!r}")
+        if parent.num_computed != parent.num_allocated:
+            raise ValueError(f"request {parent_id!r} has {parent.num_allocated - parent.num_computed} "
+                             "allocated tokens not yet computed: fork after mark_computed")
+        for page in parent.page_ids:
+            self.pool.share(page)
+        self._seqs[child_id] = dataclasses.replace(
+            parent, token_ids=list(parent.token_ids), page_ids=list(parent.page_ids),
+            page_hashes=list(parent.page_hashes))
+
+    def free(self, request_id: Hashable) -> None:
+        """Releases the request's pages; cached prefix pages stay reusable until evicted."""
+        seq = self._seq(request_id)
+        del self._seqs[request_id]
+        # Last page first: a prefix's tail is evicted before its head, which every reuse needs.
+        self.pool.release(reversed(seq.page_ids))
+
+    def check_invariants(self) -> None:
+        """Asserts the bookkeeping is consistent (tests call it after every operation)."""
+        owners = collections.Counter()
+        for request_id, seq in self._seqs.items():
+            assert 0 <= seq.num_computed <= seq.num_allocated <= len(seq.token_ids), request_id
+            assert len(seq.page_ids) == _cdiv(seq.num_allocated, self.page_size), request_id
+            assert len(set(seq.page_ids)) == len(seq.page_ids), f"{request_id!r} holds a page twice"
+            owners.update(seq.page_ids)
+            expected = (list(iter_page_hashes(seq.token_ids[:seq.num_computed], self.page_size,
+                                              seq.cache_salt)) if self.enable_prefix_caching else [])
+            assert seq.page_hashes == expected, f"{request_id!r}: stale page hashes"
+            for i, page in enumerate(seq.page_ids):
+                page_hash = self.pool.page_hash(page)
+                # An indexed page is full and computed for every owner, so no write ever reaches it.
+                assert page_hash is None or page_hash == (seq.page_hashes[i:i + 1] or [None])[0], (
+                    f"{request_id!r}: page {page} at index {i} is indexed under another prefix")
+        self.pool.check_invariants(owners)
