@@ -18,7 +18,7 @@ from flax import nnx
 
 from jserve import buckets
 from jserve.config import ModelConfig
-from jserve.model import DenseAttention, LlamaModel, init_cache
+from jserve.model import DenseAttention, init_cache, model_graphdef, model_params
 from jserve.sampler import SamplingArrays, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,14 @@ class DenseRunner:
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  length_buckets: Sequence[int] = buckets.DEFAULT_LENGTH_BUCKETS):
         self.config = config
-        self.params = params
+        # Stacked (checkpoint) params are split per layer once, here (see LlamaModel).
+        self.params = params if "layers" in params else model_params(config, params)
         self.max_model_len = max_model_len
         self.batch_buckets = tuple(batch_buckets)
         self.token_buckets = buckets.clip(token_buckets, max_model_len)
         self.length_buckets = buckets.clip(length_buckets, max_model_len)
         self.kv_dtype = params["embed"].dtype
-        self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: LlamaModel(config)))
+        self.graphdef = model_graphdef(config)
         self._shapes_seen: set[tuple] = set()
         self.num_compilations = 0
         attention = DenseAttention(config.sliding_window)

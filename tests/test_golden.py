@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jserve import SamplingParams
-from jserve.model import DenseAttention, LlamaModel, init_cache
+from jserve.model import DenseAttention, init_cache
 
 MARGIN = 0.05
 

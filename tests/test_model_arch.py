@@ -10,7 +10,7 @@ from flax import nnx
 
 from jserve.checkpoint import read_params
 from jserve.dense_runner import DenseRunner
-from jserve.model import DenseAttention, LlamaModel, init_cache
+from jserve.model import DenseAttention, init_cache, model_graphdef, model_params
 
 from conftest import DATA
 
@@ -19,8 +19,7 @@ ARCHS = ["llama2", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "smollm2
 
 def _forward(config, params, ids: np.ndarray) -> np.ndarray:
     B, T = ids.shape
-    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: LlamaModel(config))),
-                      {k: jnp.asarray(v) for k, v in params.items()})
+    model = nnx.merge(model_graphdef(config), model_params(config, {k: jnp.asarray(v) for k, v in params.items()}))
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
     cache = init_cache(config.num_layers, B, config.num_kv_heads, T, config.head_dim)
     logits, _ = model(jnp.asarray(ids), jnp.asarray(positions), cache, jnp.asarray(positions),

@@ -1,0 +1,60 @@
+"""Attention over the paged KV cache: the engine's backend for `LlamaModel`.
+
+The cache is one `(k_pages, v_pages)` pair per layer, each `[num_kv_heads, num_pages, page_size,
+head_dim]`. A step feeds `tokens` new tokens for each of `batch` rows; their K/V go to the slots in
+`PagedMeta.slots` (padding points into the null page 0), then the queries attend over the row's
+pages with the Pallas kernels (`pallas_kernels.paged_attention`) on the chosen backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+
+from jserve.kv_cache import write_kv
+
+
+class PagedMeta(NamedTuple):
+    """Per-step arrays (all int32) that tell the attention where each row's tokens live."""
+
+    slots: jax.Array  # [batch * tokens]: page * page_size + offset of each new token
+    q_start: jax.Array  # [batch]: position of the row's first new token (= tokens already cached)
+    q_lens: jax.Array  # [batch]: real new tokens of the row (0 for a padded row)
+    page_indices: jax.Array  # [batch, max_pages]: the row's pages; padding -> page 0
+
+
+def default_backend() -> str:
+    """The kernel backend for this platform: `tpu`, `gpu`, else the CPU interpret-mode kernel."""
+    platform = jax.devices()[0].platform
+    return {"tpu": "tpu", "gpu": "gpu"}.get(platform, "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """Callable attention backend (see `jserve.model.llama.Attention`)."""
+
+    backend: str = "cpu"
+    sliding_window: int | None = None
+
+    def __call__(self, layer, q, k, v, cache, meta: PagedMeta):
+        from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention
+
+        B, T, H, D = q.shape
+        k_pages, v_pages = cache[layer]
+        K = k_pages.shape[0]
+        k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D),
+                                    meta.slots)
+        scale = D ** -0.5
+        if T == 1:  # decode: the query sits at the last cached position
+            lengths = (meta.q_start + meta.q_lens) * (meta.q_lens > 0)
+            out = paged_attention(q[:, 0], k_pages, v_pages, lengths, meta.page_indices,
+                                  backend=self.backend, sm_scale=scale,
+                                  sliding_window=self.sliding_window)[:, None]
+        else:
+            out = paged_prefill_attention(q, k_pages, v_pages, meta.q_start, meta.q_lens,
+                                          meta.page_indices, backend=self.backend, sm_scale=scale,
+                                          sliding_window=self.sliding_window)
+        cache = cache[:layer] + ((k_pages, v_pages),) + cache[layer + 1:]
+        return out, cache

@@ -1,0 +1,183 @@
+"""The paged runner: params and KV pages on the device, one compiled step per bucket.
+
+A step takes rows of `(start, token_ids, page_ids)`: decode rows (one token) go to the decode step
+(batch bucket x page bucket), longer chunks to the prefill step (rows x token x page buckets).
+Each step embeds, writes K/V into pages, runs paged attention, and samples, all in one jit with
+the pages donated. Shapes come from `buckets.py`; compilations are counted so that a server can
+prove none happens after warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jserve import buckets
+from jserve.config import ModelConfig
+from jserve.kv_cache import init_kv_pages
+from jserve.model import model_graphdef, model_params
+from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
+from jserve.request import MAX_LOGPROBS
+from jserve.sampler import SamplingArrays, sample
+
+logger = logging.getLogger(__name__)
+
+PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
+GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one compiled call did, for metrics (padding waste, time)."""
+
+    kind: str  # "decode" | "prefill"
+    bucket: tuple[int, ...]
+    real_tokens: int
+    padded_tokens: int
+    seconds: float
+
+
+class Runner:
+    """Owns params, KV pages and the compiled steps."""
+
+    def __init__(self, config: ModelConfig, params: dict[str, jax.Array], *, num_pages: int,
+                 page_size: int = 16, max_model_len: int, kv_dtype: Any = None, backend: str | None = None,
+                 batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
+                 token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
+                 max_num_batched_tokens: int = 512):
+        self.config = config
+        # Stacked (checkpoint) params are split per layer once, here (see LlamaModel).
+        self.params = params if "layers" in params else model_params(config, params)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_model_len = max_model_len
+        self.backend = backend or default_backend()
+        self.batch_buckets = tuple(batch_buckets)
+        self.token_buckets = buckets.clip(token_buckets, max_num_batched_tokens)
+        # The page-table width is fixed: the kernels loop over live pages only, so a wider table
+        # costs nothing and saves a bucket dimension (and its compilations).
+        self.max_pages = math.ceil(max_model_len / page_size)
+        self.kv = init_kv_pages(config, num_pages, page_size, kv_dtype or params["embed"].dtype)
+        graphdef = model_graphdef(config)
+        attention = PagedAttention(self.backend, config.sliding_window)
+        self._step = jax.jit(functools.partial(_step, graphdef, attention), donate_argnames=("kv",))
+        self._seen: set[tuple] = set()
+        self.num_compilations = 0
+        self.num_compilations_after_warmup = 0
+        self.warmed_up = False
+        self.records: list[StepRecord] = []
+
+    def execute(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+                sampling: Sequence[tuple]) -> dict[str, np.ndarray]:
+        """Run one scheduler step.
+
+        Args:
+          rows: per row `(start, token_ids, page_ids)`: compute tokens at positions
+            `start .. start+len(token_ids)-1`, whose pages (and the earlier ones) are `page_ids`.
+          sampling: per row a sampling tuple (see `SamplingArrays.build`).
+        Returns:
+          numpy arrays per row, in `rows` order, for the sample after each row's last token:
+          `tokens`, `logprob`, `rank`, `top_ids` and `top_logprobs` (MAX_LOGPROBS of them).
+        """
+        decode = [i for i, r in enumerate(rows) if len(r[1]) == 1]
+        prefill = sorted((i for i, r in enumerate(rows) if len(r[1]) > 1), key=lambda i: -len(rows[i][1]))
+        results: dict[int, dict] = {}
+        for start in range(0, len(decode), self.batch_buckets[-1]):
+            self._run(rows, sampling, decode[start:start + self.batch_buckets[-1]], results, "decode")
+        for group in self._pack_prefill([len(rows[i][1]) for i in prefill]):
+            self._run(rows, sampling, [prefill[j] for j in group], results, "prefill")
+        keys = results[0].keys() if results else ()
+        return {key: np.stack([results[i][key] for i in range(len(rows))]) for key in keys}
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows, tokens) buckets of the prefill step: rows x tokens within the largest token bucket."""
+        cap = self.token_buckets[-1]
+        return [(b, t) for b in PREFILL_BATCH_BUCKETS for t in self.token_buckets if b * t <= cap]
+
+    def _pack_prefill(self, lengths: list[int]) -> list[list[int]]:
+        """Group chunks (longest first) into calls whose padded shape stays within the largest bucket."""
+        cap = self.token_buckets[-1]
+        groups: list[list[int]] = []
+        for j, n in enumerate(lengths):
+            if n > cap:
+                raise ValueError(f"a chunk of {n} tokens exceeds the largest token bucket {cap}: "
+                                 f"the scheduler must split it")
+            if groups:
+                g = groups[-1]
+                rows = len(g) + 1
+                longest = lengths[g[0]]
+                if (rows <= PREFILL_BATCH_BUCKETS[-1] and
+                        buckets.pick(PREFILL_BATCH_BUCKETS, rows) * buckets.pick(self.token_buckets, longest) <= cap):
+                    g.append(j)
+                    continue
+            groups.append([j])
+        return groups
+
+    def _run(self, all_rows, all_sampling, index, results, kind):
+        rows = [all_rows[i] for i in index]
+        B = buckets.pick(self.batch_buckets if kind == "decode" else PREFILL_BATCH_BUCKETS, len(rows))
+        T = 1 if kind == "decode" else buckets.pick(self.token_buckets, max(len(r[1]) for r in rows))
+        arrays = self._pack(rows, B, T)
+        sampling_arrays = SamplingArrays.build([all_sampling[i] for i in index], B).as_tuple()
+        self._count((kind, B, T))
+        t0 = time.perf_counter()
+        out, self.kv = self._step(self.params, self.kv, *arrays, sampling_arrays)
+        out = jax.device_get(out)
+        self.records.append(StepRecord(kind, (B, T), sum(len(r[1]) for r in rows), B * T,
+                                       time.perf_counter() - t0))
+        for j, i in enumerate(index):
+            results[i] = {key: value[j] for key, value in out.items()}
+
+    def _pack(self, rows, B, T):
+        P = self.max_pages
+        tokens = np.zeros((B, T), np.int32)
+        positions = np.zeros((B, T), np.int32)
+        slots = np.zeros((B, T), np.int32)  # padding writes into the null page
+        q_start = np.zeros((B,), np.int32)
+        q_lens = np.zeros((B,), np.int32)
+        page_indices = np.zeros((B, P), np.int32)
+        for b, (start, ids, pages) in enumerate(rows):
+            n = len(ids)
+            pos = np.arange(start, start + n)
+            tokens[b, :n] = ids
+            positions[b, :n] = pos
+            table = np.asarray(pages, np.int32)
+            slots[b, :n] = table[pos // self.page_size] * self.page_size + pos % self.page_size
+            q_start[b], q_lens[b] = start, n
+            page_indices[b, :len(pages)] = pages
+        return tokens, positions, PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices), q_lens - 1
+
+    def _count(self, key: tuple) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            self.num_compilations += 1
+            if self.warmed_up:
+                self.num_compilations_after_warmup += 1
+                logger.warning("compiling %s after warm-up", key)
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Compile every bucket now (the steps write only into the null page)."""
+        from tqdm import tqdm
+
+        shapes = [("decode", b, 1) for b in self.batch_buckets]
+        shapes += [("prefill", b, t) for b, t in self.prefill_shapes()]
+        for kind, B, T in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
+            rows = [(0, [0] * T, [0] * self.max_pages)] * B
+            self._run(rows, [GREEDY] * B, list(range(B)), {}, kind)
+        self.records.clear()
+        self.warmed_up = True
+
+
+def _step(graphdef, attention, params, kv, tokens, positions, meta, last, sampling):
+    model = nnx.merge(graphdef, params)
+    logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None])
+    return sample(logits[:, 0], *sampling, num_logprobs=MAX_LOGPROBS), kv

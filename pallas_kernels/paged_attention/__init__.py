@@ -1,0 +1,13 @@
+"""Paged attention over a KV cache laid out `[num_kv_heads, num_pages, page_size, head_dim]`.
+
+`paged_attention` (decode: one query per row) and `paged_prefill_attention` (a causal chunk of
+queries per row) dispatch to a backend: "cpu" (Pallas interpret mode, coarse grid), "tpu"
+(Mosaic TPU kernel), "gpu" (XLA gather fallback for now) or "reference" (pure jnp).
+"""
+
+from pallas_kernels.paged_attention.ops import BACKENDS, paged_attention, paged_prefill_attention
+from pallas_kernels.paged_attention.reference import (paged_attention_reference,
+                                                      paged_prefill_attention_reference)
+
+__all__ = ["BACKENDS", "paged_attention", "paged_prefill_attention", "paged_attention_reference",
+           "paged_prefill_attention_reference"]

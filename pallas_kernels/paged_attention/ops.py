@@ -1,0 +1,169 @@
+"""Public paged-attention entry points: validate, pack queries as rows, dispatch on `backend`.
+
+Backends: "cpu" (Pallas interpret mode, coarse grid: the CPU fast path), "tpu" (Mosaic TPU
+kernel), "gpu" and "reference". There is no Mosaic GPU kernel yet: "gpu" runs the reference's
+XLA path (gather every slot of the page table, dense masked softmax in float32), which is
+correct but reads `max_pages_per_seq` pages per row whatever the lengths. All backends share
+one layout contract (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import cpu, reference, tpu
+from pallas_kernels.paged_attention.common import pack_rows, unpack_rows
+
+BACKENDS = ("cpu", "tpu", "gpu", "reference")
+# Keys per compute block: 128 fills a TPU lane row, and on CPU 64-256 keys ran within noise
+# of each other (batch 16, 3 or 8 KV heads, contexts 256-2048), 128 most often the fastest.
+_DEFAULT_BLOCK_KEYS = 128
+_STATIC = ("backend", "sm_scale", "soft_cap", "sliding_window", "pages_per_block")
+
+
+def _check(name: str, x, ndim: int, dtypes=None) -> None:
+    if not hasattr(x, "shape") or x.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D array, got shape {getattr(x, 'shape', x)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, "
+                         f"got {x.dtype} (shape {x.shape})")
+
+
+def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_scale, soft_cap,
+              sliding_window, pages_per_block, q_shape) -> None:
+    """Raises ValueError naming the bad argument.
+
+    q is [batch, tokens, num_q_heads, head_dim]; messages show the caller's `q_shape`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    _check("k_pages", k_pages, 4, floats)
+    _check("v_pages", v_pages, 4, floats)
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match "
+                         f"k_pages {k_pages.shape} {k_pages.dtype}")
+    num_kv_heads, _, _, head_dim = k_pages.shape
+    batch, _, num_q_heads, q_head_dim = q.shape
+    if q.dtype not in floats:
+        raise ValueError(f"q must have a float dtype, got {q.dtype} (shape {q_shape})")
+    if q_head_dim != head_dim:
+        raise ValueError(f"q head_dim {q_head_dim} (shape {q_shape}) != k_pages head_dim "
+                         f"{head_dim} (shape {k_pages.shape})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q has {num_q_heads} heads (shape {q_shape}), not a multiple of "
+                         f"k_pages' {num_kv_heads} KV heads (shape {k_pages.shape})")
+    _check("page_indices", page_indices, 2, (jnp.dtype(jnp.int32),))
+    if page_indices.shape[0] != batch:
+        raise ValueError(f"page_indices shape {page_indices.shape} must have batch {batch} "
+                         f"(q shape {q_shape})")
+    for name, x in per_row.items():
+        _check(name, x, 1, (jnp.dtype(jnp.int32),))
+        if x.shape != (batch,):
+            raise ValueError(f"{name} shape {x.shape} must be ({batch},) (q shape {q_shape})")
+    if not isinstance(sm_scale, numbers.Real) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    if soft_cap is not None and (not isinstance(soft_cap, numbers.Real) or not soft_cap > 0):
+        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if pages_per_block is not None and (not isinstance(pages_per_block, numbers.Integral)
+                                        or pages_per_block < 1):
+        raise ValueError(f"pages_per_block must be a positive int or None, got {pages_per_block!r}")
+
+
+def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_scale, soft_cap,
+            sliding_window, pages_per_block):
+    """q [batch, tokens, num_q_heads, head_dim] -> same shape, in q's dtype."""
+    if backend in ("reference", "gpu"):
+        return reference.paged_prefill_attention_reference(
+            q, k_pages, v_pages, q_start, q_lens, page_indices,
+            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    if pages_per_block is None:
+        pages_per_block = max(1, _DEFAULT_BLOCK_KEYS // page_size)
+    pages_per_block = min(pages_per_block, page_indices.shape[1])
+    impl = cpu.paged_attention_rows if backend == "cpu" else tpu.paged_attention_rows
+    out = impl(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start, q_lens, page_indices,
+               sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
+               groups=q.shape[2] // num_kv_heads, pages_per_block=pages_per_block)
+    return unpack_rows(out, q.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_attention(
+    q: jax.Array,             # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
+    lengths: jax.Array,       # int32[batch]; 0 marks a padded row
+    page_indices: jax.Array,  # int32[batch, max_pages_per_seq]; padded slots -> page 0
+    *,
+    backend: str,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    pages_per_block: int | None = None,
+) -> jax.Array:
+    """Decode attention over a paged KV cache (grouped-query: any query-per-KV-head ratio).
+
+    The query of row b sits at position lengths[b] - 1 and attends keys 0..lengths[b]-1 (only
+    the last `sliding_window` of them when set). Logits are `q.k * sm_scale`, then
+    `soft_cap * tanh(logits / soft_cap)` when set; softmax and accumulation in float32.
+
+    Args:
+      pages_per_block: pages per compute block (default: 128 keys' worth), clamped to the
+        page table's width.
+    Returns:
+      [batch, num_q_heads, head_dim] in q's dtype; rows with length 0 are zeros.
+    """
+    _check("q", q, 3)
+    _check("lengths", lengths, 1)
+    _validate(q[:, None], k_pages, v_pages, page_indices, {"lengths": lengths}, backend=backend,
+              sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+              pages_per_block=pages_per_block, q_shape=q.shape)
+    q_start = jnp.maximum(lengths - 1, 0)
+    q_lens = (lengths > 0).astype(jnp.int32)
+    out = _attend(q[:, None], k_pages, v_pages, q_start, q_lens, page_indices, backend=backend,
+                  sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                  pages_per_block=pages_per_block)
+    return out[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_prefill_attention(
+    q: jax.Array,             # [batch, tokens, num_q_heads, head_dim]
+    k_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
+    q_start: jax.Array,       # int32[batch]: absolute position of q[b, 0]
+    q_lens: jax.Array,        # int32[batch]: real tokens of row b (0 for a padded row)
+    page_indices: jax.Array,  # int32[batch, max_pages_per_seq]; padded slots -> page 0
+    *,
+    backend: str,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    pages_per_block: int | None = None,
+) -> jax.Array:
+    """Causal attention of a chunk of new tokens per row over the row's pages.
+
+    Serves chunked prefill and prefix-cache hits: the chunk's own K/V must already be written
+    into the pages, so row b's pages hold keys 0..q_start[b] + q_lens[b] - 1 (its KV length).
+    Token t of row b sits at position p = q_start[b] + t and attends keys 0..p (only the last
+    `sliding_window` of them when set). Semantics otherwise as `paged_attention`, which is the
+    one-token case (q_start = lengths - 1).
+
+    Returns:
+      [batch, tokens, num_q_heads, head_dim] in q's dtype; tokens t >= q_lens[b] are zeros.
+    """
+    _check("q", q, 4)
+    _validate(q, k_pages, v_pages, page_indices, {"q_start": q_start, "q_lens": q_lens},
+              backend=backend, sm_scale=sm_scale, soft_cap=soft_cap,
+              sliding_window=sliding_window, pages_per_block=pages_per_block, q_shape=q.shape)
+    return _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, backend=backend,
+                   sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                   pages_per_block=pages_per_block)

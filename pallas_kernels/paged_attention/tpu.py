@@ -1,0 +1,173 @@
+"""TPU paged-attention kernel (Mosaic): scalar-prefetched page tables, double-buffered page DMAs.
+
+Grid `(batch, num_kv_heads, row_blocks)`, all "parallel" (megacore may split any axis): each
+step owns one block of packed query rows (`common.pack_rows`) of one KV head, walks the live
+pages of its row `pages_per_block` pages at a time, and prefetches the next block of pages
+into the other half of a two-slot VMEM buffer while it computes on the current one. Pages
+are DMA'd straight from the pool in HBM (`memory_space=ANY`); page tables, starts and lengths
+sit in SMEM via scalar prefetch. Row blocks past a row's real tokens, and pages outside the
+causal (and sliding-window) range of a row block, are skipped. Unlike JAX's own kernel it
+does not prefetch across grid steps, so each step pays one exposed DMA latency.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.paged_attention.common import MASK_VALUE, attention_mask, key_range
+
+
+def _kernel(
+    q_start_ref,        # SMEM int32[batch]
+    q_lens_ref,         # SMEM int32[batch]
+    page_indices_ref,   # SMEM int32[batch * max_pages_per_seq] (flattened: 2-D SMEM pads badly)
+    q_ref,              # VMEM [block_rows, head_dim]
+    k_hbm_ref,          # ANY  [num_kv_heads, num_pages, page_size, head_dim]
+    v_hbm_ref,          # ANY  [num_kv_heads, num_pages, page_size, head_dim]
+    o_ref,              # VMEM [block_rows, head_dim]
+    k_buf,              # VMEM [2, pages_per_block, page_size, head_dim]
+    v_buf,              # VMEM [2, pages_per_block, page_size, head_dim]
+    sems,               # DMA semaphores [2 (k, v), 2 (slot)]
+    m_ref,              # VMEM f32[block_rows, 128]: running max, replicated across lanes
+    l_ref,              # VMEM f32[block_rows, 128]: running softmax denominator
+    acc_ref,            # VMEM f32[block_rows, head_dim]: running numerator
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    groups: int,
+    pages_per_block: int,
+    max_pages: int,
+):
+    b, h, rb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_rows, head_dim = q_ref.shape
+    page_size = k_buf.shape[2]
+    block_len = pages_per_block * page_size
+    q_start, q_len = q_start_ref[b], q_lens_ref[b]
+    row0 = rb * block_rows
+    # lax.div, not //: every operand is >= 0, and floor division lowers to sign() on Mosaic.
+    begin, end = key_range(q_start, q_len, lax.div(row0, groups),
+                           lax.div(row0 + block_rows - 1, groups), sliding_window=sliding_window)
+    first, stop = lax.div(begin, block_len), lax.div(end + block_len - 1, block_len)
+
+    def copies(j, slot):
+        out = []
+        for i in range(pages_per_block):
+            # Slots past the table's end only hold positions >= every length: clamp, then mask.
+            page_slot = jnp.minimum(j * pages_per_block + i, max_pages - 1)
+            page = page_indices_ref[b * max_pages + page_slot]
+            for ref, buf, sem in ((k_hbm_ref, k_buf, sems.at[0, slot]),
+                                  (v_hbm_ref, v_buf, sems.at[1, slot])):
+                out.append(pltpu.make_async_copy(ref.at[h, page], buf.at[slot, i], sem))
+        return out
+
+    @pl.when(first < stop)
+    def _():
+        for c in copies(first, 0):
+            c.start()
+
+    q = q_ref[...]
+    if q.dtype == jnp.float32 or k_buf.dtype == jnp.float32:
+        q = q.astype(jnp.float32)
+    row = row0 + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+    # Softmax state lives in VMEM scratch, m and l replicated across 128 lanes (the layout
+    # JAX's ragged paged attention uses); the loop carries no vectors.
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def body(j, carry):
+        slot = lax.rem(j - first, 2)
+
+        @pl.when(j + 1 < stop)
+        def _():
+            for c in copies(j + 1, 1 - slot):
+                c.start()
+
+        for c in copies(j, slot):
+            c.wait()
+        k = k_buf[slot].reshape(block_len, head_dim).astype(q.dtype)
+        v = v_buf[slot].reshape(block_len, head_dim)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale  # [block_rows, block_len]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = j * block_len + lax.broadcasted_iota(jnp.int32, (1, block_len), 1)
+        mask = attention_mask(key_pos, row, q_start, q_len, groups=groups,
+                              sliding_window=sliding_window)
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_prev = m_ref[...]  # [block_rows, 128]
+        m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        m_ref[...] = m_next
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
+        return carry
+
+    lax.fori_loop(first, stop, body, 0)
+    l = l_ref[:, :1]
+    out = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0)  # no key -> zeros
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "groups",
+                                             "pages_per_block", "block_rows"))
+def paged_attention_rows(
+    q: jax.Array,             # [batch, num_kv_heads, rows, head_dim] (common.pack_rows)
+    k_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
+    q_start: jax.Array,       # int32[batch]
+    q_lens: jax.Array,        # int32[batch]
+    page_indices: jax.Array,  # int32[batch, max_pages_per_seq]
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    groups: int,
+    pages_per_block: int,
+    block_rows: int | None = None,
+) -> jax.Array:
+    """Runs the Mosaic kernel; returns [batch, num_kv_heads, rows, head_dim] in q's dtype.
+
+    `block_rows` (default: all rows up to 512) splits long prefill chunks into row blocks; it
+    must be a multiple of 8 unless it covers every row. Rows are padded up to a multiple of it.
+    """
+    batch, num_kv_heads, rows, head_dim = q.shape
+    _, _, page_size, _ = k_pages.shape
+    max_pages = page_indices.shape[1]
+    if block_rows is None:
+        block_rows = rows if rows <= 512 else 512
+    padded_rows = pl.cdiv(rows, block_rows) * block_rows
+    if padded_rows != rows:  # the extra rows are tokens past q_lens: they output zeros
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    kernel = functools.partial(_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, groups=groups,
+                               pages_per_block=pages_per_block, max_pages=max_pages)
+    row_block = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, rb, *_: (b, h, rb, 0))
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(batch, num_kv_heads, padded_rows // block_rows),
+            in_specs=[row_block, pl.BlockSpec(memory_space=pl.ANY),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=row_block,
+            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
+                            pltpu.VMEM((block_rows, 128), jnp.float32),
+                            pltpu.VMEM((block_rows, 128), jnp.float32),
+                            pltpu.VMEM((block_rows, head_dim), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    )(q_start, q_lens, page_indices.reshape(-1), q, k_pages, v_pages)
+    return out[:, :, :rows]

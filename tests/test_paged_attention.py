@@ -1,0 +1,226 @@
+"""Paged attention kernels vs the jnp reference vs dense float64 attention over un-paged K/V."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.paged_attention import (paged_attention, paged_attention_reference,
+                                            paged_prefill_attention)
+
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+NUM_KV_HEADS = 2
+MAX_PAGES = 4  # per sequence
+
+
+def make_cache(rng, kv_lens, *, page_size, head_dim, dtype, num_kv_heads=NUM_KV_HEADS,
+               max_pages=MAX_PAGES):
+    """Contiguous K/V [batch, kv_heads, max_len, head_dim] and the same scattered into pages.
+
+    Pages are a random permutation of 1..num_pages-1 (page 0 is the null page); slots past a
+    row's length point at page 0, as the engine pads them.
+    """
+    batch = len(kv_lens)
+    num_pages = batch * max_pages + 1
+    shape = (batch, num_kv_heads, max_pages * page_size, head_dim)
+    k = np.asarray(jnp.asarray(rng.standard_normal(shape), dtype).astype(jnp.float32))
+    v = np.asarray(jnp.asarray(rng.standard_normal(shape), dtype).astype(jnp.float32))
+    table = rng.permutation(np.arange(1, num_pages)).reshape(batch, max_pages).astype(np.int32)
+    for b, n in enumerate(kv_lens):
+        table[b, -(-n // page_size):] = 0
+    pool = rng.standard_normal((2, num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+    for b in range(batch):
+        for i, page in enumerate(table[b]):
+            if page:
+                pool[0, :, page] = k[b, :, i * page_size:(i + 1) * page_size]
+                pool[1, :, page] = v[b, :, i * page_size:(i + 1) * page_size]
+    k_pages, v_pages = (jnp.asarray(p, dtype) for p in pool)
+    return k, v, k_pages, v_pages, jnp.asarray(table)
+
+
+def dense_attention(q, k, v, q_start, q_lens, *, sm_scale, soft_cap=None, sliding_window=None):
+    """float64 oracle. q [batch, tokens, heads, head_dim]; k, v [batch, kv_heads, len, head_dim]."""
+    q, k, v = (np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64) for x in (q, k, v))
+    batch, tokens, num_heads, _ = q.shape
+    groups = num_heads // k.shape[1]
+    out = np.zeros_like(q)
+    for b in range(batch):
+        for t in range(q_lens[b]):
+            pos = q_start[b] + t
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(num_heads):
+                keys, vals = k[b, h // groups, lo:pos + 1], v[b, h // groups, lo:pos + 1]
+                s = keys @ q[b, t, h] * sm_scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                p = np.exp(s - s.max())
+                out[b, t, h] = p @ vals / p.sum()
+    return out
+
+
+def check(out, want, dtype):
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), want, **TOL[dtype])
+
+
+# Each decode case runs one batch holding every interesting length: 0 (padded row), 1, exactly
+# a page, a page plus one, a full table, and one random length.
+DECODE_GRID = [  # head_dim, query heads per KV head, page_size, dtype
+    (64, 1, 16, jnp.float32), (64, 3, 32, jnp.bfloat16), (128, 4, 16, jnp.bfloat16),
+    (128, 8, 32, jnp.float32), (64, 8, 16, jnp.bfloat16), (128, 1, 32, jnp.bfloat16),
+    (64, 4, 32, jnp.float32), (128, 3, 16, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("head_dim,groups,page_size,dtype", DECODE_GRID)
+def test_decode_matches_reference_and_dense(head_dim, groups, page_size, dtype):
+    rng = np.random.default_rng(head_dim * groups + page_size)
+    full = MAX_PAGES * page_size
+    lengths = np.array([0, 1, page_size, page_size + 1, full, rng.integers(2, full)], np.int32)
+    k, v, k_pages, v_pages, table = make_cache(rng, lengths, page_size=page_size,
+                                               head_dim=head_dim, dtype=dtype)
+    q = jnp.asarray(rng.standard_normal((len(lengths), NUM_KV_HEADS * groups, head_dim)), dtype)
+    args = (q, k_pages, v_pages, jnp.asarray(lengths), table)
+    sm_scale = head_dim ** -0.5
+    want = dense_attention(q[:, None], k, v, np.maximum(lengths - 1, 0), np.minimum(lengths, 1),
+                           sm_scale=sm_scale)[:, 0]
+    ref = paged_attention(*args, backend="reference", sm_scale=sm_scale)
+    out = paged_attention(*args, backend="cpu", sm_scale=sm_scale, pages_per_block=2)
+    check(ref, want, dtype)
+    check(out, want, dtype)
+    assert not np.asarray(out[0].astype(jnp.float32)).any()  # length 0 -> zeros
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (20, 3.0), (None, 2.0)])
+def test_decode_sliding_window_and_soft_cap(sliding_window, soft_cap):
+    rng = np.random.default_rng(7)
+    lengths = np.array([0, 1, 4, 16, 17, 40, 64], np.int32)
+    k, v, k_pages, v_pages, table = make_cache(rng, lengths, page_size=16, head_dim=64,
+                                               dtype=jnp.float32)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 2 * NUM_KV_HEADS, 64)), jnp.float32)
+    kw = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+    want = dense_attention(q[:, None], k, v, np.maximum(lengths - 1, 0), np.minimum(lengths, 1),
+                           **kw)[:, 0]
+    for backend in ("reference", "cpu"):
+        check(paged_attention(q, k_pages, v_pages, jnp.asarray(lengths), table, backend=backend,
+                              **kw), want, jnp.float32)
+
+
+PREFILL_CASES = {  # name: (q_start, q_lens) per row; kv length = q_start + q_lens
+    "from_zero": ([0, 0], [9, 7]),
+    "mid_way": ([16, 21, 5], [9, 3, 1]),  # prefix-cache hit / later chunk, and a decode-like row
+    "padding": ([0, 30, 0], [4, 9, 0]),    # short chunk, full page table, padded row
+}
+
+
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+@pytest.mark.parametrize("groups,dtype,sliding_window,soft_cap",
+                         [(1, jnp.float32, None, None), (4, jnp.bfloat16, None, None),
+                          (3, jnp.float32, 6, 5.0)])
+def test_prefill_matches_reference_and_dense(case, groups, dtype, sliding_window, soft_cap):
+    q_start, q_lens = (np.array(x, np.int32) for x in PREFILL_CASES[case])
+    tokens, page_size, head_dim = 9, 8, 64
+    rng = np.random.default_rng(len(case) + groups)
+    k, v, k_pages, v_pages, table = make_cache(rng, q_start + q_lens, page_size=page_size,
+                                               head_dim=head_dim, dtype=dtype, max_pages=5)
+    q = jnp.asarray(rng.standard_normal((len(q_lens), tokens, NUM_KV_HEADS * groups, head_dim)),
+                    dtype)
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    want = dense_attention(q, k, v, q_start, q_lens, **kw)
+    args = (q, k_pages, v_pages, jnp.asarray(q_start), jnp.asarray(q_lens), table)
+    check(paged_prefill_attention(*args, backend="reference", **kw), want, dtype)
+    check(paged_prefill_attention(*args, backend="cpu", pages_per_block=2, **kw), want, dtype)
+
+
+def test_decode_is_one_token_prefill():
+    rng = np.random.default_rng(3)
+    lengths = np.array([5, 0, 33], np.int32)
+    _, _, k_pages, v_pages, table = make_cache(rng, lengths, page_size=16, head_dim=64,
+                                               dtype=jnp.float32)
+    q = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
+    dec = paged_attention_reference(q, k_pages, v_pages, jnp.asarray(lengths), table, sm_scale=0.1)
+    pre = paged_prefill_attention(q[:, None], k_pages, v_pages, jnp.asarray(np.maximum(lengths - 1, 0)),
+                                  jnp.asarray(np.minimum(lengths, 1)), table, backend="cpu",
+                                  sm_scale=0.1)
+    np.testing.assert_allclose(np.asarray(pre[:, 0]), np.asarray(dec), atol=1e-6)
+
+
+def test_cpu_kernel_does_not_copy_the_page_pool():
+    k_pages = jax.ShapeDtypeStruct((2, 97, 16, 64), jnp.float32)
+    args = (jax.ShapeDtypeStruct((4, 4, 64), jnp.float32), k_pages, k_pages,
+            jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 24), jnp.int32))
+    hlo = paged_attention.trace(*args, backend="cpu", sm_scale=0.1).lower().compile().as_text()
+    copies = [line for line in hlo.splitlines() if "f32[2,97,16,64]" in line and " copy(" in line]
+    assert not copies, copies
+
+
+def test_tpu_kernel_in_tpu_interpret_mode():
+    """One small case of the Mosaic kernel, run by the TPU interpreter (DMAs, semaphores)."""
+    q_start, q_lens = np.array([0, 13, 40, 0], np.int32), np.array([6, 6, 1, 0], np.int32)
+    rng = np.random.default_rng(11)
+    k, v, k_pages, v_pages, table = make_cache(rng, q_start + q_lens, page_size=8, head_dim=64,
+                                               dtype=jnp.float32, max_pages=6)
+    q = jnp.asarray(rng.standard_normal((4, 6, 2 * NUM_KV_HEADS, 64)), jnp.float32)
+    kw = dict(sm_scale=0.125, sliding_window=10)
+    want = dense_attention(q, k, v, q_start, q_lens, **kw)
+    with pltpu.force_tpu_interpret_mode():
+        out = paged_prefill_attention(q, k_pages, v_pages, jnp.asarray(q_start),
+                                      jnp.asarray(q_lens), table, backend="tpu",
+                                      pages_per_block=2, **kw)
+    check(out, want, jnp.float32)
+
+
+@pytest.mark.parametrize("head_dim,groups,page_size,dtype,tokens", [
+    (128, 1, 16, jnp.bfloat16, 1), (64, 3, 16, jnp.float32, 1), (128, 8, 32, jnp.bfloat16, 1),
+    (64, 3, 16, jnp.bfloat16, 300),  # 900 rows: two row blocks of 512, rows padded
+])
+def test_tpu_kernel_lowers_for_tpu(head_dim, groups, page_size, dtype, tokens):
+    """Pallas -> Mosaic lowering runs without a TPU; it catches unsupported ops and block shapes."""
+    sds = jax.ShapeDtypeStruct
+    pages = sds((NUM_KV_HEADS, 33, page_size, head_dim), dtype)
+    per_row, table = sds((4,), jnp.int32), sds((4, 8), jnp.int32)
+    q = sds((4, tokens, NUM_KV_HEADS * groups, head_dim), dtype)
+    lowered = paged_prefill_attention.trace(
+        q, pages, pages, per_row, per_row, table, backend="tpu", sm_scale=0.1, soft_cap=30.0,
+        sliding_window=40).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(q=np.zeros((3, 4, 64), np.float32)), r"page_indices shape \(2, 4\) must have batch 3"),
+    (dict(q=np.zeros((2, 5, 64), np.float32)), r"q has 5 heads \(shape \(2, 5, 64\)\)"),
+    (dict(q=np.zeros((2, 4, 32), np.float32)), r"q head_dim 32"),
+    (dict(q=np.zeros((2, 4), np.float32)), r"q must be a 3-D array, got shape \(2, 4\)"),
+    (dict(lengths=np.zeros(2, np.float32)), r"lengths must have dtype int32, got float32"),
+    (dict(lengths=np.zeros(3, np.int32)), r"lengths shape \(3,\) must be \(2,\)"),
+    (dict(page_indices=np.zeros((2, 4), np.float32)), r"page_indices must have dtype int32"),
+    (dict(v_pages=np.zeros((2, 9, 16, 32), np.float32)), r"v_pages \(2, 9, 16, 32\)"),
+    (dict(k_pages=np.zeros((2, 9, 16), np.float32)), r"k_pages must be a 4-D array"),
+    (dict(backend="cuda"), r"backend must be one of"),
+    (dict(sliding_window=0), r"sliding_window must be a positive int"),
+    (dict(pages_per_block=0), r"pages_per_block must be a positive int"),
+])
+def test_bad_input_raises_value_error_naming_it(bad, match):
+    args = dict(q=np.zeros((2, 4, 64), np.float32), k_pages=np.zeros((2, 9, 16, 64), np.float32),
+                v_pages=np.zeros((2, 9, 16, 64), np.float32), lengths=np.zeros(2, np.int32),
+                page_indices=np.zeros((2, 4), np.int32), backend="reference", sm_scale=0.1)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        paged_attention(**args)
+
+
+@pytest.mark.gpu
+def test_gpu_backend_matches_reference():
+    rng = np.random.default_rng(5)
+    lengths = np.array([0, 1, 16, 17, 64], np.int32)
+    _, _, k_pages, v_pages, table = make_cache(rng, lengths, page_size=16, head_dim=128,
+                                               dtype=jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((5, 8, 128)), jnp.bfloat16)
+    args = (q, k_pages, v_pages, jnp.asarray(lengths), table)
+    want = paged_attention(*args, backend="reference", sm_scale=0.1)
+    check(paged_attention(*args, backend="gpu", sm_scale=0.1),
+          np.asarray(want.astype(jnp.float32)), jnp.bfloat16)

@@ -1,0 +1,72 @@
+"""The paged runner against Hugging Face greedy tokens and against the dense-cache runner."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jserve.checkpoint import read_params
+from jserve.dense_runner import DenseRunner
+from jserve.runner import GREEDY, Runner
+
+from conftest import DATA
+
+
+def _load(arch):
+    config, params = read_params(DATA / "arch" / arch)
+    return config, {k: jnp.asarray(v) for k, v in params.items()}, np.load(DATA / "arch" / arch / "reference.npz")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("arch", ["llama3", "mistral"])
+def test_chunked_prefill_and_decode_over_pages_match_transformers(arch, backend):
+    config, params, ref = _load(arch)
+    runner = Runner(config, params, num_pages=32, page_size=4, max_model_len=64, backend=backend,
+                    max_num_batched_tokens=16)
+    prompt = [int(t) for t in ref["input_ids"][0, :10]]
+    pages = [7, 3, 12, 5, 9]  # out of order on purpose; page 0 is the null page
+    # Prefill in two chunks (6 + 4 tokens), as the scheduler does with a small budget.
+    runner.execute([(0, prompt[:6], pages[:2])], [GREEDY])
+    out = runner.execute([(6, prompt[6:], pages[:3])], [GREEDY])
+    tokens = [int(out["tokens"][0])]
+    for _ in range(7):
+        n = len(prompt) + len(tokens)
+        out = runner.execute([(n - 1, [tokens[-1]], pages[:-(-n // 4)])], [GREEDY])
+        tokens.append(int(out["tokens"][0]))
+    assert tokens == ref["greedy_ids"][0].tolist()
+
+
+def test_mixed_batch_of_decodes_and_chunks_matches_full_forward():
+    """Several sequences at different stages in one step give the logits' argmax of a plain forward."""
+    config, params, ref = _load("qwen3")
+    runner = Runner(config, params, num_pages=40, page_size=4, max_model_len=32, backend="cpu",
+                    max_num_batched_tokens=32)
+    ids = ref["input_ids"]
+    seqs = [ids[0, :13].tolist(), ids[1, :9].tolist(), ids[1, 5:20].tolist()]
+    page_lists = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11]]
+    # Seq 0 fully computed but its last token; seq 1 prefilled up to 4; seq 2 nothing yet.
+    runner.execute([(0, seqs[0][:12], page_lists[0]), (0, seqs[1][:4], page_lists[1])], [GREEDY] * 2)
+    out = runner.execute([(12, seqs[0][12:], page_lists[0]), (4, seqs[1][4:], page_lists[1]),
+                          (0, seqs[2], page_lists[2])], [GREEDY] * 3)
+    expected = []
+    dense = DenseRunner(config, params, max_model_len=32)
+    for s in seqs:
+        o, _, _ = dense.prefill([s], [GREEDY], len(s) + 1)
+        expected.append(int(o["tokens"][0]))
+    assert out["tokens"].tolist() == expected
+
+
+def test_compilations_are_counted_and_stop_after_warmup():
+    config, params, _ = _load("smollm2")
+    runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=16, backend="reference",
+                    batch_buckets=(2, 4), token_buckets=(8,), max_num_batched_tokens=8)
+    runner.warmup(progress=False)
+    before = runner.num_compilations
+    assert before > 0 and runner.num_compilations_after_warmup == 0
+    runner.execute([(0, [1, 2, 3, 4, 5], [1, 2])], [GREEDY])
+    runner.execute([(5, [6], [1, 2]), (0, [9], [3])], [GREEDY] * 2)
+    runner.execute([(0, [1, 2, 3], [5]), (0, [4, 5, 6, 7, 8], [6, 7]), (0, [1, 2], [8])], [GREEDY] * 3)
+    assert runner.num_compilations == before and runner.num_compilations_after_warmup == 0
+    with pytest.raises(ValueError, match="largest token bucket"):
+        runner.execute([(0, list(range(9)), [4, 5, 6])], [GREEDY])
