@@ -22,7 +22,8 @@ def _generate(args: argparse.Namespace) -> int:
     from jserve.llm import LLM
     from jserve.request import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    # One prompt: compile only the shapes it needs instead of warming every bucket.
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, warmup=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                             stop=args.stop or None, ignore_eos=args.ignore_eos)

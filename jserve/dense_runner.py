@@ -38,7 +38,7 @@ class DenseRunner:
         self.batch_buckets = tuple(batch_buckets)
         self.token_buckets = buckets.clip(token_buckets, max_model_len)
         self.length_buckets = buckets.clip(length_buckets, max_model_len)
-        self.kv_dtype = params["embed"].dtype
+        self.kv_dtype = self.params["embed"].dtype
         self.graphdef = model_graphdef(config)
         self._shapes_seen: set[tuple] = set()
         self.num_compilations = 0

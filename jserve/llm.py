@@ -28,32 +28,33 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path
 
 
 class LLM:
-    """A model loaded for offline generation.
+    """A model loaded for offline generation on the continuous-batching engine.
 
     Args:
       model: a jserve checkpoint folder, a Hugging Face folder, a `.gguf` file, or a converted
         model's name; None for the default SmolLM2-135M-Instruct (converted on first use).
       dtype: weight dtype used when a conversion is needed ("float32" or "bfloat16").
       max_model_len: context length (prompt + output); default the model's, capped at 8192.
-      max_num_seqs: the most sequences run in one batch.
-      seed: seeds the random streams of requests that give no seed of their own.
+      max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed: as in vLLM.
+      num_pages, page_size, kv_cache_bytes, memory_fraction: the KV page pool (see EngineConfig).
+      backend: paged-attention kernel backend (default: from the platform).
+      warmup: compile every bucket now (default) instead of on first use.
       shardings: optional weight shardings, passed to `checkpoint.load_checkpoint`.
       compilation_cache: directory for JAX's persistent compilation cache; False turns it off.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
-                 max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
-                 shardings: Any = None, compilation_cache: str | os.PathLike | bool | None = None):
-        from jserve import buckets
+                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, seed: int = 0, num_pages: int | None = None,
+                 page_size: int = 16, kv_cache_bytes: int | None = None, memory_fraction: float = 0.9,
+                 backend: str | None = None, warmup: bool = True, shardings: Any = None,
+                 compilation_cache: str | os.PathLike | bool | None = None):
         from jserve.checkpoint import load_checkpoint, resolve_model
-        from jserve.dense_runner import DenseRunner
-        from jserve.generate import Generator
+        from jserve.engine import EngineConfig, build_engine
         from jserve.tokenizer import Tokenizer
 
         if compilation_cache is not False:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         self.path = resolve_model(model, dtype=dtype)
         self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings)
         self.tokenizer = Tokenizer.load(self.path)
@@ -63,11 +64,15 @@ class LLM:
         elif not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be an integer in [2, {limit}], got {max_model_len!r}")
         self.max_model_len = max_model_len
-        batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
-        self.runner = DenseRunner(self.config, params, max_model_len=max_model_len,
-                                  batch_buckets=batch_buckets)
+        engine_config = EngineConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, page_size=page_size, num_pages=num_pages,
+            kv_cache_bytes=kv_cache_bytes, memory_fraction=memory_fraction, seed=seed, backend=backend,
+            warmup=warmup)
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
-        self.generator = Generator(self.runner, self.tokenizer, eos, seed=seed)
+        self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config)
+        self.runner = self.engine.runner
+        self._next_id = 0
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -76,12 +81,24 @@ class LLM:
         `{"prompt": text}` / `{"prompt_token_ids": ids}`. Returns one RequestOutput per prompt."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
-        texts, ids = [], []
-        for item in items:
-            text, tokens = self._encode(item)
-            texts.append(text)
-            ids.append(tokens)
-        return self.generator.generate(ids, params, texts)
+        encoded = [self._encode(item) for item in items]
+        request_ids = []
+        try:
+            for (text, tokens), p in zip(encoded, params):
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, tokens, p, prompt=text)
+                request_ids.append(rid)
+        except ValueError:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(request_ids):
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[rid] for rid in request_ids]
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -101,7 +118,8 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def stats(self) -> dict[str, Any]:
-        return {"compilations": self.runner.num_compilations}
+        """Engine counters: preemptions, compilations after warm-up, pages in use / cached, ..."""
+        return self.engine.stats()
 
     def _encode(self, item: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(item, str):

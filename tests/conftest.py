@@ -46,4 +46,4 @@ def smollm2_llm(smollm2_checkpoint):
 
     from jserve.llm import enable_compilation_cache
     enable_compilation_cache()
-    return LLM(str(smollm2_checkpoint), max_model_len=512, max_num_seqs=8)
+    return LLM(str(smollm2_checkpoint), max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)

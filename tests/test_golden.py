@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jserve import SamplingParams
-from jserve.model import DenseAttention, init_cache
+from jserve.model import DenseAttention, init_cache, model_graphdef
 
 MARGIN = 0.05
 
@@ -48,6 +48,7 @@ def test_greedy_generation_matches_reference(smollm2_llm, golden):
         assert out.outputs[0].finish_reason == "length"
         if n == 32:
             assert out.outputs[0].text == case["greedy_text"]
+    assert smollm2_llm.stats()["compilations_after_warmup"] == 0
 
 
 def test_chat_api_matches_reference(smollm2_llm, golden):
@@ -55,13 +56,14 @@ def test_chat_api_matches_reference(smollm2_llm, golden):
     out = smollm2_llm.chat(case["messages"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert out.prompt_token_ids == case["prompt_ids"]
     assert out.outputs[0].token_ids == case["greedy_ids"][:8]
+    assert smollm2_llm.stats()["compilations_after_warmup"] == 0, smollm2_llm.runner._seen
 
 
 def test_teacher_forced_logits_match_reference(smollm2_llm, golden):
     """Top-5 logits at every prompt position and every reference step, within 1e-3 relative."""
     llm = smollm2_llm
     config = llm.config
-    model = nnx.merge(llm.runner.graphdef, llm.runner.params)
+    model = nnx.merge(model_graphdef(config), llm.runner.params)
     T = 96
     for case in golden["cases"]:
         ids = case["prompt_ids"] + case["greedy_ids"]

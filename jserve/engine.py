@@ -1,0 +1,309 @@
+"""LLMEngine: continuous batching over the paged runner (add_request / step / abort).
+
+Each `step()` asks the scheduler for a plan, runs it on the runner, hands the sampled tokens back
+to the scheduler, and turns them into text: incremental detokenization, stop strings, stop ids,
+EOS, max_tokens. A request with `n > 1` runs as n sequences (their shared prompt pages come from
+the prefix cache) gathered into one `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from jserve.page_table import PageTable
+from jserve.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from jserve.runner import Runner
+from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from jserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the engine (vLLM's names where vLLM has one)."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    page_size: int = 16
+    num_pages: int | None = None  # None: from kv_cache_bytes / memory_fraction
+    kv_cache_bytes: int | None = None  # explicit KV budget (the default on CPU: 256 MiB)
+    memory_fraction: float = 0.9  # of accelerator memory, when neither of the above is given
+    seed: int = 0
+    backend: str | None = None  # paged-attention kernel backend; None: from the platform
+    warmup: bool = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    """Host-side text state of one sampled sequence."""
+
+    group: "_Group"
+    index: int
+    request: Request
+    detok: Any
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, list(s.request.output_token_ids), s.logprobs,
+                                 s.request.status.finish_reason, s.stop_reason) for s in self.sequences]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.prompt_logprobs,
+                             finished=all(s.request.is_finished for s in self.sequences))
+
+
+class LLMEngine:
+    """The continuous-batching engine: requests in, `RequestOutput`s out, one step at a time."""
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
+                 config: EngineConfig, *, scorer: Any = None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.page_table = PageTable(runner.num_pages, runner.page_size,
+                                    enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config(), self.page_table)
+        self.scorer = scorer  # computes prompt logprobs (a DenseRunner), or None
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; ValueError (naming the value) for ids outside the vocabulary or a
+        prompt that leaves no room for output in the context."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.runner.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context length is {limit}: "
+                             f"it must be shorter to leave room for output")
+        group = _Group(request_id, prompt, ids, params)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = self._score_prompt(ids, params.prompt_logprobs)
+        base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for i in range(params.n):
+            # Each sample runs as its own sequence; a seed per sample keeps them distinct.
+            seed = (base + 7919 * i) % 2**32
+            sub = dataclasses.replace(params, n=1, seed=seed)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, list(ids), sub, arrival, priority=priority, cache_salt=cache_salt)
+            seq = _Sequence(group, i, req, self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens),
+                            logprobs=[] if params.logprobs is not None else None)
+            group.sequences.append(seq)
+        added = []
+        try:
+            for seq in group.sequences:
+                self.scheduler.add_request(seq.request)  # validates against the pool size too
+                added.append(seq.request.request_id)
+        except ValueError:
+            for rid in added:
+                self.scheduler.abort_request(rid)
+            raise
+        for seq in group.sequences:
+            self._sequences[seq.request.request_id] = seq
+        self._groups[request_id] = group
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples); its pages are free at once. None if unknown."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.sequences:
+            self.scheduler.abort_request(seq.request.request_id)
+            self._sequences.pop(seq.request.request_id, None)
+        return group.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ------------------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the current output of every request that changed."""
+        plan = self.scheduler.schedule()
+        if plan.copies:
+            raise RuntimeError("copy-on-write page copies are not supported by this engine")
+        changed: dict[str, _Group] = {}
+        if plan.chunks:
+            rows = [(c.start, c.token_ids, c.page_ids) for c in plan.chunks]
+            sampling = [_sampling_row(c.request) for c in plan.chunks]
+            out = self.runner.execute(rows, sampling)
+            self.num_steps += 1
+            sampled = {c.request.request_id: int(out["tokens"][i]) for i, c in enumerate(plan.chunks) if c.samples}
+            index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
+            for req in self.scheduler.update(plan, sampled):
+                seq = self._sequences.get(req.request_id)
+                if seq is None:
+                    continue
+                self._accept(seq, out, index[req.request_id])
+                changed[seq.group.request_id] = seq.group
+        outputs = []
+        for rid, group in changed.items():
+            output = group.output()
+            outputs.append(output)
+            if output.finished:
+                self._groups.pop(rid, None)
+                for seq in group.sequences:
+                    self._sequences.pop(seq.request.request_id, None)
+        return outputs
+
+    def _accept(self, seq: _Sequence, out: dict, i: int) -> None:
+        req = seq.request
+        token = req.output_token_ids[-1]
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(out, i, token, req.params.logprobs))
+        delta = seq.detok.add([token])
+        if not req.is_finished:  # the scheduler finishes requests that reach the context length
+            status = self._check_stop(seq, token, delta)
+            if status is not None:
+                self.scheduler.finish_request(req.request_id, status)
+        else:
+            seq.text += delta
+        if req.is_finished and not isinstance(seq.stop_reason, str):
+            seq.text += seq.detok.flush()
+
+    def _check_stop(self, seq: _Sequence, token: int, delta: str) -> RequestStatus | None:
+        p = seq.request.params
+        prev_len = len(seq.text)
+        seq.text += delta
+        n = len(seq.request.output_token_ids)
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            for s in p.stop:
+                at = seq.text.find(s, max(0, prev_len - len(s) + 1))  # only where the delta could complete it
+                if at >= 0:
+                    seq.text = seq.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+                    seq.stop_reason = s
+                    return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _logprob_entry(self, out: dict, i: int, token: int, k: int) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        entry = {int(t): Logprob(float(lp), rank, decode([int(t)]))
+                 for rank, (t, lp) in enumerate(zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k]), 1)}
+        if token not in entry:
+            entry[token] = Logprob(float(out["logprob"][i]), int(out["rank"][i]), decode([token]))
+        return entry
+
+    def _score_prompt(self, ids: list[int], k: int) -> list:
+        """Prompt logprobs from one full forward of the prompt (a separate scoring pass)."""
+        if self.scorer is None:
+            raise ValueError("prompt_logprobs is not available on this engine")
+        from jserve.runner import GREEDY
+
+        _, plp, _ = self.scorer.prefill([ids], [GREEDY], len(ids) + 1, num_prompt_logprobs=max(k, 1))
+        chosen, rank, top_ids, top_lps = plp
+        decode = self.tokenizer.decode
+        result: list = [None]
+        for pos, token in enumerate(ids[1:]):
+            entry = {int(t): Logprob(float(l), r, decode([int(t)]))
+                     for r, (t, l) in enumerate(zip(top_ids[0, pos][:k], top_lps[0, pos][:k]), 1)}
+            if token not in entry:
+                entry[token] = Logprob(float(chosen[0, pos]), int(rank[0, pos]), decode([token]))
+            result.append(entry)
+        return result
+
+    # ------------------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        records = self.runner.records
+        real = sum(r.real_tokens for r in records)
+        padded = sum(r.padded_tokens for r in records)
+        pool = self.page_table.pool
+        return {
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "compilations": self.runner.num_compilations,
+            "compilations_after_warmup": self.runner.num_compilations_after_warmup,
+            "pages_in_use": pool.num_used_pages,
+            "pages_cached": pool.num_cached_pages,
+            "pages_free": pool.num_free_pages,
+            "num_pages": self.runner.num_pages,
+            "prefix_cache_hit_tokens": self.page_table.num_prefix_hit_tokens,
+            "prefix_cache_query_tokens": self.page_table.num_prefix_query_tokens,
+            "padded_token_fraction": (padded - real) / padded if padded else 0.0,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+        }
+
+
+def _sampling_row(req: Request) -> tuple:
+    p = req.params
+    return (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, len(req.output_token_ids))
+
+
+DEFAULT_CPU_KV_BYTES = 512 * 2**20
+
+
+def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
+                 config: EngineConfig) -> LLMEngine:
+    """Size the page pool, build the runner (warming it up if asked) and the engine."""
+    from jserve import buckets
+    from jserve.dense_runner import DenseRunner
+    from jserve.kv_cache import device_memory_bytes, plan_memory
+    from jserve.model import model_params
+
+    config.scheduler_config()  # validates the scheduling knobs early, naming the bad value
+    kv_dtype = params["embed"].dtype
+    num_pages = config.num_pages
+    if num_pages is None:
+        device = None if config.kv_cache_bytes is not None else device_memory_bytes()
+        budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
+            None if device is not None else DEFAULT_CPU_KV_BYTES)
+        weight_bytes = sum(int(p.size) * p.dtype.itemsize for p in params.values())
+        plan = plan_memory(model_config, weight_dtype_bytes=kv_dtype.itemsize, kv_dtype=kv_dtype.name,
+                           page_size=config.page_size, context=config.max_model_len, device_bytes=device,
+                           memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
+                           max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
+        num_pages = plan.num_pages
+    per_layer = model_params(model_config, params)  # split once, shared by both runners
+    batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < config.max_num_seqs] + [config.max_num_seqs]
+    runner = Runner(model_config, per_layer, num_pages=num_pages, page_size=config.page_size,
+                    max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=config.backend,
+                    batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens)
+    if config.warmup:
+        runner.warmup()
+    scorer = DenseRunner(model_config, per_layer, max_model_len=config.max_model_len, batch_buckets=(1,))
+    return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=scorer)
