@@ -12,8 +12,12 @@ DATA = Path(__file__).parent / "data"
 
 
 def pytest_configure(config):
-    # One compilation cache for the whole run (and across runs on the same machine).
+    # One persistent compilation cache for the whole run (and across runs on the same machine):
+    # engines built by different tests compile the same shapes.
     os.environ.setdefault("JSERVE_COMPILATION_CACHE", str(Path.home() / ".cache" / "jserve" / "jax-tests"))
+    from jserve.llm import enable_compilation_cache
+
+    enable_compilation_cache()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,6 +48,4 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
 def smollm2_llm(smollm2_checkpoint):
     from jserve import LLM
 
-    from jserve.llm import enable_compilation_cache
-    enable_compilation_cache()
     return LLM(str(smollm2_checkpoint), max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)

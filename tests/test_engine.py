@@ -1,0 +1,154 @@
+"""The continuous-batching engine: batching, preemption, prefix caching and chunking change nothing.
+
+A tiny random SmolLM2-shaped model (tests/data/arch/smollm2) with the real SmolLM2 tokenizer:
+greedy outputs of many mixed requests in one run must equal each request run alone.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jserve.checkpoint import read_params
+from jserve.engine import EngineConfig, build_engine
+from jserve.request import SamplingParams
+from jserve.tokenizer import Tokenizer
+
+from conftest import DATA
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_checkpoint):
+    config, params = read_params(DATA / "arch" / "smollm2")
+    tokenizer = Tokenizer.load(smollm2_checkpoint)
+    return config, {k: jnp.asarray(v) for k, v in params.items()}, tokenizer
+
+
+def make_engine(tiny, **kw):
+    config, params, tokenizer = tiny
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, page_size=4, num_pages=200,
+                    backend="cpu", warmup=True)
+    return build_engine(config, params, tokenizer, [], EngineConfig(**{**defaults, **kw}))
+
+
+def run(engine, prompts, params):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def workload(n=64, seed=0, shared_prefix=()):
+    rng = np.random.default_rng(seed)
+    prompts = [list(shared_prefix) + rng.integers(3, 256, rng.integers(1, 60)).tolist() for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 24)), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    """Each request of the default workload run by itself on a fresh engine (no sharing at all)."""
+    engine = make_engine(tiny, enable_prefix_caching=False)
+    prompts, params = workload()
+    return [run(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
+
+
+def assert_clean(engine):
+    stats = engine.stats()
+    assert stats["pages_in_use"] == 0
+    assert stats["pages_free"] + stats["pages_cached"] == stats["num_pages"] - 1
+    assert stats["compilations_after_warmup"] == 0
+    engine.scheduler.check_invariants()
+    return stats
+
+
+def test_64_mixed_requests_in_one_run_equal_each_alone(tiny, alone):
+    engine = make_engine(tiny)
+    prompts, params = workload()
+    assert run(engine, prompts, params) == alone
+    stats = assert_clean(engine)
+    assert stats["num_preemptions"] == 0 and stats["num_steps"] < sum(p.max_tokens for p in params)
+
+
+def test_preemption_under_a_small_pool_keeps_outputs(tiny, alone):
+    engine = make_engine(tiny, num_pages=40, enable_prefix_caching=False)
+    prompts, params = workload()
+    assert run(engine, prompts, params) == alone
+    assert assert_clean(engine)["num_preemptions"] > 0
+
+
+def test_prefix_cache_reuses_a_shared_system_prompt(tiny):
+    system = list(range(10, 42))  # 8 full pages of 4 tokens
+    prompts, params = workload(n=16, seed=1, shared_prefix=system)
+    cold = make_engine(tiny, enable_prefix_caching=False)
+    expected = [run(cold, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    engine = make_engine(tiny, enable_prefix_caching=True)
+    assert run(engine, prompts, params) == expected
+    stats = assert_clean(engine)
+    # Requests admitted in the same step cannot hit each other's pages (not computed yet).
+    assert stats["prefix_cache_hit_tokens"] >= len(prompts) // 2 * len(system)
+    assert stats["pages_cached"] > 0
+
+
+def test_chunked_prefill_with_a_small_token_budget(tiny, alone):
+    engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4)
+    prompts, params = workload()
+    assert run(engine, prompts, params) == alone
+    assert_clean(engine)
+    assert max(len(p) for p in prompts) > 16  # so some prompts really were split
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(tiny):
+    engine = make_engine(tiny)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=42, max_tokens=16, ignore_eos=True)
+    alone = run(engine, [[5, 6, 7, 8]], [p])[0]
+    prompts, params = workload(n=12, seed=3)
+    busy = run(engine, prompts[:6] + [[5, 6, 7, 8]] + prompts[6:], params[:6] + [p] + params[6:])
+    assert busy[6] == alone
+    assert_clean(engine)
+
+
+def test_abort_frees_pages_at_once(tiny):
+    engine = make_engine(tiny)
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", list(range(3, 20)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats()["pages_in_use"] > 0
+    out = engine.abort_request("a")
+    assert out is not None and out.outputs[0].finish_reason == "abort"
+    engine.abort_request("b")
+    assert engine.stats()["pages_in_use"] == 0 and not engine.has_unfinished_requests()
+    assert engine.abort_request("nope") is None
+
+
+def test_n_parallel_samples_share_the_prompt_pages(tiny):
+    engine = make_engine(tiny)
+    engine.add_request("x", list(range(3, 30)), SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8,
+                                                               ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    (out,) = outs
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert engine.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def test_bad_requests_are_rejected_with_the_value(tiny):
+    engine = make_engine(tiny, warmup=False)
+    with pytest.raises(ValueError, match="128"):
+        engine.add_request("long", [5] * 200, SamplingParams())
+    with pytest.raises(ValueError, match="256"):
+        engine.add_request("vocab", [5, 256], SamplingParams())
+    engine.add_request("dup", [5], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="dup"):
+        engine.add_request("dup", [5], SamplingParams())
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(tiny, max_num_seqs=32, max_num_batched_tokens=16)
