@@ -23,10 +23,12 @@ def _generate(args: argparse.Namespace) -> int:
     from jserve.request import SamplingParams
 
     # One prompt: compile only the shapes it needs instead of warming every bucket.
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, warmup=False)
+    llm = LLM(args.model, dtype=args.dtype, warmup=False, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                            stop=args.stop or None, ignore_eos=args.ignore_eos)
+                            stop=args.stop or None, ignore_eos=args.ignore_eos,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
@@ -92,6 +94,29 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's knobs, with vLLM's flag names where vLLM has one."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
+    g.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="explicit KV budget, e.g. 1GiB")
+    g.add_argument("--memory-fraction", type=float, default=0.9, help="of accelerator memory for the engine")
+    g.add_argument("--attention-backend", default=None, choices=["cpu", "tpu", "gpu", "reference"],
+                   help="paged-attention kernel (default: from the platform)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching, page_size=args.page_size,
+                num_pages=args.num_pages, kv_cache_bytes=args.kv_cache_bytes,
+                memory_fraction=args.memory_fraction, backend=args.attention_backend)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jserve", description="LLM serving engine on JAX")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -117,10 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight dtype if the model must be converted first")
     p.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
+    add_engine_args(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("plan", help="how weights, activations and KV pages fit in device memory")

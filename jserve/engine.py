@@ -163,7 +163,9 @@ class LLMEngine:
         if plan.chunks:
             rows = [(c.start, c.token_ids, c.page_ids) for c in plan.chunks]
             sampling = [_sampling_row(c.request) for c in plan.chunks]
-            out = self.runner.execute(rows, sampling)
+            penalties = [(c.request.prompt_token_ids, c.request.output_token_ids)
+                         if c.samples and c.request.params.has_penalties else None for c in plan.chunks]
+            out = self.runner.execute(rows, sampling, penalties)
             self.num_steps += 1
             sampled = {c.request.request_id: int(out["tokens"][i]) for i, c in enumerate(plan.chunks) if c.samples}
             index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
@@ -271,7 +273,8 @@ class LLMEngine:
 
 def _sampling_row(req: Request) -> tuple:
     p = req.params
-    return (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, len(req.output_token_ids))
+    return (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, len(req.output_token_ids),
+            p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
 
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20

@@ -22,6 +22,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output so far
+    presence_penalty: float = 0.0  # subtracted once from tokens already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of tokens already generated
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
@@ -43,6 +46,10 @@ class SamplingParams:
         check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 or a positive integer")
         check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty",
+              "must be in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check(_finite(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]")
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer or None")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
               "max_tokens", "must be an integer >= 1 or None")
@@ -65,6 +72,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _finite(x) -> bool:

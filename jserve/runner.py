@@ -27,7 +27,7 @@ from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
 from jserve.request import MAX_LOGPROBS
-from jserve.sampler import SamplingArrays, sample
+from jserve.sampler import SamplingArrays, penalty_history, sample
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class StepRecord:
     real_tokens: int
     padded_tokens: int
     seconds: float
+    bytes_needed: int  # weights once + K/V read and written for the real tokens
+    flops_needed: int  # matmuls and attention for the real tokens (padding excluded)
 
 
 class Runner:
@@ -67,6 +69,9 @@ class Runner:
         # costs nothing and saves a bucket dimension (and its compilations).
         self.max_pages = math.ceil(max_model_len / page_size)
         self.kv = init_kv_pages(config, num_pages, page_size, kv_dtype or params["embed"].dtype)
+        leaves = jax.tree.leaves(self.params)
+        self.param_bytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
+        self.num_params = sum(int(x.size) for x in leaves)
         graphdef = model_graphdef(config)
         attention = PagedAttention(self.backend, config.sliding_window)
         self._step = jax.jit(functools.partial(_step, graphdef, attention), donate_argnames=("kv",))
@@ -77,13 +82,16 @@ class Runner:
         self.records: list[StepRecord] = []
 
     def execute(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]],
-                sampling: Sequence[tuple]) -> dict[str, np.ndarray]:
+                sampling: Sequence[tuple], penalties: Sequence[tuple | None] | None = None
+                ) -> dict[str, np.ndarray]:
         """Run one scheduler step.
 
         Args:
           rows: per row `(start, token_ids, page_ids)`: compute tokens at positions
             `start .. start+len(token_ids)-1`, whose pages (and the earlier ones) are `page_ids`.
           sampling: per row a sampling tuple (see `SamplingArrays.build`).
+          penalties: per row `(prompt_ids, output_ids)` for rows with repetition / presence /
+            frequency penalties, else None.
         Returns:
           numpy arrays per row, in `rows` order, for the sample after each row's last token:
           `tokens`, `logprob`, `rank`, `top_ids` and `top_logprobs` (MAX_LOGPROBS of them).
@@ -91,10 +99,11 @@ class Runner:
         decode = [i for i, r in enumerate(rows) if len(r[1]) == 1]
         prefill = sorted((i for i, r in enumerate(rows) if len(r[1]) > 1), key=lambda i: -len(rows[i][1]))
         results: dict[int, dict] = {}
+        penalties = penalties or [None] * len(rows)
         for start in range(0, len(decode), self.batch_buckets[-1]):
-            self._run(rows, sampling, decode[start:start + self.batch_buckets[-1]], results, "decode")
+            self._run(rows, sampling, decode[start:start + self.batch_buckets[-1]], results, "decode", penalties)
         for group in self._pack_prefill([len(rows[i][1]) for i in prefill]):
-            self._run(rows, sampling, [prefill[j] for j in group], results, "prefill")
+            self._run(rows, sampling, [prefill[j] for j in group], results, "prefill", penalties)
         keys = results[0].keys() if results else ()
         return {key: np.stack([results[i][key] for i in range(len(rows))]) for key in keys}
 
@@ -122,18 +131,21 @@ class Runner:
             groups.append([j])
         return groups
 
-    def _run(self, all_rows, all_sampling, index, results, kind):
+    def _run(self, all_rows, all_sampling, index, results, kind, all_penalties=None):
         rows = [all_rows[i] for i in index]
         B = buckets.pick(self.batch_buckets if kind == "decode" else PREFILL_BATCH_BUCKETS, len(rows))
         T = 1 if kind == "decode" else buckets.pick(self.token_buckets, max(len(r[1]) for r in rows))
         arrays = self._pack(rows, B, T)
         sampling_arrays = SamplingArrays.build([all_sampling[i] for i in index], B).as_tuple()
+        history = penalty_history([all_penalties[i] for i in index] if all_penalties else [], B,
+                                  self.max_model_len, self.config.vocab_size)
         self._count((kind, B, T))
         t0 = time.perf_counter()
-        out, self.kv = self._step(self.params, self.kv, *arrays, sampling_arrays)
+        out, self.kv = self._step(self.params, self.kv, *arrays, sampling_arrays, history)
         out = jax.device_get(out)
-        self.records.append(StepRecord(kind, (B, T), sum(len(r[1]) for r in rows), B * T,
-                                       time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        self.records.append(StepRecord(kind, (B, T), sum(len(r[1]) for r in rows), B * T, seconds,
+                                       *self._cost(rows)))
         for j, i in enumerate(index):
             results[i] = {key: value[j] for key, value in out.items()}
 
@@ -156,6 +168,20 @@ class Runner:
             page_indices[b, :len(pages)] = pages
         return tokens, positions, PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices), q_lens - 1
 
+    def _cost(self, rows) -> tuple[int, int]:
+        """The bytes and FLOPs a step needs at minimum: the physical floor for metrics (MBU/MFU)."""
+        c = self.config
+        kv_token = c.kv_bytes_per_token(self.kv[0][0].dtype.itemsize)
+        new = sum(len(r[1]) for r in rows)
+        context = sum(r[0] + len(r[1]) for r in rows)  # keys each row's last query reads
+        attended = sum(sum(range(r[0] + 1, r[0] + len(r[1]) + 1)) for r in rows)  # keys over all queries
+        bytes_needed = self.param_bytes + kv_token * (context + new)
+        # Layers run for every new token; the head only for each row's last (embedding: a lookup).
+        layer_params = self.num_params - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+        flops = 2 * layer_params * new + 2 * c.hidden_size * c.vocab_size * len(rows)
+        flops += 4 * c.num_layers * c.num_heads * c.head_dim * attended
+        return int(bytes_needed), int(flops)
+
     def _count(self, key: tuple) -> None:
         if key not in self._seen:
             self._seen.add(key)
@@ -177,7 +203,7 @@ class Runner:
         self.warmed_up = True
 
 
-def _step(graphdef, attention, params, kv, tokens, positions, meta, last, sampling):
+def _step(graphdef, attention, params, kv, tokens, positions, meta, last, sampling, history):
     model = nnx.merge(graphdef, params)
     logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None])
-    return sample(logits[:, 0], *sampling, num_logprobs=MAX_LOGPROBS), kv
+    return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv

@@ -1,4 +1,4 @@
-"""On-device sampling inside the step: greedy, temperature, top-k, top-p, min-p, per-row seeds.
+"""On-device sampling inside the step: penalties, greedy, temperature, top-k/p, min-p, per-row seeds.
 
 Each row carries its own parameters as arrays, so one compiled step serves any mix of requests.
 A row's random key is `fold_in(key(seed), step)`: the same seed gives the same tokens whatever
@@ -25,18 +25,62 @@ class SamplingArrays:
     min_p: np.ndarray  # float32 [batch]
     seed: np.ndarray  # uint32 [batch]
     step: np.ndarray  # int32 [batch]: index of the token being sampled within its request
+    repetition_penalty: np.ndarray  # float32 [batch], 1 = off
+    presence_penalty: np.ndarray  # float32 [batch], 0 = off
+    frequency_penalty: np.ndarray  # float32 [batch], 0 = off
+
+    DEFAULT_ROW = (0.0, 0, 1.0, 0.0, 0, 0, 1.0, 0.0, 0.0)
 
     @classmethod
     def build(cls, rows: Sequence[tuple], batch: int) -> "SamplingArrays":
-        """rows: (temperature, top_k, top_p, min_p, seed, step) per real row; pads to `batch`."""
-        pad = [(0.0, 0, 1.0, 0.0, 0, 0)] * (batch - len(rows))
-        cols = list(zip(*(list(rows) + pad))) if batch else [()] * 6
-        return cls(np.asarray(cols[0], np.float32), np.asarray(cols[1], np.int32),
-                   np.asarray(cols[2], np.float32), np.asarray(cols[3], np.float32),
-                   np.asarray(cols[4], np.uint32), np.asarray(cols[5], np.int32))
+        """rows: (temperature, top_k, top_p, min_p, seed, step[, repetition, presence, frequency])
+        per real row (missing penalties: off); pads to `batch` with greedy rows."""
+        d = cls.DEFAULT_ROW
+        full = [tuple(r) + d[len(r):] for r in rows] + [d] * (batch - len(rows))
+        cols = list(zip(*full))
+        types = (np.float32, np.int32, np.float32, np.float32, np.uint32, np.int32, np.float32, np.float32,
+                 np.float32)
+        return cls(*(np.asarray(c, t) for c, t in zip(cols, types)))
 
     def as_tuple(self) -> tuple:
-        return (self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step)
+        return dataclasses.astuple(self)
+
+
+def penalty_history(rows: Sequence[tuple[Sequence[int], Sequence[int]] | None], batch: int,
+                    length: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token history for penalties: int32 [batch, length] ids (padding = vocab_size, dropped on
+    device) and int32 [batch] prompt lengths. rows: `(prompt_ids, output_ids)` or None (no penalties).
+    A fixed `length` (the context) keeps one compiled shape and moves 4 bytes per token, not a
+    [batch, vocab] matrix."""
+    history = np.full((batch, length), vocab_size, np.int32)
+    num_prompt = np.zeros((batch,), np.int32)
+    for b, row in enumerate(rows):
+        if row is not None:
+            prompt, output = row
+            history[b, :len(prompt)] = prompt
+            history[b, len(prompt):len(prompt) + len(output)] = output
+            num_prompt[b] = len(prompt)
+    return history, num_prompt
+
+
+def _counts(history: jax.Array, num_prompt: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """[batch, vocab] output-token counts and prompt-token presence from a padded history."""
+    is_output = jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None]
+    rows = jnp.arange(history.shape[0])[:, None]
+    zeros = jnp.zeros((history.shape[0], vocab_size), jnp.float32)
+    counts = zeros.at[rows, history].add(is_output.astype(jnp.float32), mode="drop")
+    in_prompt = zeros.at[rows, history].max((~is_output).astype(jnp.float32), mode="drop")
+    return counts, in_prompt
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, repetition: jax.Array,
+                    presence: jax.Array, frequency: jax.Array) -> jax.Array:
+    """vLLM's penalties: repetition over prompt and output tokens (divide positive logits, multiply
+    negative ones), then frequency (per occurrence) and presence (once) over output tokens."""
+    seen = (counts > 0) | (in_prompt > 0)
+    r = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
 def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -61,12 +105,16 @@ def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           min_p: jax.Array, seed: jax.Array, step: jax.Array, *, num_logprobs: int = 0):
+           min_p: jax.Array, seed: jax.Array, step: jax.Array, repetition: jax.Array | None = None,
+           presence: jax.Array | None = None, frequency: jax.Array | None = None,
+           penalties: tuple[jax.Array, jax.Array] | None = None, *, num_logprobs: int = 0):
     """Sample one token per row.
 
     Args:
       logits: float32 [batch, vocab].
       temperature, top_p, min_p: float32 [batch]; top_k, step: int32 [batch]; seed: uint32 [batch].
+      repetition, presence, frequency: float32 [batch] penalties, applied when `penalties`
+        (history, num_prompt: see `penalty_history`) is given.
       num_logprobs: static; how many top logprobs to return per row (0: none).
     Returns:
       dict with `tokens` int32 [batch], `logprob` float32 [batch] (of the chosen token),
@@ -74,6 +122,10 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
       `top_logprobs` float32 [batch, k].
     """
     logits = logits.astype(jnp.float32)
+    raw = logits
+    if penalties is not None:
+        counts, in_prompt = _counts(*penalties, logits.shape[-1])
+        logits = apply_penalties(logits, counts, in_prompt, repetition, presence, frequency)
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
@@ -81,7 +133,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
     sampled = jax.vmap(jax.random.categorical)(keys, filtered)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.nn.log_softmax(raw, axis=-1)  # of the model's own distribution, as vLLM reports
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     out = {"tokens": tokens, "logprob": chosen,
            "rank": (jnp.sum(logprobs > chosen[:, None], axis=-1) + 1).astype(jnp.int32)}

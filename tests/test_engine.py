@@ -152,3 +152,18 @@ def test_bad_requests_are_rejected_with_the_value(tiny):
         engine.add_request("dup", [5], SamplingParams())
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_engine(tiny, max_num_seqs=32, max_num_batched_tokens=16)
+
+
+def test_penalties_reach_the_sampler_through_the_engine(tiny):
+    engine = make_engine(tiny)
+    prompt = [7, 8, 9, 7, 8, 9]
+    plain = run(engine, [prompt], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)])[0]
+    strong = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=5.0,
+                            frequency_penalty=2.0)
+    penalised = run(engine, [prompt], [strong])[0]
+    assert penalised != plain
+    assert len(set(penalised)) > len(set(plain))  # fewer repeats
+    # The same penalised request inside a batch gives the same tokens.
+    prompts, params = workload(n=6, seed=5)
+    assert run(engine, prompts + [prompt], params + [strong])[-1] == penalised
+    assert_clean(engine)

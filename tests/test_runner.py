@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,3 +71,20 @@ def test_compilations_are_counted_and_stop_after_warmup():
     assert runner.num_compilations == before and runner.num_compilations_after_warmup == 0
     with pytest.raises(ValueError, match="largest token bucket"):
         runner.execute([(0, list(range(9)), [4, 5, 6])], [GREEDY])
+
+
+def test_step_records_count_real_tokens_bytes_and_flops():
+    config, params, _ = _load("llama2")
+    runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=32, backend="reference",
+                    batch_buckets=(2,), token_buckets=(8,), max_num_batched_tokens=8)
+    runner.execute([(0, [1, 2, 3, 4, 5], [1, 2])], [GREEDY])
+    runner.execute([(5, [6], [1, 2])], [GREEDY])
+    prefill, decode = runner.records
+    assert (prefill.kind, prefill.bucket, prefill.real_tokens, prefill.padded_tokens) == ("prefill", (1, 8), 5, 8)
+    assert (decode.kind, decode.bucket, decode.real_tokens, decode.padded_tokens) == ("decode", (2, 1), 1, 2)
+    weights = sum(v.size * 4 for v in jax.tree.leaves(params))
+    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    assert decode.bytes_needed == weights + kv_token * (6 + 1)
+    layer_params = sum(v.size for v in jax.tree.leaves(params)) - 2 * config.vocab_size * config.hidden_size
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * 6
+    assert decode.flops_needed == 2 * layer_params + 2 * config.hidden_size * config.vocab_size + attention
