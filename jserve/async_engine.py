@@ -19,9 +19,12 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from jserve.request import CompletionOutput, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from jserve.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +94,13 @@ class AsyncLLMEngine:
     """Runs an `LLMEngine` on a daemon thread and streams each request's outputs to asyncio.
 
     Args:
-      engine: the engine to drive; nothing else may call it while this object's thread runs.
+      engine: the engine to drive (or any object with its add_request / abort_request / step /
+        has_unfinished_requests / stats / num_steps); nothing else may call it while the thread runs.
       start: start the thread now (else call `start()`).
       max_timings: how many finished requests' `RequestTimings` to keep for `request_timings`.
     """
 
-    def __init__(self, engine: Any, *, start: bool = True, max_timings: int = 4096):
+    def __init__(self, engine: "LLMEngine", *, start: bool = True, max_timings: int = 4096):
         self.engine = engine
         self._cond = threading.Condition()
         self._commands: collections.deque[_Command] = collections.deque()

@@ -64,7 +64,7 @@ class Runner:
         self.max_model_len = max_model_len
         self.backend = backend or default_backend()
         self.batch_buckets = tuple(batch_buckets)
-        self.token_buckets = buckets.clip(token_buckets, max_num_batched_tokens)
+        self.token_buckets = buckets.clip(token_buckets, min(max_num_batched_tokens, max_model_len))
         # The page-table width is fixed: the kernels loop over live pages only, so a wider table
         # costs nothing and saves a bucket dimension (and its compilations).
         self.max_pages = math.ceil(max_model_len / page_size)
