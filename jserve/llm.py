@@ -95,9 +95,13 @@ class LLM:
             raise
         results: dict[str, RequestOutput] = {}
         while len(results) < len(request_ids):
-            for out in self.engine.step():
+            steps = self.engine.num_steps
+            outputs = self.engine.step()
+            for out in outputs:
                 if out.finished:
                     results[out.request_id] = out
+            if not outputs and self.engine.num_steps == steps:
+                raise RuntimeError(f"the engine made no progress: {self.engine.stats()}")
         return [results[rid] for rid in request_ids]
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
