@@ -68,7 +68,8 @@ class _Group:
     prompt_logprobs: list | None = None
 
     def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.request.output_token_ids), s.logprobs,
+        outs = [CompletionOutput(s.index, s.text, list(s.request.output_token_ids),
+                                 None if s.logprobs is None else list(s.logprobs),
                                  s.request.status.finish_reason, s.stop_reason) for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.prompt_logprobs,
                              finished=all(s.request.is_finished for s in self.sequences))
@@ -250,9 +251,7 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, Any]:
-        records = self.runner.records
-        real = sum(r.real_tokens for r in records)
-        padded = sum(r.padded_tokens for r in records)
+        real, padded = self.runner.total_real_tokens, self.runner.total_padded_tokens
         pool = self.page_table.pool
         return {
             "num_steps": self.num_steps,

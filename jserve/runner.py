@@ -9,6 +9,7 @@ prove none happens after warm-up.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -79,7 +80,9 @@ class Runner:
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
         self.warmed_up = False
-        self.records: list[StepRecord] = []
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=4096)  # recent steps
+        self.total_real_tokens = 0  # since warm-up, for the padding-waste metric
+        self.total_padded_tokens = 0
 
     def execute(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]],
                 sampling: Sequence[tuple], penalties: Sequence[tuple | None] | None = None
@@ -144,8 +147,10 @@ class Runner:
         out, self.kv = self._step(self.params, self.kv, *arrays, sampling_arrays, history)
         out = jax.device_get(out)
         seconds = time.perf_counter() - t0
-        self.records.append(StepRecord(kind, (B, T), sum(len(r[1]) for r in rows), B * T, seconds,
-                                       *self._cost(rows)))
+        real = sum(len(r[1]) for r in rows)
+        self.records.append(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
+        self.total_real_tokens += real
+        self.total_padded_tokens += B * T
         for j, i in enumerate(index):
             results[i] = {key: value[j] for key, value in out.items()}
 
@@ -200,6 +205,7 @@ class Runner:
             rows = [(0, [0] * T, [0] * self.max_pages)] * B
             self._run(rows, [GREEDY] * B, list(range(B)), {}, kind)
         self.records.clear()
+        self.total_real_tokens = self.total_padded_tokens = 0
         self.warmed_up = True
 
 
