@@ -124,15 +124,31 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     logits = logits.astype(jnp.float32)
     raw = logits
     if penalties is not None:
-        counts, in_prompt = _counts(*penalties, logits.shape[-1])
-        logits = apply_penalties(logits, counts, in_prompt, repetition, presence, frequency)
+        # Only steps that carry a penalised row pay for the [batch, vocab] counts.
+        has_penalty = jnp.any((repetition != 1.0) | (presence != 0.0) | (frequency != 0.0))
+
+        def penalise(l):
+            counts, in_prompt = _counts(*penalties, l.shape[-1])
+            return apply_penalties(l, counts, in_prompt, repetition, presence, frequency)
+
+        logits = jax.lax.cond(has_penalty, penalise, lambda l: l, logits)
     greedy = temperature <= 0.0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
-    filtered = jax.lax.cond(needs_filter, _filtered_logits, lambda l, *_: l, scaled, top_k, top_p, min_p)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    argmax = jnp.argmax(logits, axis=-1)
+
+    def draw(logits):
+        scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+        filtered = jax.lax.cond(needs_filter, _filtered_logits, lambda l, *_: l, scaled, top_k, top_p, min_p)
+        # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
+        # (*measured* 33 ms for 16 x 49152 threefry draws on the dev CPU, more than the model step).
+        probs = jax.nn.softmax(filtered, axis=-1)
+        cdf = jnp.cumsum(probs, axis=-1)
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
+        u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
+        sampled = jnp.argmax(cdf > u[:, None], axis=-1)
+        return jnp.where(greedy, argmax, sampled)
+
+    tokens = jax.lax.cond(jnp.all(greedy), lambda l: argmax, draw, logits).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(raw, axis=-1)  # of the model's own distribution, as vLLM reports
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     out = {"tokens": tokens, "logprob": chosen,
