@@ -1,4 +1,4 @@
-"""Command line: `jserve convert | generate | plan`."""
+"""Command line: `jserve convert | generate | plan | serve`."""
 
 from __future__ import annotations
 
@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.set_defaults(func=_plan)
+
+    from jserve.server.cli import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 

@@ -257,7 +257,9 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
             "compilations": self.runner.num_compilations,
-            "compilations_after_warmup": self.runner.num_compilations_after_warmup,
+            # The prompt-logprob scorer compiles on first use (not warmed up): counted here.
+            "compilations_after_warmup": self.runner.num_compilations_after_warmup + (
+                self.scorer.num_compilations if self.scorer is not None else 0),
             "pages_in_use": pool.num_used_pages,
             "pages_cached": pool.num_cached_pages,
             "pages_free": pool.num_free_pages,

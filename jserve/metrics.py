@@ -1,0 +1,105 @@
+"""Prometheus metrics of the server and the engine: TTFT, TPOT, queue vs compute, MBU/MFU, padding waste.
+
+One `ServerMetrics` per app, each with its own `CollectorRegistry` (two apps in one process do
+not clash). Request-level numbers are observed as requests finish; engine gauges are refreshed
+from `AsyncLLMEngine.stats()` and the runner's recent step records at every scrape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0)
+_REQUEST = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+RECENT_STEPS = 64  # step records behind the utilisation gauges
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter("jserve_requests", "HTTP requests by route and status code",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("jserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("jserve_generation_tokens", "generated tokens", registry=r)
+
+        def hist(name: str, doc: str, buckets=_LATENCY) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.ttft = hist("jserve_time_to_first_token_seconds", "arrival to first generated token")
+        self.tpot = hist("jserve_time_per_output_token_seconds", "decode time per output token after the first")
+        self.itl = hist("jserve_inter_token_latency_seconds", "time between successive streamed outputs")
+        self.e2e = hist("jserve_e2e_request_latency_seconds", "arrival to finish", _REQUEST)
+        self.queue = hist("jserve_request_queue_time_seconds", "arrival to first scheduled (waiting)", _REQUEST)
+        self.prefill = hist("jserve_request_prefill_time_seconds", "first scheduled to first token", _REQUEST)
+        self.decode = hist("jserve_request_decode_time_seconds", "first token to finish", _REQUEST)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=r)
+
+        self.running = gauge("jserve_num_requests_running", "sequences in the running batch")
+        self.waiting = gauge("jserve_num_requests_waiting", "sequences waiting to be scheduled")
+        self.in_flight = gauge("jserve_num_requests_in_flight", "engine requests the server has not finished")
+        self.pages_used = gauge("jserve_kv_pages_used", "KV pages held by requests")
+        self.pages_cached = gauge("jserve_kv_pages_cached", "free KV pages still holding prefix-cache entries")
+        self.pages_total = gauge("jserve_kv_pages_total", "KV pages in the pool")
+        self.kv_usage = gauge("jserve_kv_cache_usage_ratio", "used / total KV pages")
+        self.prefix_hit_rate = gauge("jserve_prefix_cache_hit_rate", "prompt tokens found in the prefix cache "
+                                                                     "/ prompt tokens looked up")
+        self.preemptions = gauge("jserve_num_preemptions", "preemptions since start")
+        self.compilations = gauge("jserve_compilations_after_warmup", "jit compilations after warm-up "
+                                                                       "(should stay 0)")
+        self.padding = gauge("jserve_padded_token_fraction", "padding / padded tokens over all steps")
+        self.steps = gauge("jserve_num_steps", "engine steps since start")
+        self.tokens_per_s = gauge("jserve_step_tokens_per_second", "real tokens per second of step time, "
+                                                                   f"last {RECENT_STEPS} steps")
+        self.bytes_per_s = gauge("jserve_achieved_bytes_per_second", "minimum bytes moved per second of step "
+                                                                     f"time (bandwidth use), last {RECENT_STEPS} steps")
+        self.flops_per_s = gauge("jserve_achieved_flops_per_second", "useful FLOPs per second of step time, "
+                                                                     f"last {RECENT_STEPS} steps")
+        self.ready = gauge("jserve_ready", "1 once warmed up and serving, else 0")
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def observe_timings(self, timings: Any) -> None:
+        """A finished engine request's `RequestTimings`."""
+        for hist, value in ((self.queue, timings.queue_time), (self.prefill, timings.prefill_time),
+                            (self.decode, timings.decode_time), (self.e2e, timings.e2e_time)):
+            if value is not None:
+                hist.observe(value)
+        if timings.first_token_time is not None:
+            self.ttft.observe(timings.first_token_time - timings.arrival_time)
+        if timings.decode_time is not None and timings.num_output_tokens > 1:
+            self.tpot.observe(timings.decode_time / (timings.num_output_tokens - 1))
+        self.prompt_tokens.inc(timings.num_prompt_tokens)
+        self.generation_tokens.inc(timings.num_output_tokens)
+
+    def update_engine(self, stats: dict, records: Iterable[Any] = ()) -> None:
+        """Engine gauges from `LLMEngine.stats()` and recent runner `StepRecord`s."""
+        self.running.set(stats.get("num_running", 0))
+        self.waiting.set(stats.get("num_waiting", 0))
+        self.pages_used.set(stats.get("pages_in_use", 0))
+        self.pages_cached.set(stats.get("pages_cached", 0))
+        total = stats.get("num_pages", 0)
+        self.pages_total.set(total)
+        self.kv_usage.set(stats.get("pages_in_use", 0) / total if total else 0.0)
+        query = stats.get("prefix_cache_query_tokens", 0)
+        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_tokens", 0) / query if query else 0.0)
+        self.preemptions.set(stats.get("num_preemptions", 0))
+        self.compilations.set(stats.get("compilations_after_warmup", 0))
+        self.padding.set(stats.get("padded_token_fraction", 0.0))
+        self.steps.set(stats.get("num_steps", 0))
+        recent = list(records)[-RECENT_STEPS:]
+        seconds = sum(r.seconds for r in recent)
+        if seconds > 0:
+            self.tokens_per_s.set(sum(r.real_tokens for r in recent) / seconds)
+            self.bytes_per_s.set(sum(r.bytes_needed for r in recent) / seconds)
+            self.flops_per_s.set(sum(r.flops_needed for r in recent) / seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,118 @@
+"""`jserve serve`: load a model, warm every bucket, serve the OpenAI API until SIGTERM / SIGINT.
+
+The port opens at once (GET /health answers 503 while the model loads and warms up); on SIGTERM
+the server answers 503, lets in-flight requests finish for `--grace-period` seconds, aborts the
+rest and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to `jserve`'s subparsers (its func: `serve_command`)."""
+    from jserve.cli import add_engine_args, parse_bytes
+
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--model", default=None, help="checkpoint folder, HF folder, .gguf or name "
+                   "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` "
+                   "(default: the model folder's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable); "
+                   "none: no auth")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests allowed to wait beyond --max-num-seqs before answering 429")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default="4MiB", help="larger bodies get 413")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weight dtype if the model must be converted first")
+    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p)
+    p.set_defaults(func=serve_command)
+    return p
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    asyncio.run(serve(args))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from jserve.cli import engine_kwargs
+    from jserve.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, seed=args.seed, warmup=True, **engine_kwargs(args))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from jserve.async_engine import AsyncLLMEngine
+    from jserve.server.app import ServerState, build_app
+
+    name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+    state = ServerState(name, api_keys=tuple(args.api_key), max_queue=args.max_queue)
+    runner = web.AppRunner(build_app(state, max_body_bytes=args.max_body_bytes), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    logger.warning("listening on http://%s:%d (warming up)", args.host, args.port)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # A daemon thread, not to_thread: a signal during loading must not wait for the load to end.
+    loaded: asyncio.Future = loop.create_future()
+
+    def load() -> None:
+        try:
+            result = _load(args)
+            loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_result(result))
+        except BaseException as e:  # noqa: BLE001 - reported on the loop, re-raised by serve()
+            loop.call_soon_threadsafe(lambda err=e: loaded.done() or loaded.set_exception(err))
+
+    threading.Thread(target=load, name="jserve-load", daemon=True).start()
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if loaded.done():
+        llm = loaded.result()  # a load error propagates: exit non-zero
+        state.attach(AsyncLLMEngine(llm.engine))
+        logger.warning("ready: serving %s on http://%s:%d", name, args.host, args.port)
+        await stopping
+    logger.warning("shutting down (grace period %.0f s)", args.grace_period)
+    await state.drain(args.grace_period)
+    await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jserve.server.cli serve ...` until jserve.cli hooks in add_serve_parser."""
+    parser = argparse.ArgumentParser(prog="jserve")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Running a validated completions / chat request: one engine stream per prompt, merged, sent as
+one JSON body or as SSE chunks in OpenAI's shapes, with usage and jserve timings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from aiohttp import web
+
+from jserve.async_engine import EngineDeadError
+from jserve.request import RequestOutput
+from jserve.server import protocol
+from jserve.server.errors import APIError, error_body
+
+# Set on a request whose client went away (the metrics count it as 499).
+DISCONNECTED = web.RequestKey("disconnected", bool) if hasattr(web, "RequestKey") else "jserve_disconnected"
+
+if TYPE_CHECKING:
+    from jserve.server.app import ServerState
+
+
+async def _merge(state: "ServerState", rids: list[str], req: protocol.GenerateRequest
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, delta output) from every prompt's stream as they come; closing this closes
+    (so aborts) them all."""
+    gens = [state.engine.generate(rid, ids, req.params, prompt=text, priority=req.priority)
+            for rid, (text, ids) in zip(rids, req.prompts)]
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _engine_error(e: Exception) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not running: {e}", code="engine_unavailable")
+    return APIError(400, str(e))  # ValueError: the engine rejected the request and said why
+
+
+class _Choice:
+    def __init__(self, index: int, prefix: str):
+        self.index = index
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.prefix = prefix  # echoed prompt, sent first
+        self.started = False
+
+
+def _usage(state: "ServerState", rids: list[str], req: protocol.GenerateRequest, choices: dict) -> dict:
+    timings = [t for t in map(state.engine.request_timings, rids) if t is not None]
+
+    def ms(name: str) -> float:
+        values = [getattr(t, name) for t in timings if getattr(t, name) is not None]
+        return round(max(values) * 1000, 3) if values else 0.0
+
+    prompt_tokens = sum(len(ids) for _, ids in req.prompts)
+    completion_tokens = sum(len(c.token_ids) for c in choices.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in timings)},
+            "queue_ms": ms("queue_time"), "prefill_ms": ms("prefill_time"), "decode_ms": ms("decode_time")}
+
+
+def _timing_headers(usage: dict, request_id: str) -> dict[str, str]:
+    return {"x-request-id": request_id, "x-jserve-queue-ms": str(usage["queue_ms"]),
+            "x-jserve-prefill-ms": str(usage["prefill_ms"]), "x-jserve-decode-ms": str(usage["decode_ms"])}
+
+
+async def run_generation(request: web.Request, state: "ServerState", req: protocol.GenerateRequest) -> web.StreamResponse:
+    request_id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+    rids = [f"{request_id}-{i}" for i in range(len(req.prompts))]
+    n = req.params.n
+    choices: dict[int, _Choice] = {}
+    for p, (text, ids) in enumerate(req.prompts):
+        prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
+        for i in range(n):
+            choices[p * n + i] = _Choice(p * n + i, prefix)
+    created = int(time.time())
+    head = {"id": request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": created, "model": state.model_name}
+    tok = state.tokenizer
+    state._begin(len(rids))
+    response: web.StreamResponse | None = None
+    last_time = None
+    try:
+        async with contextlib.aclosing(_merge(state, rids, req)) as stream:
+            try:
+                async for p, out in stream:
+                    now = time.monotonic()
+                    if last_time is not None:
+                        state.metrics.itl.observe(now - last_time)
+                    last_time = now
+                    chunks = []
+                    for c in out.outputs:
+                        ch = choices[p * n + c.index]
+                        offset = len(ch.prefix) + len(ch.text)
+                        ch.text += c.text
+                        ch.token_ids += c.token_ids
+                        if c.logprobs is not None:
+                            ch.logprobs += c.logprobs
+                        ch.finish_reason = c.finish_reason
+                        if req.stream:
+                            chunks.append(_chunk(req, ch, c, offset, tok))
+                    if req.stream and chunks:
+                        if response is None:  # headers go out with the first output: errors before it get a status
+                            response = await _start_sse(request, request_id)
+                        for chunk in chunks:
+                            await _send(response, {**head, "choices": [chunk], **_null_usage(req)})
+            except (ValueError, EngineDeadError) as e:
+                if response is None:
+                    raise _engine_error(e) from None
+                await _send(response, error_body(_engine_error(e).status, str(e)))
+                await response.write(b"data: [DONE]\n\n")
+                return response
+        usage = _usage(state, rids, req, choices)
+        for rid in rids:
+            timings = state.engine.request_timings(rid)
+            if timings is not None:
+                state.metrics.observe_timings(timings)
+        if not req.stream:
+            body = {**head, "object": "chat.completion" if req.chat else "text_completion",
+                    "choices": [_final_choice(req, ch, tok) for ch in choices.values()], "usage": usage}
+            return web.json_response(body, headers=_timing_headers(usage, request_id))
+        if response is None:
+            response = await _start_sse(request, request_id)
+        if req.include_usage:
+            await _send(response, {**head, "choices": [], "usage": usage})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    except ConnectionResetError:  # the client went away mid-stream: closing the stream aborted it
+        request[DISCONNECTED] = True
+        return response if response is not None else web.Response(status=499)
+    finally:
+        state._end(len(rids))
+
+
+def _null_usage(req: protocol.GenerateRequest) -> dict:
+    return {"usage": None} if req.include_usage else {}
+
+
+async def _start_sse(request: web.Request, request_id: str) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "x-request-id": request_id})
+    await response.prepare(request)
+    return response
+
+
+async def _send(response: web.StreamResponse, obj: dict) -> None:
+    await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+
+def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, tok: Any) -> dict:
+    """One streamed choice for the new part `delta` (a CompletionOutput of deltas)."""
+    first, ch.started = not ch.started, True
+    text = ch.prefix + delta.text if first else delta.text
+    if req.chat:
+        d: dict = {"role": "assistant", "content": text} if first else {"content": text}
+        logprobs = (protocol.chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
+                    if delta.logprobs is not None else None)
+        return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+    logprobs = (protocol.completion_logprobs(delta.token_ids, delta.logprobs, tok, offset)
+                if delta.logprobs is not None else None)
+    return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+
+def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any) -> dict:
+    has_lp = req.params.logprobs is not None
+    if req.chat:
+        logprobs = protocol.chat_logprobs(ch.token_ids, ch.logprobs, tok, req.top_logprobs) if has_lp else None
+        return {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+                "logprobs": logprobs, "finish_reason": ch.finish_reason}
+    logprobs = protocol.completion_logprobs(ch.token_ids, ch.logprobs, tok, len(ch.prefix)) if has_lp else None
+    return {"index": ch.index, "text": ch.prefix + ch.text, "logprobs": logprobs, "finish_reason": ch.finish_reason}

@@ -1,0 +1,339 @@
+"""OpenAI request bodies -> validated prompts and `SamplingParams`; OpenAI response and chunk shapes.
+
+Every check raises `APIError(400)` naming the field and the bad value; `SamplingParams`' own
+ValueErrors (which start with the field's name) are mapped the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+from jserve.request import MAX_LOGPROBS, Logprob, SamplingParams
+from jserve.server.errors import APIError, bad_request
+
+MAX_N = 64  # samples per request (n times the number of prompts)
+MAX_PROMPTS = 64
+MAX_STOP = 16
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """One validated /v1/completions or /v1/chat/completions body."""
+
+    chat: bool
+    prompts: list[tuple[str | None, list[int]]]  # (text if known, token ids) per prompt
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    priority: int = 0
+    top_logprobs: int | None = None  # chat: alternatives listed per token (None: no logprobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What validation needs to know about the served model."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int  # of the model (token ids the engine accepts)
+
+
+# ------------------------------------------------------------------------------ field readers
+
+def _type_error(name: str, want: str, value: Any) -> APIError:
+    return bad_request(f"{name} must be {want}, got {_show(value)}", param=name)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(body: dict, name: str, default: Any = None, lo: int | None = None, hi: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(name, "an integer", value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise bad_request(f"{name} must be in [{lo}, {hi}], got {_show(value)}", param=name)
+    return value
+
+
+def _float(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _type_error(name, "a finite number", value)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def _str(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return value
+
+
+def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"{name} must be a non-empty list of token ids, got {_show(value)}", param=name)
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise _type_error(name, "a list of integer token ids", t)
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"token id {t} in {name} is outside the vocabulary [0, {vocab_size})", param=name)
+    return list(value)
+
+
+def check_model(body: dict, ctx: Context) -> None:
+    model = body.get("model")
+    if model is None:
+        return  # OpenAI requires it; we serve one model, so a missing name is harmless
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    if model != ctx.model_name:
+        raise APIError(400, f"The model `{_show(model)[1:-1]}` does not exist; this server serves "
+                            f"`{ctx.model_name}`.", param="model", code="model_not_found")
+
+
+# ------------------------------------------------------------------------------ requests
+
+def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int | None,
+              num_prompts: int) -> SamplingParams:
+    n = _int(body, "n", 1, 1, MAX_N)
+    if n * num_prompts > MAX_N:
+        raise bad_request(f"n * number of prompts must be at most {MAX_N}, got {n} * {num_prompts}", param="n")
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != n:
+        raise bad_request(f"best_of != n is not supported, got best_of={best_of}", param="best_of")
+    bias = body.get("logit_bias")
+    if bias not in (None, {}):
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP:
+        raise bad_request(f"stop may hold at most {MAX_STOP} strings, got {len(stop)}", param="stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise _type_error("stop", "a string or a list of strings", stop)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or len(stop_ids) > 64:
+            raise _type_error("stop_token_ids", "a list of at most 64 token ids", stop_ids)
+        for t in stop_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63:
+                raise _type_error("stop_token_ids", "a list of non-negative token ids", stop_ids)
+    temperature = _float(body, "temperature", 1.0)
+    if 0 < temperature < 1e-5:
+        temperature = 0.0  # as greedy: dividing logits by it would overflow
+    temperature = min(temperature, 1e6)  # beyond that it is uniform anyway; float32 would overflow
+    top_p = _float(body, "top_p", 1.0)
+    if 0 < top_p < 1e-6:
+        top_p = 1e-6  # float32 would round it to 0
+    top_k = _int(body, "top_k", 0, -1, 2**31 - 1)
+    if top_k >= ctx.vocab_size:
+        top_k = 0  # no restriction; keeps it inside int32 in the step
+    repetition_penalty = _float(body, "repetition_penalty", 1.0)
+    if 0 < repetition_penalty < 1e-2:
+        raise bad_request(f"repetition_penalty must be in [0.01, 10], got {repetition_penalty!r}",
+                          param="repetition_penalty")
+    kwargs = dict(
+        n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=_float(body, "min_p", 0.0),
+        repetition_penalty=repetition_penalty, presence_penalty=_float(body, "presence_penalty", 0.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0), seed=_int(body, "seed", None, -2**63, 2**64 - 1),
+        max_tokens=max_tokens, min_tokens=_int(body, "min_tokens", 0, 0, ctx.max_model_len), stop=stop,
+        stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"))
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        first = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), param=first if first in kwargs else None) from None
+
+
+def _common(body: dict, ctx: Context) -> dict:
+    check_model(body, ctx)
+    _str(body, "user")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    include_usage = _bool(options or {}, "include_usage")
+    return dict(stream=stream, include_usage=include_usage, priority=_int(body, "priority", 0, -2**31, 2**31 - 1))
+
+
+def _check_lengths(prompts: list[tuple[str | None, list[int]]], max_tokens: int | None, ctx: Context) -> None:
+    limit = ctx.max_model_len
+    for _, ids in prompts:
+        if len(ids) >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                              f"{len(ids)} tokens (it must be shorter to leave room for output).",
+                              param="prompt", code="context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                              f"completion). Please reduce the prompt or max_tokens.",
+                              param="max_tokens", code="context_length_exceeded")
+
+
+def parse_completion(body: dict, ctx: Context, tokenizer: Any) -> GenerateRequest:
+    common = _common(body, ctx)
+    if "prompt" not in body:
+        raise bad_request("prompt is required", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        items = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        items = list(prompt)
+    else:
+        raise _type_error("prompt", "a string, a list of strings, a list of token ids or a list of token-id "
+                                    "lists (non-empty)", prompt)
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item)
+            if not ids:
+                raise bad_request("prompt is empty: give at least one token", param="prompt")
+            bad = [t for t in ids if t >= ctx.vocab_size]
+            if bad:
+                raise bad_request(f"prompt token id {bad[0]} is outside the model's vocabulary "
+                                  f"[0, {ctx.vocab_size})", param="prompt")
+            prompts.append((item, ids))
+        else:
+            prompts.append((None, _token_ids(item, "prompt", ctx.vocab_size)))
+    if body.get("suffix") not in (None, ""):
+        raise bad_request("suffix is not supported", param="suffix")
+    echo = _bool(body, "echo")
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if echo and logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported", param="echo")
+    max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
+    _check_lengths(prompts, max_tokens, ctx)
+    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=logprobs, num_prompts=len(prompts))
+    return GenerateRequest(chat=False, prompts=prompts, params=params, echo=echo, **common)
+
+
+def parse_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(f"messages must be a non-empty list of messages, got {_show(messages)}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        name = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _type_error(name, "an object with 'role' and 'content'", m)
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"{name}.role must be one of {', '.join(_ROLES)}, got {_show(role)}", param=name)
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"{name}.content parts must be {{'type': 'text', 'text': str}}, got "
+                                      f"{_show(part)}", param=name)
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise _type_error(f"{name}.content", "a string, a list of text parts or null", content)
+        msg = {"role": role, "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def encode_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(f"chat template: {e}", param="messages") from None
+    except Exception as e:  # noqa: BLE001 - jinja2 errors raised by the template (raise_exception)
+        raise bad_request(f"chat template: {type(e).__name__}: {e}", param="messages") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def parse_chat(body: dict, ctx: Context, tokenizer: Any) -> GenerateRequest:
+    common = _common(body, ctx)
+    messages = parse_messages(body)
+    text, ids = encode_chat(tokenizer, messages, _bool(body, "add_generation_prompt", True))
+    bad = [t for t in ids if t >= ctx.vocab_size]
+    if bad:
+        raise bad_request(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {ctx.vocab_size})",
+                          param="messages")
+    want_logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    top_logprobs = (top or 0) if want_logprobs else None
+    max_tokens = _int(body, "max_completion_tokens", None, 1, 2**31 - 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1, 2**31 - 1)
+    prompts = [(text, ids)]
+    _check_lengths(prompts, max_tokens, ctx)
+    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=top_logprobs, num_prompts=1)
+    return GenerateRequest(chat=True, prompts=prompts, params=params, top_logprobs=top_logprobs, **common)
+
+
+# ------------------------------------------------------------------------------ response shapes
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else -9999.0  # JSON has no -Infinity
+
+
+def _token_text(token_id: int, entry: dict[int, Logprob], tokenizer: Any) -> str:
+    lp = entry.get(token_id)
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([token_id])
+
+
+def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]], tokenizer: Any,
+                        offset: int) -> dict:
+    """The `logprobs` object of a completions choice; text offsets start at `offset`."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, logprobs):
+        tok = _token_text(tid, entry, tokenizer)
+        tokens.append(tok)
+        token_lps.append(_finite(entry[tid].logprob) if tid in entry else None)
+        tops.append({(v.decoded_token if v.decoded_token is not None else tokenizer.decode([k])): _finite(v.logprob)
+                     for k, v in sorted(entry.items(), key=lambda kv: kv[1].rank)})
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]], tokenizer: Any,
+                  num_top: int) -> dict:
+    """The `logprobs` object of a chat choice."""
+
+    def item(token_id: int, lp: Logprob | None) -> dict:
+        tok = lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([token_id])
+        return {"token": tok, "logprob": _finite(lp.logprob) if lp is not None else None,
+                "bytes": list(tok.encode("utf-8", "replace"))}
+
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+        top = sorted((kv for kv in entry.items() if kv[1].rank <= num_top), key=lambda kv: kv[1].rank)
+        content.append({**item(tid, entry.get(tid)), "top_logprobs": [item(k, v) for k, v in top]})
+    return {"content": content}
