@@ -500,7 +500,7 @@ def test_disconnect_while_waiting_for_a_plain_reply_aborts(server):
 def test_concurrent_streams_with_disconnects(server, expected):
     async def main():
         jobs = []
-        for i in range(50):
+        for i in range(200):
             prompt = PROMPTS[i % len(PROMPTS)]
             body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
             drop = 1 + i % 3 if i % 4 == 3 else None
@@ -520,8 +520,8 @@ def test_concurrent_streams_with_disconnects(server, expected):
                if line and not line.startswith("#")}
     assert metrics["jserve_kv_pages_used"] == 0 and metrics["jserve_num_requests_running"] == 0
     assert metrics["jserve_compilations_after_warmup"] == 0
-    assert metrics['jserve_requests_total{route="/v1/completions",status="200"}'] >= 37
-    assert metrics["jserve_time_to_first_token_seconds_count"] >= 37
+    assert metrics['jserve_requests_total{route="/v1/completions",status="200"}'] >= 150
+    assert metrics["jserve_time_to_first_token_seconds_count"] >= 150
     for name in ("jserve_inter_token_latency_seconds_count", "jserve_time_per_output_token_seconds_count",
                  "jserve_request_queue_time_seconds_count", "jserve_request_decode_time_seconds_count",
                  "jserve_achieved_bytes_per_second", "jserve_achieved_flops_per_second",
@@ -549,7 +549,7 @@ _BODIES = st.one_of(
 )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
        body=_BODIES)
 def test_fuzz_bodies_never_5xx(server, path, body):
