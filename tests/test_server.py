@@ -378,6 +378,7 @@ def test_warming_up_and_draining(engine):
 _SERVE = '''
 import sys
 import jax.numpy as jnp
+import jserve.cli
 import jserve.server.cli as cli
 from jserve.checkpoint import read_params
 from jserve.engine import EngineConfig, build_engine
@@ -398,7 +399,7 @@ class Tiny:
 
 
 cli._load = Tiny
-sys.exit(cli.main(["serve", "--port", sys.argv[3], "--served-model-name", "tiny", "--grace-period", "30"]))
+sys.exit(jserve.cli.main(["serve", "--port", sys.argv[3], "--served-model-name", "tiny", "--grace-period", "30"]))
 '''
 
 

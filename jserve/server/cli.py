@@ -11,10 +11,9 @@ import argparse
 import asyncio
 import logging
 import signal
-import sys
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -97,22 +96,3 @@ async def serve(args: argparse.Namespace) -> None:
     logger.warning("shutting down (grace period %.0f s)", args.grace_period)
     await state.drain(args.grace_period)
     await runner.cleanup()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m jserve.server.cli serve ...` until jserve.cli hooks in add_serve_parser."""
-    parser = argparse.ArgumentParser(prog="jserve")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"jserve: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
