@@ -1,8 +1,9 @@
-"""Compiled prefill and decode steps over a contiguous KV cache (the offline generation path).
+"""Compiled prefill and decode steps over a contiguous KV cache: a simple reference path.
 
 One group of sequences shares a cache `[batch, kv_heads, cache_len, head_dim]` per layer; every
-shape comes from `buckets.py` and the cache is donated to each call so XLA updates it in place.
-The paged engine replaces this runner; the host-side API (`Generator`) stays.
+shape comes from `buckets.py` and the cache is donated to each call. The engine serves on the paged
+`Runner`; this one scores prompts (prompt logprobs) and is the reference the paged path is tested
+against.
 """
 
 from __future__ import annotations
