@@ -103,16 +103,18 @@ def test_concurrency_mode_counts_latencies_and_outputs(tmp_path):
     assert b["ignore_eos"] is True and b["max_tokens"] == 8 and b["model"] == "fake"
     assert seen[0]["auth"] == "Bearer sk-test"
     # latencies roughly match the fake delays (generous upper bounds: shared CPUs)
-    assert TTFT_S * 1000 <= m["ttft_ms"]["median"] < TTFT_S * 1000 + 100
-    assert TOKEN_S * 1000 * 0.9 <= m["tpot_ms"]["median"] < TOKEN_S * 1000 + 20
-    assert TOKEN_S * 1000 * 0.9 <= m["itl_ms"]["median"] < TOKEN_S * 1000 + 20
+    # Sleeps are never shorter than asked; upper bounds are loose because a loaded 2-core CI
+    # machine can delay the fake server (a +20 ms bound failed once in a cold-cache CI run).
+    assert TTFT_S * 1000 <= m["ttft_ms"]["median"] < TTFT_S * 1000 + 1000
+    assert TOKEN_S * 1000 * 0.9 <= m["tpot_ms"]["median"] < TOKEN_S * 1000 + 200
+    assert TOKEN_S * 1000 * 0.9 <= m["itl_ms"]["median"] < TOKEN_S * 1000 + 200
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = m[key]
         assert s["min"] <= s["median"] <= s["p90"] <= s["p99"] <= s["max"]
         assert s["min"] <= s["mean"] <= s["max"]
     assert m["e2e_ms"]["min"] >= (TTFT_S + 7 * TOKEN_S) * 1000 * 0.95
     # 8 requests, 4 at a time, ~0.12 s each: two waves
-    assert 0.2 < m["duration_s"] < 2.0
+    assert 0.2 < m["duration_s"] < 20.0
     assert m["request_throughput"] == pytest.approx(8 / m["duration_s"])
     assert m["output_throughput"] == pytest.approx(64 / m["duration_s"])
     # server-side split from the usage block
@@ -163,7 +165,7 @@ def test_rate_mode_sweep_goodput_and_chat(tmp_path):
     # Poisson arrivals at 20/s are spread out (seeded), the 'inf' burst starts everything at once
     rated_starts = sorted(r["start"] for r in result["runs"][0]["requests"])
     burst_starts = sorted(r["start"] for r in result["runs"][1]["requests"])
-    assert rated_starts[-1] > 0.05 and burst_starts[-1] < 0.05
+    assert rated_starts[-1] > 0.05 and burst_starts[-1] < min(0.5, rated_starts[-1])
     saved = json.loads((tmp_path / "results.json").read_text())  # strict JSON (no Infinity)
     assert saved["runs"][1]["load"]["request_rate"] == "inf"
     if _has_matplotlib():
