@@ -179,7 +179,8 @@ class Runner:
         kv_token = c.kv_bytes_per_token(self.kv[0][0].dtype.itemsize)
         new = sum(len(r[1]) for r in rows)
         context = sum(r[0] + len(r[1]) for r in rows)  # keys each row's last query reads
-        attended = sum(sum(range(r[0] + 1, r[0] + len(r[1]) + 1)) for r in rows)  # keys over all queries
+        # Keys over all queries: query at position p reads p + 1 keys; a closed-form sum per row.
+        attended = sum(len(r[1]) * (2 * r[0] + len(r[1]) + 1) // 2 for r in rows)
         bytes_needed = self.param_bytes + kv_token * (context + new)
         # Layers run for every new token; the head only for each row's last (embedding: a lookup).
         layer_params = self.num_params - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
