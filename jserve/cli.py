@@ -1,4 +1,4 @@
-"""Command line: `jserve convert | generate | plan | serve`."""
+"""Command line: `jserve convert | generate | plan | serve | bench`."""
 
 from __future__ import annotations
 
@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jserve.server.cli import add_serve_parser
     add_serve_parser(sub)
+    from jserve.bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py against a fake OpenAI-compatible SSE server on 127.0.0.1 (no model, no JAX)."""
+"""jserve.bench (`jserve bench`, scripts/bench_serving.py) against a fake OpenAI-compatible SSE server on 127.0.0.1 (no model, no JAX)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,11 @@ import asyncio
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_serving", Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py")
-bench = importlib.util.module_from_spec(_SPEC)
-sys.modules["bench_serving"] = bench
-_SPEC.loader.exec_module(bench)
+import jserve.bench as bench
 
 TTFT_S = 0.05  # the fake server's delay before the first token
 TOKEN_S = 0.01  # and between tokens

@@ -1,0 +1,114 @@
+"""The server's own view of a run: scrape Prometheus ``/metrics`` before and after, take deltas, and
+set them beside the client's figures (TTFT, prompt and generated token counts).
+
+Only jserve exports the ``jserve_*`` series; for any other server the scrape returns None and the
+benchmark reports the client's figures alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+TTFT = "jserve_time_to_first_token_seconds"
+PROMPT_TOKENS = "jserve_prompt_tokens_total"
+GENERATION_TOKENS = "jserve_generation_tokens_total"
+COMPILATIONS = "jserve_compilations_after_warmup"
+_KEEP = (f"{TTFT}_sum", f"{TTFT}_count", PROMPT_TOKENS, GENERATION_TOKENS, COMPILATIONS,
+         "jserve_num_preemptions", "jserve_num_steps", "jserve_padded_token_fraction")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text exposition, by sample name (labelled ones are skipped)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels:
+                out[sample.name] = float(sample.value)
+    return out
+
+
+def metrics_url(base_url: str) -> str:
+    base = base_url.rstrip("/")
+    return (base[:-3] if base.endswith("/v1") else base) + "/metrics"
+
+
+async def scrape(base_url: str, headers: dict | None = None, timeout: float = 10.0) -> dict[str, float] | None:
+    """jserve's counters at ``base_url``/metrics, or None when the server exports none of them."""
+    try:
+        async with aiohttp.ClientSession(trust_env=False) as session:
+            async with session.get(metrics_url(base_url), headers=headers or {},
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    return None
+                text = await resp.text()
+    except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        logger.info("no /metrics at %s: %s", base_url, e)
+        return None
+    try:
+        values = parse_metrics(text)
+    except ValueError:  # not Prometheus text (a server answering 200 with HTML, say)
+        return None
+    kept = {k: values[k] for k in _KEEP if k in values}
+    return kept if f"{TTFT}_count" in kept else None
+
+
+def _rel(client: float | None, server: float | None) -> float | None:
+    """(client - server) / server."""
+    if client is None or server is None or server == 0:
+        return None
+    return (client - server) / server
+
+
+def compare(before: dict[str, float] | None, after: dict[str, float] | None, metrics: dict) -> dict | None:
+    """The server's deltas over a run next to the client's ``metrics`` (from `report.compute_metrics`).
+
+    Returns None when either scrape is missing. Token counts are the server's finished requests;
+    the client counts only the requests it completed (failures make them differ).
+    """
+    if before is None or after is None:
+        return None
+
+    def delta(key: str) -> float | None:
+        return after[key] - before.get(key, 0.0) if key in after else None
+
+    n = delta(f"{TTFT}_count")
+    ttft_sum = delta(f"{TTFT}_sum")
+    server_ttft_ms = 1000 * ttft_sum / n if n and ttft_sum is not None else None
+    client_ttft_ms = metrics["ttft_ms"]["mean"]
+    prompt, generated = delta(PROMPT_TOKENS), delta(GENERATION_TOKENS)
+    client_in = metrics["total_input_tokens"] if metrics.get("input_tokens_exact") else None
+    client_out = metrics["total_output_tokens"]
+    return {
+        "requests": {"server": n, "client": metrics["completed"]},
+        "ttft_mean_ms": {"server": server_ttft_ms, "client": client_ttft_ms,
+                         "rel_diff": _rel(client_ttft_ms, server_ttft_ms)},
+        "prompt_tokens": {"server": prompt, "client": client_in, "rel_diff": _rel(client_in, prompt)},
+        "generation_tokens": {"server": generated, "client": client_out, "rel_diff": _rel(client_out, generated)},
+        "compilations_after_warmup": after.get(COMPILATIONS),
+        "compilations_during_run": delta(COMPILATIONS),
+        "steps_during_run": delta("jserve_num_steps"),
+        "preemptions_during_run": delta("jserve_num_preemptions"),
+    }
+
+
+def format_agreement(a: dict[str, Any]) -> str:
+    """A few lines for the terminal table."""
+    def num(x: Any, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    lines = ["server /metrics vs client:", f"  {'':<20}{'server':>12}{'client':>12}{'diff':>9}"]
+    for key, spec in (("ttft_mean_ms", ".2f"), ("prompt_tokens", ".0f"), ("generation_tokens", ".0f")):
+        row = a[key]
+        diff = "-" if row["rel_diff"] is None else f"{100 * row['rel_diff']:+.1f}%"
+        lines.append(f"  {key:<20}{num(row['server'], spec):>12}{num(row['client'], spec):>12}{diff:>9}")
+    lines.append(f"  requests finished {num(a['requests']['server'], '.0f')}, completed "
+                 f"{a['requests']['client']}; compilations after warm-up {num(a['compilations_after_warmup'], '.0f')}"
+                 f" (this run: {num(a['compilations_during_run'], '.0f')})")
+    return "\n".join(lines)
