@@ -277,3 +277,35 @@ def test_runs_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert result["plots"] == [] and (tmp_path / "results.json").is_file()
     assert not list(tmp_path.glob("*.png"))
     assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_compare_servers_table_and_ratios():
+    """scripts/compare_servers.py's table from fake results (the script itself starts real servers)."""
+    spec = importlib.util.spec_from_file_location(
+        "compare_servers", bench.__file__.replace("jserve/bench/__init__.py", "scripts/compare_servers.py"))
+    cs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cs)
+
+    def metrics(out_tok_s, ttft_p99):
+        return {"output_throughput": out_tok_s, "total_token_throughput": 2 * out_tok_s, "completed": 4, "failed": 0,
+                "ttft_ms": {"median": 10.0, "p99": ttft_p99}, "tpot_ms": {"median": 5.0}}
+
+    results = [{"server": "jserve", "label": "jserve (fp32)", "runs": {"concurrent": metrics(300.0, 900.0),
+                                                                        "single": metrics(50.0, 20.0)}},
+               {"server": "llamacpp-f32", "label": "llama.cpp F32", "runs": {"concurrent": metrics(200.0, 800.0),
+                                                                              "single": metrics(60.0, 15.0)}},
+               {"server": "hf", "label": "HF", "runs": {"concurrent": metrics(100.0, 5000.0)}},
+               {"server": "llamacpp-q", "label": "llama.cpp Q4_1", "error": "boom"}]
+    rows = cs.comparison(results)
+    assert [(r["server"], r["run"]) for r in rows] == [("jserve", "concurrent"), ("jserve", "single"),
+                                                       ("llamacpp-f32", "concurrent"), ("llamacpp-f32", "single"),
+                                                       ("hf", "concurrent")]
+    assert rows[0]["vs_llamacpp_f32"] == pytest.approx(1.5) and rows[0]["vs_hf"] == pytest.approx(3.0)
+    assert rows[1]["vs_llamacpp_f32"] == pytest.approx(50 / 60) and rows[1]["vs_hf"] is None  # HF ran no single
+    assert rows[0]["ttft_p99_ms"] == 900.0 and rows[0]["total_tok_s"] == 600.0
+    table = cs.format_table(rows, "title")
+    assert table.splitlines()[0] == "title" and "1.50" in table and "3.00" in table and "llama.cpp F32" in table
+    args = cs.parse_args(["--servers", "jserve,hf", "--num-requests", "4"])
+    assert args.servers == ["jserve", "hf"] and args.concurrency == 16
+    with pytest.raises(SystemExit):
+        cs.parse_args(["--servers", "vllm"])
