@@ -107,7 +107,9 @@ def test_bench_agrees_with_server_metrics(served, tmp_path):
     server_ttft, client_ttft = a["ttft_mean_ms"]["server"], a["ttft_mean_ms"]["client"]
     assert 0 < server_ttft <= client_ttft
     assert a["ttft_mean_ms"]["rel_diff"] < 0.05 or client_ttft - server_ttft < 40.0, a["ttft_mean_ms"]
-    # no compilation while serving: every shape was warmed up
+    # the gauge is scraped and reads 0. NB: the runner counts new (kind, batch, tokens) keys, not
+    # real jit cache misses, so a recompile of a warmed-up key (uncommitted KV at warm-up, see
+    # docs/performance.md) does not show here.
     assert a["compilations_after_warmup"] == 0 and a["compilations_during_run"] == 0
     assert a["steps_during_run"] > 0
     table = server_metrics.format_agreement(a)
