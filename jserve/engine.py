@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jserve.dp_scheduler import DataParallelScheduler
 from jserve.page_table import PageTable
 from jserve.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from jserve.runner import Runner
@@ -40,8 +41,15 @@ class EngineConfig:
     backend: str | None = None  # paged-attention kernel backend; None: from the platform
     warmup: bool = True
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+    mesh: Any = None  # "dp=2,tp=4", a dict or a jax.sharding.Mesh; None: one device
+
+    def scheduler_config(self, dp: int = 1) -> SchedulerConfig:
+        """The scheduler's knobs; with `dp` groups, each group's share of seqs and tokens."""
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) % dp:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of dp ({dp})")
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs // dp,
+                               max_num_batched_tokens=self.max_num_batched_tokens // dp,
                                max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
 
 
@@ -84,9 +92,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.page_table = PageTable(runner.num_pages, runner.page_size,
-                                    enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(), self.page_table)
+        dp = runner.dp
+        self.page_tables = [PageTable(runner.pages_per_group, runner.page_size,
+                                      enable_prefix_caching=config.enable_prefix_caching) for _ in range(dp)]
+        self.page_table = self.page_tables[0]
+        if dp == 1:
+            self.scheduler: Any = Scheduler(config.scheduler_config(), self.page_table)
+        else:  # one scheduler per data-parallel group, each with its share of seqs and tokens
+            share = config.scheduler_config(dp)
+            self.scheduler = DataParallelScheduler([Scheduler(share, t) for t in self.page_tables])
         self.scorer = scorer  # computes prompt logprobs (a DenseRunner), or None
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, _Sequence] = {}
@@ -166,7 +180,7 @@ class LLMEngine:
             sampling = [_sampling_row(c.request) for c in plan.chunks]
             penalties = [(c.request.prompt_token_ids, c.request.output_token_ids)
                          if c.samples and c.request.params.has_penalties else None for c in plan.chunks]
-            out = self.runner.execute(rows, sampling, penalties)
+            out = self.runner.execute(rows, sampling, penalties, getattr(plan, "groups", None))
             self.num_steps += 1
             sampled = {c.request.request_id: int(out["tokens"][i]) for i, c in enumerate(plan.chunks) if c.samples}
             index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
@@ -252,7 +266,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         real, padded = self.runner.total_real_tokens, self.runner.total_padded_tokens
-        pool = self.page_table.pool
+        pools = [t.pool for t in self.page_tables]
         return {
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -260,12 +274,12 @@ class LLMEngine:
             # The prompt-logprob scorer compiles on first use (not warmed up): counted here.
             "compilations_after_warmup": self.runner.num_compilations_after_warmup + (
                 self.scorer.num_compilations if self.scorer is not None else 0),
-            "pages_in_use": pool.num_used_pages,
-            "pages_cached": pool.num_cached_pages,
-            "pages_free": pool.num_free_pages,
+            "pages_in_use": sum(p.num_used_pages for p in pools),
+            "pages_cached": sum(p.num_cached_pages for p in pools),
+            "pages_free": sum(p.num_free_pages for p in pools),
             "num_pages": self.runner.num_pages,
-            "prefix_cache_hit_tokens": self.page_table.num_prefix_hit_tokens,
-            "prefix_cache_query_tokens": self.page_table.num_prefix_query_tokens,
+            "prefix_cache_hit_tokens": sum(t.num_prefix_hit_tokens for t in self.page_tables),
+            "prefix_cache_query_tokens": sum(t.num_prefix_query_tokens for t in self.page_tables),
             "padded_token_fraction": (padded - real) / padded if padded else 0.0,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
@@ -289,24 +303,40 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     from jserve.kv_cache import device_memory_bytes, plan_memory
     from jserve.model import model_params
 
-    config.scheduler_config()  # validates the scheduling knobs early, naming the bad value
+    mesh, dp, plan_config = None, 1, model_config
+    if config.mesh is not None:
+        from jserve.sharding import device_share, make_mesh, mesh_sizes, place_params
+
+        mesh = make_mesh(config.mesh)
+        dp, tp = mesh_sizes(mesh)["dp"], mesh_sizes(mesh)["tp"]
+        plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
+    config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
     kv_dtype = params["embed"].dtype
     num_pages = config.num_pages
     if num_pages is None:
         device = None if config.kv_cache_bytes is not None else device_memory_bytes()
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
             None if device is not None else DEFAULT_CPU_KV_BYTES)
-        weight_bytes = sum(int(p.size) * p.dtype.itemsize for p in params.values())
-        plan = plan_memory(model_config, weight_dtype_bytes=kv_dtype.itemsize, kv_dtype=kv_dtype.name,
+        weight_bytes = sum(int(p.size) * p.dtype.itemsize for p in params.values()) if mesh is None else (
+            plan_config.num_params() * kv_dtype.itemsize)
+        # The budget (explicit, or the device's memory) is per device; each dp group has its own.
+        plan = plan_memory(plan_config, weight_dtype_bytes=kv_dtype.itemsize, kv_dtype=kv_dtype.name,
                            page_size=config.page_size, context=config.max_model_len, device_bytes=device,
                            memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
                            max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
-        num_pages = plan.num_pages
-    per_layer = model_params(model_config, params)  # split once, shared by both runners
-    batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < config.max_num_seqs] + [config.max_num_seqs]
+        num_pages = plan.num_pages * dp
+    if mesh is not None:
+        # Pad/replicate heads for tp and put every weight in its sharding (jserve.sharding).
+        model_config, per_layer = place_params(model_config, params, mesh)
+        num_pages -= num_pages % dp
+    else:
+        per_layer = model_params(model_config, params)  # split once, shared by both runners
+    seqs = config.max_num_seqs // dp
+    batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < seqs] + [seqs]
     runner = Runner(model_config, per_layer, num_pages=num_pages, page_size=config.page_size,
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=config.backend,
-                    batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens)
+                    batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
+                    mesh=mesh)
     if config.warmup:
         runner.warmup()
     scorer = DenseRunner(model_config, per_layer, max_model_len=config.max_model_len, batch_buckets=(1,))

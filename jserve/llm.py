@@ -39,7 +39,9 @@ class LLM:
       num_pages, page_size, kv_cache_bytes, memory_fraction: the KV page pool (see EngineConfig).
       backend: paged-attention kernel backend (default: from the platform).
       warmup: compile every bucket now (default) instead of on first use.
-      shardings: optional weight shardings, passed to `checkpoint.load_checkpoint`.
+      shardings: optional weight shardings, passed to `checkpoint.load_checkpoint` (without a mesh).
+      mesh: run over a device mesh: "dp=2,tp=4", a dict, or a `jax.sharding.Mesh` with axes
+        'dp'/'tp' (see `jserve.sharding`); weights restore straight into their shardings.
       compilation_cache: directory for JAX's persistent compilation cache; False turns it off.
     """
 
@@ -48,7 +50,7 @@ class LLM:
                  enable_prefix_caching: bool = True, seed: int = 0, num_pages: int | None = None,
                  page_size: int = 16, kv_cache_bytes: int | None = None, memory_fraction: float = 0.9,
                  backend: str | None = None, warmup: bool = True, shardings: Any = None,
-                 compilation_cache: str | os.PathLike | bool | None = None):
+                 mesh: Any = None, compilation_cache: str | os.PathLike | bool | None = None):
         from jserve.checkpoint import load_checkpoint, resolve_model
         from jserve.engine import EngineConfig, build_engine
         from jserve.tokenizer import Tokenizer
@@ -56,6 +58,16 @@ class LLM:
         if compilation_cache is not False:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
         self.path = resolve_model(model, dtype=dtype)
+        if mesh is not None:
+            from jserve.checkpoint import read_model_config
+            from jserve.sharding import head_layout, make_mesh, mesh_sizes, restore_sharding
+
+            if shardings is not None:
+                raise ValueError("give either mesh or shardings, not both")
+            mesh = make_mesh(mesh)
+            layout = head_layout(read_model_config(self.path)[0], mesh_sizes(mesh)["tp"])
+            shardings = lambda name, shape: restore_sharding(mesh, name, shape, layout)  # noqa: E731
+        self.mesh = mesh
         self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings)
         self.tokenizer = Tokenizer.load(self.path)
         limit = self.config.max_position_embeddings
@@ -68,7 +80,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, page_size=page_size, num_pages=num_pages,
             kv_cache_bytes=kv_cache_bytes, memory_fraction=memory_fraction, seed=seed, backend=backend,
-            warmup=warmup)
+            warmup=warmup, mesh=mesh)
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
         self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config)
         self.runner = self.engine.runner

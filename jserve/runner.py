@@ -56,8 +56,16 @@ class Runner:
                  page_size: int = 16, max_model_len: int, kv_dtype: Any = None, backend: str | None = None,
                  batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
-                 max_num_batched_tokens: int = 512):
+                 max_num_batched_tokens: int = 512, mesh: Any = None):
+        """With a ('dp', 'tp') `mesh`, `params` must already be laid out and placed for it
+        (`jserve.sharding.place_params`); buckets, `max_num_batched_tokens` and page ids are then
+        per data-parallel group, and `num_pages` counts all groups' pages."""
         self.config = config
+        self.mesh = mesh
+        self.dp = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape))["dp"]
+        if num_pages % self.dp:
+            raise ValueError(f"num_pages ({num_pages}) must be a multiple of dp ({self.dp})")
+        self.pages_per_group = num_pages // self.dp
         # Stacked (checkpoint) params are split per layer once, here (see LlamaModel).
         self.params = params if "layers" in params else model_params(config, params)
         self.page_size = page_size
@@ -69,13 +77,25 @@ class Runner:
         # The page-table width is fixed: the kernels loop over live pages only, so a wider table
         # costs nothing and saves a bucket dimension (and its compilations).
         self.max_pages = math.ceil(max_model_len / page_size)
-        self.kv = init_kv_pages(config, num_pages, page_size, kv_dtype or params["embed"].dtype)
+        kv_sharding = None
+        if mesh is not None:
+            from jserve.sharding import kv_sharding as make_kv_sharding
+
+            kv_sharding = make_kv_sharding(mesh)
+        self.kv = init_kv_pages(config, num_pages, page_size, kv_dtype or params["embed"].dtype, kv_sharding)
         leaves = jax.tree.leaves(self.params)
         self.param_bytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
         self.num_params = sum(int(x.size) for x in leaves)
         graphdef = model_graphdef(config)
-        attention = PagedAttention(self.backend, config.sliding_window)
-        self._step = jax.jit(functools.partial(_step, graphdef, attention), donate_argnames=("kv",))
+        attention = PagedAttention(self.backend, config.sliding_window, mesh)
+        step = functools.partial(_step, graphdef, attention)
+        if mesh is None:
+            self._step = jax.jit(step, donate_argnames=("kv",))
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+
+            out_shardings = (NamedSharding(mesh, P()), jax.tree.map(lambda _: kv_sharding, self.kv))
+            self._step = jax.jit(step, donate_argnames=("kv",), out_shardings=out_shardings)
         self._seen: set[tuple] = set()
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
@@ -85,8 +105,8 @@ class Runner:
         self.total_padded_tokens = 0
 
     def execute(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]],
-                sampling: Sequence[tuple], penalties: Sequence[tuple | None] | None = None
-                ) -> dict[str, np.ndarray]:
+                sampling: Sequence[tuple], penalties: Sequence[tuple | None] | None = None,
+                groups: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """Run one scheduler step.
 
         Args:
@@ -95,25 +115,52 @@ class Runner:
           sampling: per row a sampling tuple (see `SamplingArrays.build`).
           penalties: per row `(prompt_ids, output_ids)` for rows with repetition / presence /
             frequency penalties, else None.
+          groups: per row its data-parallel group (page ids are local to that group's pool);
+            default all 0.
         Returns:
           numpy arrays per row, in `rows` order, for the sample after each row's last token:
           `tokens`, `logprob`, `rank`, `top_ids` and `top_logprobs` (MAX_LOGPROBS of them).
         """
-        decode = [i for i, r in enumerate(rows) if len(r[1]) == 1]
-        prefill = sorted((i for i, r in enumerate(rows) if len(r[1]) > 1), key=lambda i: -len(rows[i][1]))
+        groups = list(groups) if groups is not None else [0] * len(rows)
+        if any(not 0 <= g < self.dp for g in groups):
+            raise ValueError(f"row groups must be in [0, {self.dp}), got {sorted(set(groups))}")
         results: dict[int, dict] = {}
         penalties = penalties or [None] * len(rows)
-        for start in range(0, len(decode), self.batch_buckets[-1]):
-            self._run(rows, sampling, decode[start:start + self.batch_buckets[-1]], results, "decode", penalties)
-        for group in self._pack_prefill([len(rows[i][1]) for i in prefill]):
-            self._run(rows, sampling, [prefill[j] for j in group], results, "prefill", penalties)
+        # Per group: its decode rows, and its prefill chunks packed into calls.
+        decode = [[i for i, r in enumerate(rows) if len(r[1]) == 1 and groups[i] == g] for g in range(self.dp)]
+        cap = self.batch_buckets[-1]
+        for c in range(max(math.ceil(len(d) / cap) for d in decode)):
+            self._run(rows, sampling, [d[c * cap:(c + 1) * cap] for d in decode], results, "decode", penalties)
+        packs = []
+        for g in range(self.dp):
+            prefill = sorted((i for i, r in enumerate(rows) if len(r[1]) > 1 and groups[i] == g),
+                             key=lambda i: -len(rows[i][1]))
+            packs.append([[prefill[j] for j in p] for p in self._pack_prefill([len(rows[i][1]) for i in prefill])])
+        for c in range(max(len(p) for p in packs)):
+            parts = [p[c] if c < len(p) else [] for p in packs]
+            if self._fits(rows, parts):
+                self._run(rows, sampling, parts, results, "prefill", penalties)
+            else:  # the groups' calls have different shapes: one call per group
+                for g, part in enumerate(parts):
+                    if part:
+                        self._run(rows, sampling, [part if h == g else [] for h in range(self.dp)],
+                                  results, "prefill", penalties)
         keys = results[0].keys() if results else ()
         return {key: np.stack([results[i][key] for i in range(len(rows))]) for key in keys}
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
-        """(rows, tokens) buckets of the prefill step: rows x tokens within the largest token bucket."""
+        """(rows per group, tokens) buckets of the prefill step: within the largest token bucket."""
         cap = self.token_buckets[-1]
         return [(b, t) for b in PREFILL_BATCH_BUCKETS for t in self.token_buckets if b * t <= cap]
+
+    def _fits(self, rows, parts) -> bool:
+        """Whether the groups' prefill parts share one call shape within the largest bucket."""
+        live = [p for p in parts if p]
+        if len(live) <= 1:
+            return True
+        b = buckets.pick(PREFILL_BATCH_BUCKETS, max(len(p) for p in live))
+        t = buckets.pick(self.token_buckets, max(len(rows[i][1]) for p in live for i in p))
+        return b * t <= self.token_buckets[-1]
 
     def _pack_prefill(self, lengths: list[int]) -> list[list[int]]:
         """Group chunks (longest first) into calls whose padded shape stays within the largest bucket."""
@@ -134,27 +181,53 @@ class Runner:
             groups.append([j])
         return groups
 
-    def _run(self, all_rows, all_sampling, index, results, kind, all_penalties=None):
+    def _run(self, all_rows, all_sampling, parts, results, kind, all_penalties=None):
+        """One call; `parts[g]` are the row indices of group g, placed in the g-th block of rows."""
+        Bg = buckets.pick(self.batch_buckets if kind == "decode" else PREFILL_BATCH_BUCKETS,
+                          max(1, max(len(p) for p in parts)))
+        B = Bg * self.dp
+        slot_of = {i: g * Bg + j for g, part in enumerate(parts) for j, i in enumerate(part)}
+        index = list(slot_of)
         rows = [all_rows[i] for i in index]
-        B = buckets.pick(self.batch_buckets if kind == "decode" else PREFILL_BATCH_BUCKETS, len(rows))
         T = 1 if kind == "decode" else buckets.pick(self.token_buckets, max(len(r[1]) for r in rows))
-        arrays = self._pack(rows, B, T)
-        sampling_arrays = SamplingArrays.build([all_sampling[i] for i in index], B).as_tuple()
-        history = penalty_history([all_penalties[i] for i in index] if all_penalties else [], B,
-                                  self.max_model_len, self.config.vocab_size)
+        placed: list = [None] * B
+        sampling: list = [GREEDY] * B
+        penalties: list = [None] * B
+        for i, slot in slot_of.items():
+            placed[slot], sampling[slot] = all_rows[i], all_sampling[i]
+            penalties[slot] = all_penalties[i] if all_penalties else None
+        arrays = self._pack(placed, B, T)
+        sampling_arrays = SamplingArrays.build(sampling, B).as_tuple()
+        history = penalty_history(penalties, B, self.max_model_len, self.config.vocab_size)
         self._count((kind, B, T))
         t0 = time.perf_counter()
-        out, self.kv = self._step(self.params, self.kv, *arrays, sampling_arrays, history)
+        args = self._place((arrays, sampling_arrays, history))
+        out, self.kv = self._step(self.params, self.kv, *args[0], args[1], args[2])
         out = jax.device_get(out)
         seconds = time.perf_counter() - t0
         real = sum(len(r[1]) for r in rows)
         self.records.append(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
         self.total_real_tokens += real
         self.total_padded_tokens += B * T
-        for j, i in enumerate(index):
-            results[i] = {key: value[j] for key, value in out.items()}
+        for i, slot in slot_of.items():
+            results[i] = {key: value[slot] for key, value in out.items()}
+
+    def _place(self, tree):
+        """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""
+        if self.mesh is None:
+            return tree
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        rows = NamedSharding(self.mesh, P("dp"))
+
+        def put(x):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, rows, lambda idx: x[idx])
+
+        return jax.tree.map(put, tree)
 
     def _pack(self, rows, B, T):
+        """rows: one `(start, token_ids, page_ids)` or None (padding) per batch row."""
         P = self.max_pages
         tokens = np.zeros((B, T), np.int32)
         positions = np.zeros((B, T), np.int32)
@@ -162,7 +235,10 @@ class Runner:
         q_start = np.zeros((B,), np.int32)
         q_lens = np.zeros((B,), np.int32)
         page_indices = np.zeros((B, P), np.int32)
-        for b, (start, ids, pages) in enumerate(rows):
+        for b, row in enumerate(rows):
+            if row is None:
+                continue
+            start, ids, pages = row
             n = len(ids)
             pos = np.arange(start, start + n)
             tokens[b, :n] = ids
@@ -203,8 +279,9 @@ class Runner:
         shapes = [("decode", b, 1) for b in self.batch_buckets]
         shapes += [("prefill", b, t) for b, t in self.prefill_shapes()]
         for kind, B, T in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
-            rows = [(0, [0] * T, [0] * self.max_pages)] * B
-            self._run(rows, [GREEDY] * B, list(range(B)), {}, kind)
+            rows = [(0, [0] * T, [0] * self.max_pages)] * (B * self.dp)
+            parts = [list(range(g * B, (g + 1) * B)) for g in range(self.dp)]
+            self._run(rows, [GREEDY] * len(rows), parts, {}, kind)
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
         self.warmed_up = True

@@ -12,6 +12,11 @@ DATA = Path(__file__).parent / "data"
 
 
 def pytest_configure(config):
+    # Eight CPU devices for the sharding tests (tests/test_sharding.py); every other test runs on
+    # device 0 as before. Must be set before JAX creates its CPU client.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     # One persistent compilation cache for the whole run (and across runs on the same machine):
     # engines built by different tests compile the same shapes.
     os.environ.setdefault("JSERVE_COMPILATION_CACHE", str(Path.home() / ".cache" / "jserve" / "jax-tests"))

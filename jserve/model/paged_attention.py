@@ -9,7 +9,7 @@ pages with the Pallas kernels (`pallas_kernels.paged_attention`) on the chosen b
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -37,12 +37,31 @@ class PagedAttention:
 
     backend: str = "cpu"
     sliding_window: int | None = None
+    mesh: Any = None  # a ('dp', 'tp') jax.sharding.Mesh: run per device on its heads and pages
 
     def __call__(self, layer, q, k, v, cache, meta: PagedMeta):
+        k_pages, v_pages = cache[layer]
+        if self.mesh is None:
+            out, k_pages, v_pages = self._local(q, k, v, k_pages, v_pages, meta)
+        else:
+            # Each device holds its tp share of heads and its dp group's pages and rows: the
+            # kernel runs on those alone (page ids and slots in `meta` are group-local).
+            from jax.sharding import PartitionSpec as P
+
+            from jserve.sharding import KV_PAGES_SPEC
+
+            heads, pages, rows = P("dp", None, "tp", None), P(*KV_PAGES_SPEC), P("dp")
+            meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None))
+            out, k_pages, v_pages = jax.shard_map(
+                self._local, mesh=self.mesh, in_specs=(heads, heads, heads, pages, pages, meta_spec),
+                out_specs=(heads, pages, pages), check_vma=False)(q, k, v, k_pages, v_pages, meta)
+        cache = cache[:layer] + ((k_pages, v_pages),) + cache[layer + 1:]
+        return out, cache
+
+    def _local(self, q, k, v, k_pages, v_pages, meta: PagedMeta):
         from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention
 
         B, T, H, D = q.shape
-        k_pages, v_pages = cache[layer]
         K = k_pages.shape[0]
         k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D),
                                     meta.slots)
@@ -56,5 +75,4 @@ class PagedAttention:
             out = paged_prefill_attention(q, k_pages, v_pages, meta.q_start, meta.q_lens,
                                           meta.page_indices, backend=self.backend, sm_scale=scale,
                                           sliding_window=self.sliding_window)
-        cache = cache[:layer] + ((k_pages, v_pages),) + cache[layer + 1:]
-        return out, cache
+        return out, k_pages, v_pages
