@@ -19,20 +19,28 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from jserve import distributed
     from jserve.llm import LLM
     from jserve.request import SamplingParams
 
+    leader = distributed.from_args(args)
     # One prompt: compile only the shapes it needs instead of warming every bucket.
     llm = LLM(args.model, dtype=args.dtype, warmup=False, **engine_kwargs(args))
+    if not leader:
+        distributed.follow(llm)
+        return 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                             stop=args.stop or None, ignore_eos=args.ignore_eos,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty)
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
-    else:
-        out = llm.generate(args.prompt, params)[0]
+    try:
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        else:
+            out = llm.generate(args.prompt, params)[0]
+    finally:
+        llm.runner.stop_followers()
     completion = out.outputs[0]
     if args.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": completion.token_ids,
@@ -107,6 +115,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.9, help="of accelerator memory for the engine")
     g.add_argument("--attention-backend", default=None, choices=["cpu", "tpu", "gpu", "reference"],
                    help="paged-attention kernel (default: from the platform)")
+    g.add_argument("--mesh", default=None, help="device mesh, e.g. tp=4 or dp=2,tp=4 (default: one device)")
+    g = p.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a multi-process run: jax.distributed.initialize() (auto-detected on a TPU "
+                        "slice, or from the flags below); process 0 serves, the others follow its steps")
+    g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0's coordinator")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -114,7 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, page_size=args.page_size,
                 num_pages=args.num_pages, kv_cache_bytes=args.kv_cache_bytes,
-                memory_fraction=args.memory_fraction, backend=args.attention_backend)
+                memory_fraction=args.memory_fraction, backend=args.attention_backend, mesh=args.mesh)
 
 
 def build_parser() -> argparse.ArgumentParser:

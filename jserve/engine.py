@@ -337,6 +337,13 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=config.backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
                     mesh=mesh)
+    if runner.multiprocess:
+        import jax
+
+        if config.warmup and jax.process_index() == 0:
+            runner.warmup()  # the other processes compile the same shapes in Runner.follow()
+        # The scorer's own jitted pass is not mirrored on the followers: no prompt logprobs.
+        return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=None)
     if config.warmup:
         runner.warmup()
     scorer = DenseRunner(model_config, per_layer, max_model_len=config.max_model_len, batch_buckets=(1,))

@@ -103,6 +103,11 @@ class Runner:
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=4096)  # recent steps
         self.total_real_tokens = 0  # since warm-up, for the padding-waste metric
         self.total_padded_tokens = 0
+        # Multi-host (jax.distributed): process 0 schedules and broadcasts each step's inputs;
+        # the others run `follow()` and make the same calls (SPMD).
+        self.multiprocess = jax.process_count() > 1
+        if self.multiprocess and mesh is None:
+            raise ValueError("a multi-process run needs a mesh over all processes' devices")
 
     def execute(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]],
                 sampling: Sequence[tuple], penalties: Sequence[tuple | None] | None = None,
@@ -201,9 +206,7 @@ class Runner:
         history = penalty_history(penalties, B, self.max_model_len, self.config.vocab_size)
         self._count((kind, B, T))
         t0 = time.perf_counter()
-        args = self._place((arrays, sampling_arrays, history))
-        out, self.kv = self._step(self.params, self.kv, *args[0], args[1], args[2])
-        out = jax.device_get(out)
+        out = jax.device_get(self._call(kind, B, T, (arrays, sampling_arrays, history)))
         seconds = time.perf_counter() - t0
         real = sum(len(r[1]) for r in rows)
         self.records.append(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
@@ -211,6 +214,41 @@ class Runner:
         self.total_padded_tokens += B * T
         for i, slot in slot_of.items():
             results[i] = {key: value[slot] for key, value in out.items()}
+
+    def _call(self, kind: str, B: int, T: int, inputs):
+        """Run the compiled step on host inputs (on every process, when there are several)."""
+        if self.multiprocess:
+            if jax.process_index() != 0:
+                raise RuntimeError("only process 0 drives the steps; the others call follow()")
+            inputs = _broadcast(np.asarray([_STEP, _KINDS.index(kind), B, T], np.int32), inputs)
+        args = self._place(inputs)
+        out, self.kv = self._step(self.params, self.kv, *args[0], args[1], args[2])
+        return out
+
+    def follow(self) -> int:
+        """On processes other than 0: run the steps process 0 broadcasts until it stops them.
+
+        Returns the number of steps run.
+        """
+        steps = 0
+        while True:
+            op, kind, B, T = (int(x) for x in _broadcast(np.zeros(4, np.int32)))
+            if op == _STOP:
+                return steps
+            template = (self._pack([None] * B, B, T), SamplingArrays.build([], B).as_tuple(),
+                        penalty_history([], B, self.max_model_len, self.config.vocab_size))
+            self._call_follower(_broadcast(None, template))
+            steps += 1
+
+    def _call_follower(self, inputs) -> None:
+        args = self._place(inputs)
+        out, self.kv = self._step(self.params, self.kv, *args[0], args[1], args[2])
+        jax.block_until_ready(out)
+
+    def stop_followers(self) -> None:
+        """On process 0 at shutdown: release the processes in `follow()`."""
+        if self.multiprocess and jax.process_index() == 0:
+            _broadcast(np.asarray([_STOP, 0, 0, 0], np.int32))
 
     def _place(self, tree):
         """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""
@@ -285,6 +323,24 @@ class Runner:
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
         self.warmed_up = True
+
+
+_STEP, _STOP = 0, 1
+_KINDS = ("decode", "prefill")
+
+
+def _broadcast(header, tree=None):
+    """Process 0's `header` (and then `tree`) to every process, through JAX's own collectives.
+
+    Followers pass a zero header and a template tree of the right shapes; they get process 0's.
+    """
+    from jax.experimental import multihost_utils
+
+    if tree is None:
+        return np.asarray(multihost_utils.broadcast_one_to_all(header))
+    if header is not None:  # process 0: first the header, then the inputs
+        multihost_utils.broadcast_one_to_all(header)
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
 
 
 def _step(graphdef, attention, params, kv, tokens, positions, meta, last, sampling, history):

@@ -45,8 +45,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    from jserve import distributed
+
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not distributed.from_args(args):  # a follower process of a multi-host run: no HTTP
+        distributed.follow(_load(args))
+        return 0
     asyncio.run(serve(args))
     return 0
 
@@ -95,4 +100,6 @@ async def serve(args: argparse.Namespace) -> None:
         await stopping
     logger.warning("shutting down (grace period %.0f s)", args.grace_period)
     await state.drain(args.grace_period)
+    if loaded.done() and loaded.exception() is None:
+        loaded.result().runner.stop_followers()  # the engine thread has stopped: no step in flight
     await runner.cleanup()
