@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--sweep-concurrency", type=_ints, default=None, metavar="N,N,...")
     load.add_argument("--sweep-rate", type=_floats, default=None, metavar="R,R,...")
     load.add_argument("--warmup-requests", type=int, default=0,
-                      help="send this many unmeasured requests (the workload's first ones) before the runs")
+                      help="send this many unmeasured requests (same workload, other prompts) before the runs")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2e-ms", type=float, default=None)
@@ -137,8 +137,11 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     scrape = not getattr(args, "no_server_metrics", False)
     warmup = None
     if getattr(args, "warmup_requests", 0):
+        # Other prompts than the measured ones (another seed): a prefix cache must not profit.
         n = args.warmup_requests
-        records, duration = await run_load([specs[i % len(specs)] for i in range(n)], args, min(n, 16), None)
+        others = build_workload(args.workload, n if args.num_requests else None, args.endpoint, args.scale,
+                                args.seed + 1_000_003)
+        records, duration = await run_load([others[i % len(others)] for i in range(n)], args, min(n, 16), None)
         warmup = {"requests": n, "completed": sum(r.ok for r in records), "duration_s": duration}
     loads, sweep_key = plan_runs(args)
     runs = []
