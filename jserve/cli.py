@@ -80,21 +80,34 @@ def _plan(args: argparse.Namespace) -> int:
         device = device_memory_bytes()
         if device is None:
             raise ValueError("this device reports no memory size: give --device-memory or --kv-budget")
-    plan = plan_memory(config, weight_dtype_bytes=dtype_bytes(weight_dtype), kv_dtype=args.kv_dtype,
+    per_device = ""
+    plan_config, weight_bytes, dp = config, None, 1
+    if args.mesh is not None:
+        from jserve.sharding import describe, device_share, params_per_device, parse_mesh
+
+        sizes = parse_mesh(args.mesh)
+        dp, tp = sizes["dp"], sizes["tp"]
+        plan_config = device_share(config, tp)  # one device's KV heads
+        weight_bytes = params_per_device(config, tp) * dtype_bytes(weight_dtype)
+        per_device = " per device"
+    plan = plan_memory(plan_config, weight_dtype_bytes=dtype_bytes(weight_dtype), kv_dtype=args.kv_dtype,
                        page_size=args.page_size, context=args.context, device_bytes=device,
                        memory_fraction=args.memory_fraction, kv_budget_bytes=args.kv_budget,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
-    rows = [
-        ("model", f"{config.architecture}, {config.num_layers} layers, {config.num_params() / 1e9:.3f} B params"),
+                       max_num_batched_tokens=args.max_num_batched_tokens, weight_bytes=weight_bytes)
+    rows = [("model", f"{config.architecture}, {config.num_layers} layers, {config.num_params() / 1e9:.3f} B params")]
+    if args.mesh is not None:
+        rows.append(("mesh", describe(config, args.mesh)))
+    rows += [
         ("device memory", _human(plan.device_bytes)),
         (f"usable ({args.memory_fraction:g})" if args.kv_budget is None else "usable", _human(plan.usable_bytes)),
-        (f"weights ({weight_dtype})", _human(plan.weight_bytes)),
+        (f"weights ({weight_dtype}){per_device}", _human(plan.weight_bytes)),
         (f"activations ({args.max_num_batched_tokens} tokens)", _human(plan.activation_bytes)),
-        (f"KV per token ({args.kv_dtype})", _human(plan.kv_bytes_per_token)),
-        (f"KV per page ({plan.page_size} tokens)", _human(plan.kv_bytes_per_page)),
-        ("KV pages", f"{plan.num_pages} ({_human(plan.kv_bytes)})"),
-        ("tokens in cache", f"{(plan.num_pages - 1) * plan.page_size}"),
-        (f"sequences of {plan.context} tokens", f"{plan.max_sequences}"),
+        (f"KV per token ({args.kv_dtype}){per_device}", _human(plan.kv_bytes_per_token)),
+        (f"KV per page ({plan.page_size} tokens){per_device}", _human(plan.kv_bytes_per_page)),
+        (f"KV pages{per_device}", f"{plan.num_pages} ({_human(plan.kv_bytes)})"),
+        ("tokens in cache" + (f" per dp group (x{dp})" if args.mesh else ""), f"{(plan.num_pages - 1) * plan.page_size}"),
+        (f"sequences of {plan.context} tokens" + (f" (all {dp} dp groups)" if args.mesh else ""),
+         f"{plan.max_sequences * dp}"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -177,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", default=None, help="default: the checkpoint's")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--mesh", default=None, help="plan per device for a mesh, e.g. tp=4 or dp=2,tp=4")
     p.set_defaults(func=_plan)
 
     from jserve.server.cli import add_serve_parser

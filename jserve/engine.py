@@ -305,7 +305,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
 
     mesh, dp, plan_config = None, 1, model_config
     if config.mesh is not None:
-        from jserve.sharding import device_share, make_mesh, mesh_sizes, place_params
+        from jserve.sharding import device_share, make_mesh, mesh_sizes, params_per_device, place_params
 
         mesh = make_mesh(config.mesh)
         dp, tp = mesh_sizes(mesh)["dp"], mesh_sizes(mesh)["tp"]
@@ -318,7 +318,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
             None if device is not None else DEFAULT_CPU_KV_BYTES)
         weight_bytes = sum(int(p.size) * p.dtype.itemsize for p in params.values()) if mesh is None else (
-            plan_config.num_params() * kv_dtype.itemsize)
+            params_per_device(model_config, tp) * kv_dtype.itemsize)
         # The budget (explicit, or the device's memory) is per device; each dp group has its own.
         plan = plan_memory(plan_config, weight_dtype_bytes=kv_dtype.itemsize, kv_dtype=kv_dtype.name,
                            page_size=config.page_size, context=config.max_model_len, device_bytes=device,

@@ -204,6 +204,19 @@ def device_share(config: ModelConfig, tp: int) -> ModelConfig:
                                intermediate_size=lay.padded_intermediate_size // tp)
 
 
+def params_per_device(config: ModelConfig, tp: int) -> int:
+    """Weights one device holds under `tp` (after padding; replicated weights counted whole)."""
+    from jserve.model.llama import param_shapes
+
+    layout = head_layout(config, tp)
+    total = 0
+    for name, shape in param_shapes(laid_out_config(config, layout)).items():
+        spec = _spec(name, shape, tp, stacked=True)
+        split = tp if "tp" in tuple(spec) else 1
+        total += math.prod(shape) // split
+    return total
+
+
 def _take_heads(x, axis: int, heads: int, source: np.ndarray):
     """Gather head blocks along `axis` (size heads * head_dim) by `source`; -1 -> zeros."""
     import jax.numpy as jnp

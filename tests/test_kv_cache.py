@@ -88,3 +88,15 @@ def test_plan_cli_prints_128_kib_for_llama31_8b(tmp_path, capsys):
     assert re.search(r"weights \(bfloat16\)\s+14.96 GiB", out), out
     assert cli.main(["plan", "--model", str(tmp_path), "--device-memory", "16GiB"]) == 2
     assert "no room for KV pages" in capsys.readouterr().err
+    # Over a mesh: per device. tp=4 splits the 8 KV heads 2 per device; tp=16 replicates them.
+    assert cli.main(["plan", "--model", str(tmp_path), "--device-memory", "16GiB", "--mesh", "tp=4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"KV per token \(bfloat16\) per device\s+32 KiB", out), out
+    weights = float(re.search(r"weights \(bfloat16\) per device\s+([\d.]+) GiB", out).group(1))
+    assert 3.73 <= weights < 3.8  # a quarter of 14.96 GiB: the embedding and head split too
+    assert cli.main(["plan", "--model", str(tmp_path), "--device-memory", "16GiB", "--mesh", "dp=2,tp=16"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"KV per token \(bfloat16\) per device\s+16 KiB", out), out
+    assert "x2 replicas" in out
+    assert cli.main(["plan", "--model", str(tmp_path), "--mesh", "pp=2", "--device-memory", "16GiB"]) == 2
+    assert "unknown mesh axis 'pp'" in capsys.readouterr().err
