@@ -110,6 +110,23 @@ def test_decode_sliding_window_and_soft_cap(sliding_window, soft_cap):
                               **kw), want, jnp.float32)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_decode_work_list_spans_several_chunks(sliding_window):
+    # The CPU decode kernel walks (row, block) items `batch` at a time: with one page per block,
+    # ragged lengths make many items, a partial last step and rows split across steps.
+    rng = np.random.default_rng(11)
+    lengths = np.array([0, 1, 64, 17, 33, 2, 0, 50, 16, 63], np.int32)
+    k, v, k_pages, v_pages, table = make_cache(rng, lengths, page_size=16, head_dim=64,
+                                               dtype=jnp.float32)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 3 * NUM_KV_HEADS, 64)), jnp.float32)
+    kw = dict(sm_scale=0.125, sliding_window=sliding_window)
+    want = dense_attention(q[:, None], k, v, np.maximum(lengths - 1, 0), np.minimum(lengths, 1),
+                           **kw)[:, 0]
+    for pages_per_block in (1, 3):
+        check(paged_attention(q, k_pages, v_pages, jnp.asarray(lengths), table, backend="cpu",
+                              pages_per_block=pages_per_block, **kw), want, jnp.float32)
+
+
 PREFILL_CASES = {  # name: (q_start, q_lens) per row; kv length = q_start + q_lens
     "from_zero": ([0, 0], [9, 7]),
     "mid_way": ([16, 21, 5], [9, 3, 1]),  # prefix-cache hit / later chunk, and a decode-like row
