@@ -183,7 +183,9 @@ async def run_load(specs: list[RequestSpec], args: argparse.Namespace, concurren
         arrivals.append(t)
         if rate and math.isfinite(rate):
             t += rng.expovariate(rate)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # One connection per request: reusing idle keep-alive connections races with servers that
+    # close them (one llama-server request failed so: ServerDisconnectedError, never seen by the server).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
         t0 = time.perf_counter()
 
