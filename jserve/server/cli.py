@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -30,6 +31,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable); "
+                   "default: the comma-separated keys in $JSERVE_API_KEY (kept out of the process list); "
                    "none: no auth")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs before answering 429")
@@ -56,6 +58,12 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key values, else the comma-separated keys in $JSERVE_API_KEY (not visible in `ps`)."""
+    keys = tuple(args.api_key) or tuple(k.strip() for k in os.environ.get("JSERVE_API_KEY", "").split(","))
+    return tuple(k for k in keys if k)
+
+
 def _load(args: argparse.Namespace) -> Any:
     from jserve.cli import engine_kwargs
     from jserve.llm import LLM
@@ -70,7 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
     from jserve.server.app import ServerState, build_app
 
     name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
-    state = ServerState(name, api_keys=tuple(args.api_key), max_queue=args.max_queue)
+    state = ServerState(name, api_keys=api_keys(args), max_queue=args.max_queue)
     runner = web.AppRunner(build_app(state, max_body_bytes=args.max_body_bytes), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
