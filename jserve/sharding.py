@@ -103,10 +103,8 @@ def make_mesh(spec: Any, devices: Any = None):
         if unknown:
             raise ValueError(f"mesh axis {unknown[0]!r} is not one of {AXES}")
         sizes = dict(zip(spec.axis_names, spec.devices.shape))
-        devs = spec.devices.reshape(sizes.get("dp", 1), sizes.get("tp", 1)) if (
-            tuple(a for a in AXES if a in sizes) == tuple(spec.axis_names)) else np.moveaxis(
-                spec.devices, [spec.axis_names.index(a) for a in AXES if a in sizes],
-                list(range(len(sizes)))).reshape(sizes.get("dp", 1), sizes.get("tp", 1))
+        order = [spec.axis_names.index(a) for a in AXES if a in sizes]  # their axes, in our order
+        devs = np.transpose(spec.devices, order).reshape(sizes.get("dp", 1), sizes.get("tp", 1))
         return Mesh(devs, AXES)
     sizes = parse_mesh(spec)
     devices = list(jax.devices() if devices is None else devices)
