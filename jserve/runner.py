@@ -1,10 +1,12 @@
 """The paged runner: params and KV pages on the device, one compiled step per bucket.
 
 A step takes rows of `(start, token_ids, page_ids)`: decode rows (one token) go to the decode step
-(batch bucket x page bucket), longer chunks to the prefill step (rows x token x page buckets).
-Each step embeds, writes K/V into pages, runs paged attention, and samples, all in one jit with
-the pages donated. Shapes come from `buckets.py`; compilations are counted so that a server can
-prove none happens after warm-up.
+(batch bucket), longer chunks to the prefill step (rows x token buckets); the page table has a
+fixed width. Each step embeds, writes K/V into pages, runs paged attention, and samples, all in
+one jit with the pages donated. Shapes come from `buckets.py`; compilations are counted so that a
+server can prove none happens after warm-up. Over a mesh, rows of data-parallel group g sit in
+the g-th block of each batch, and in a multi-process run process 0 broadcasts each step's inputs
+to the others (`follow`).
 """
 
 from __future__ import annotations
@@ -221,6 +223,9 @@ class Runner:
             if jax.process_index() != 0:
                 raise RuntimeError("only process 0 drives the steps; the others call follow()")
             inputs = _broadcast(np.asarray([_STEP, _KINDS.index(kind), B, T], np.int32), inputs)
+        return self._device_step(inputs)
+
+    def _device_step(self, inputs):
         args = self._place(inputs)
         out, self.kv = self._step(self.params, self.kv, *args[0], args[1], args[2])
         return out
@@ -237,13 +242,8 @@ class Runner:
                 return steps
             template = (self._pack([None] * B, B, T), SamplingArrays.build([], B).as_tuple(),
                         penalty_history([], B, self.max_model_len, self.config.vocab_size))
-            self._call_follower(_broadcast(None, template))
+            jax.block_until_ready(self._device_step(_broadcast(None, template)))
             steps += 1
-
-    def _call_follower(self, inputs) -> None:
-        args = self._place(inputs)
-        out, self.kv = self._step(self.params, self.kv, *args[0], args[1], args[2])
-        jax.block_until_ready(out)
 
     def stop_followers(self) -> None:
         """On process 0 at shutdown: release the processes in `follow()`."""
