@@ -54,6 +54,6 @@ def from_args(args: argparse.Namespace) -> bool:
 
 def follow(llm) -> int:
     """A follower's whole job: run process 0's steps until it stops; returns the steps run."""
-    steps = llm.runner.follow()
+    steps = llm.engine.runner.follow()
     logger.warning("process 0 stopped the run after %d steps", steps)
     return steps

@@ -109,5 +109,5 @@ async def serve(args: argparse.Namespace) -> None:
     logger.warning("shutting down (grace period %.0f s)", args.grace_period)
     await state.drain(args.grace_period)
     if loaded.done() and loaded.exception() is None:
-        loaded.result().runner.stop_followers()  # the engine thread has stopped: no step in flight
+        loaded.result().engine.runner.stop_followers()  # the engine thread has stopped: no step in flight
     await runner.cleanup()
