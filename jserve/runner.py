@@ -79,11 +79,14 @@ class Runner:
         # The page-table width is fixed: the kernels loop over live pages only, so a wider table
         # costs nothing and saves a bucket dimension (and its compilations).
         self.max_pages = math.ceil(max_model_len / page_size)
-        kv_sharding = None
         if mesh is not None:
             from jserve.sharding import kv_sharding as make_kv_sharding
 
             kv_sharding = make_kv_sharding(mesh)
+        else:
+            # Committed to a device from the start: the step returns committed (donated) pages, and
+            # a first call with uncommitted ones would compile each shape a second time later.
+            kv_sharding = jax.sharding.SingleDeviceSharding(_device_of(self.params))
         self.kv = init_kv_pages(config, num_pages, page_size, kv_dtype or params["embed"].dtype, kv_sharding)
         leaves = jax.tree.leaves(self.params)
         self.param_bytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
@@ -206,10 +209,11 @@ class Runner:
         arrays = self._pack(placed, B, T)
         sampling_arrays = SamplingArrays.build(sampling, B).as_tuple()
         history = penalty_history(penalties, B, self.max_model_len, self.config.vocab_size)
-        self._count((kind, B, T))
+        cached = _cache_size(self._step)
         t0 = time.perf_counter()
         out = jax.device_get(self._call(kind, B, T, (arrays, sampling_arrays, history)))
         seconds = time.perf_counter() - t0
+        self._count((kind, B, T), None if cached is None else _cache_size(self._step) > cached)
         real = sum(len(r[1]) for r in rows)
         self.records.append(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
         self.total_real_tokens += real
@@ -302,13 +306,17 @@ class Runner:
         flops += 4 * c.num_layers * c.num_heads * c.head_dim * attended
         return int(bytes_needed), int(flops)
 
-    def _count(self, key: tuple) -> None:
-        if key not in self._seen:
-            self._seen.add(key)
+    def _count(self, key: tuple, compiled: bool | None) -> None:
+        """Count a compilation: the jitted step's cache grew (or, where JAX does not tell, a new
+        bucket key). The cache also grows on a persistent-cache hit: still a stall while serving."""
+        if compiled is None:
+            compiled = key not in self._seen
+        self._seen.add(key)
+        if compiled:
             self.num_compilations += 1
             if self.warmed_up:
                 self.num_compilations_after_warmup += 1
-                logger.warning("compiling %s after warm-up", key)
+                logger.warning("compiled %s after warm-up", key)
 
     def warmup(self, *, progress: bool = True) -> None:
         """Compile every bucket now (the steps write only into the null page)."""
@@ -323,6 +331,20 @@ class Runner:
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
         self.warmed_up = True
+
+
+def _cache_size(fn) -> int | None:
+    """Entries in a jitted function's compilation cache (None if this JAX does not say)."""
+    size = getattr(fn, "_cache_size", None)
+    return size() if callable(size) else None
+
+
+def _device_of(params) -> Any:
+    """The device the (single-device) params live on; the default device if uncommitted."""
+    leaf = jax.tree.leaves(params)[0]
+    if isinstance(leaf, jax.Array) and getattr(leaf, "committed", False):
+        return next(iter(leaf.devices()))
+    return jax.devices()[0]
 
 
 _STEP, _STOP = 0, 1
