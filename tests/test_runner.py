@@ -88,3 +88,33 @@ def test_step_records_count_real_tokens_bytes_and_flops():
     layer_params = sum(v.size for v in jax.tree.leaves(params)) - 2 * config.vocab_size * config.hidden_size
     attention = 4 * config.num_layers * config.num_heads * config.head_dim * 6
     assert decode.flops_needed == 2 * layer_params + 2 * config.hidden_size * config.vocab_size + attention
+
+
+_FRESH_PROCESS = r"""
+import sys, threading
+from jserve.checkpoint import read_params
+from jserve.runner import GREEDY, Runner
+
+config, params = read_params(sys.argv[1])
+runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=16, backend="reference",
+                batch_buckets=(2, 4), token_buckets=(8,), max_num_batched_tokens=8)
+runner.warmup(progress=False)
+# As in `jserve serve`: warm-up on the loader thread, steps on the engine thread; the first
+# shape warm-up compiled (decode at batch 2) is the first one traffic uses.
+t = threading.Thread(target=lambda: runner.execute([(5, [6], [1, 2]), (0, [9], [3])], [GREEDY] * 2))
+t.start()
+t.join()
+print(runner.num_compilations_after_warmup)
+"""
+
+
+def test_no_compilation_after_warmup_in_a_fresh_process():
+    """Regressions of the first-traffic compile: uncommitted KV pages on the first warm-up call, and
+    Pallas imported (new JAX config options, so a new tracing context) during the first trace."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(DATA / "arch" / "smollm2")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "0", out.stderr[-3000:]

@@ -14,6 +14,9 @@ from typing import Any, NamedTuple
 import jax
 
 from jserve.kv_cache import write_kv
+# Imported here, not on first use: importing Pallas registers JAX config options, which change the
+# tracing context, so a step first traced before the import would be compiled a second time later.
+from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention
 
 
 class PagedMeta(NamedTuple):
@@ -59,8 +62,6 @@ class PagedAttention:
         return out, cache
 
     def _local(self, q, k, v, k_pages, v_pages, meta: PagedMeta):
-        from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention
-
         B, T, H, D = q.shape
         K = k_pages.shape[0]
         k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D),
