@@ -237,9 +237,12 @@ def smollm2_params(smollm2_checkpoint):
     return config, params
 
 
-@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
-def test_smollm2_golden_greedy_on_every_mesh(smollm2_params, golden, mesh):
-    """The golden cases' first 8 greedy tokens (all confident) on each mesh, against one device."""
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2"])
+def test_smollm2_golden_greedy_on_a_mesh(smollm2_params, golden, mesh):
+    """The golden cases' first 8 greedy tokens (all confident) on a mesh that pads heads (tp=2) and
+    splits the pool (dp=2). Each SmolLM2 mesh costs 1-2 min of compiling, so the sweep over every
+    mesh is `scripts/bench_sharding.py` (all 8 meshes correct when last run); the tiny model above
+    covers every mesh in the suite."""
     config, params = smollm2_params
     prompts = [c["prompt_ids"] for c in golden["cases"]]
     # All prompts fit one prefill call and one decode shape: two compilations per mesh.
