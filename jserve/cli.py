@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from typing import Sequence
@@ -200,11 +201,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cpu_devices_for_mesh(mesh: str, environ=os.environ) -> None:
+    """Let a mesh run on a CPU-only machine: ask XLA for as many host devices as the mesh needs.
+
+    Only the CPU platform reads the flag (TPU and GPU hosts are unaffected), and only before JAX
+    starts its backends; a flag the user set is left alone.
+    """
+    from jserve.sharding import parse_mesh
+
+    sizes = parse_mesh(mesh)
+    flags = environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags and sizes["dp"] * sizes["tp"] > 1:
+        environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={sizes['dp'] * sizes['tp']}".strip()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "mesh", None) and args.func is not _plan and not getattr(args, "distributed", False):
+            cpu_devices_for_mesh(args.mesh)  # (a multi-process mesh spans the processes' devices)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"jserve: error: {e}", file=sys.stderr)

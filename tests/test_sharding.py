@@ -275,3 +275,16 @@ def test_restore_shardings_never_hold_a_whole_weight(smollm2_checkpoint):
             shard = restore_sharding(mesh, name, shape, layout).shard_shape(shape)
             if np.prod(shape) >= 576 * 576:  # every matrix
                 assert np.prod(shard) < np.prod(shape), (spec, name, shape, shard)
+
+
+def test_cli_asks_for_cpu_devices_for_a_mesh():
+    from jserve.cli import cpu_devices_for_mesh
+
+    env = {}
+    cpu_devices_for_mesh("dp=2,tp=3", env)
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=6"
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"}
+    cpu_devices_for_mesh("tp=2", env)  # the user's own count stays
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --other"
+    with pytest.raises(ValueError, match="'pp'"):
+        cpu_devices_for_mesh("pp=2", {})
