@@ -71,8 +71,21 @@ class DataParallelScheduler:
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
 
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        return tuple(r for s in self.schedulers for r in s.waiting)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(r for s in self.schedulers for r in s.running)
+
     def group_of(self, request_id: str) -> int | None:
         return self._group.get(request_id)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any (the async engine reads its timings)."""
+        g = self._group.get(request_id)
+        return None if g is None else self.schedulers[g].get_request(request_id)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self._group:

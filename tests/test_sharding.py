@@ -182,6 +182,11 @@ def test_dp_groups_route_shared_prefixes_together():
     dps.check_invariants()
     dps.add_request(Request("c", system + [60], sp, 0.0))
     assert dps.group_of("c") == 0  # its prefix is cached in group 0, though group 0 is busier
+    # Everything of Scheduler's public face that the engine and the async engine read.
+    public = {n for n in dir(Scheduler) if not n.startswith("_")} - {"config", "page_table", "clock"}
+    assert public <= set(dir(dps)), public - set(dir(dps))
+    assert dps.get_request("c").request_id == "c" and dps.get_request("zzz") is None
+    assert {r.request_id for r in dps.running + dps.waiting} == {"a", "b", "c"}
     dps.abort_request("a")
     assert dps.group_of("a") is None and dps.num_running == 1 and dps.num_waiting == 1
 
