@@ -35,7 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     page_size: int = 16
     num_pages: int | None = None  # None: from kv_cache_bytes / memory_fraction
-    kv_cache_bytes: int | None = None  # explicit KV budget (the default on CPU: 256 MiB)
+    kv_cache_bytes: int | None = None  # explicit KV budget per device (the default on CPU: 512 MiB)
     memory_fraction: float = 0.9  # of accelerator memory, when neither of the above is given
     seed: int = 0
     backend: str | None = None  # paged-attention kernel backend; None: from the platform
