@@ -293,3 +293,22 @@ def test_cli_asks_for_cpu_devices_for_a_mesh():
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --other"
     with pytest.raises(ValueError, match="'pp'"):
         cpu_devices_for_mesh("pp=2", {})
+
+
+def test_prompt_logprobs_on_a_mesh():
+    """The prompt-logprob scorer (a dense pass over the laid-out, sharded weights) agrees too."""
+    def prompt_logprobs(mesh):
+        engine = build_engine(TINY, _stacked(TINY), _Tok(), [],
+                              EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                                           kv_cache_bytes=1 << 20, warmup=False, mesh=mesh))
+        engine.add_request("a", [1, 5, 9, 22, 7], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        return outs[-1].prompt_logprobs
+
+    ref, got = prompt_logprobs(None), prompt_logprobs("dp=2,tp=2")
+    assert ref[0] is None and got[0] is None and len(got) == 5
+    for r, g in zip(ref[1:], got[1:]):
+        assert r.keys() == g.keys()
+        np.testing.assert_allclose([g[t].logprob for t in r], [r[t].logprob for t in r], atol=1e-4)
