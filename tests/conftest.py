@@ -4,11 +4,39 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).parent / "data"
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (for servers the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, procs, timeout: float) -> None:
+    """Poll `url`/health until it answers 200; fail with the stderr of a server process that
+    exited, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"server process exited {p.returncode}: {p.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"{url} did not become healthy in {timeout:.0f} s"
+        time.sleep(0.25)
 
 
 def pytest_configure(config):

@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
 import jserve.bench as bench
 from jserve.bench import server_metrics
 
-from conftest import DATA
+from conftest import DATA, free_port, wait_healthy
 
 _SERVE = '''
 import dataclasses, sys
@@ -55,25 +52,12 @@ sys.exit(jserve.cli.main(["serve", "--port", sys.argv[3], "--served-model-name",
 
 @pytest.fixture(scope="module")
 def served(smollm2_checkpoint):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(DATA / "arch" / "smollm2"), str(smollm2_checkpoint),
                              str(port)], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240  # a cold compilation cache: five shapes of a 49152-wide vocabulary
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail(f"jserve serve exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
-        assert time.monotonic() < deadline, "jserve serve did not become healthy"
-        time.sleep(0.25)
+    wait_healthy(url, [proc], 240)  # a cold compilation cache: five shapes of a 49152-wide vocabulary
     yield url
     proc.terminate()
     try:

@@ -12,15 +12,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import free_port, wait_healthy
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,",
            "The best thing about", "In 1969, astronauts"]
@@ -51,12 +51,6 @@ def tiny_checkpoint(smollm2_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     return env
@@ -79,7 +73,7 @@ def test_generate_on_two_processes_matches_one(tiny_checkpoint):
     out, err = single.communicate(timeout=300)
     assert single.returncode == 0, err
     expected = json.loads(out)
-    port = _free_port()
+    port = free_port()
     follower = _jserve(*args, *_distributed(port, 1))
     leader = _jserve(*args, *_distributed(port, 0))
     out, err = leader.communicate(timeout=300)
@@ -101,22 +95,6 @@ def _post(port: int, body: dict) -> dict:
         return json.loads(resp.read())
 
 
-def _wait_healthy(port: int, procs, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"a process exited early: {p.returncode}\n{p.stderr.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("server did not become healthy")
-
-
 def test_server_on_two_processes_serves_a_request_stream(tiny_checkpoint):
     from jserve import LLM
     from jserve.request import SamplingParams
@@ -127,12 +105,12 @@ def test_server_on_two_processes_serves_a_request_stream(tiny_checkpoint):
     expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
     assert len(set(expected)) > 1
 
-    coord, http = _free_port(), _free_port()
+    coord, http = free_port(), free_port()
     serve = ["serve", "--model", str(tiny_checkpoint), "--port", str(http), *ENGINE_FLAGS]
     follower = _jserve(*serve, *_distributed(coord, 1))
     leader = _jserve(*serve, *_distributed(coord, 0))
     try:
-        _wait_healthy(http, [leader, follower])
+        wait_healthy(f"http://127.0.0.1:{http}", [leader, follower], 300)
         body = dict(model="tiny-smollm2", max_tokens=8, temperature=0.0, ignore_eos=True)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: batched steps
             got = list(pool.map(lambda p: _post(http, {**body, "prompt": p})["choices"][0]["text"], PROMPTS))

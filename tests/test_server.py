@@ -13,7 +13,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,7 +35,7 @@ from jserve.server import ServerState, build_app
 from jserve.server.protocol import MAX_LOGPROBS
 from jserve.tokenizer import Tokenizer
 
-from conftest import DATA
+from conftest import DATA, free_port, wait_healthy
 
 MODEL = "tiny-smollm2"
 MAX_MODEL_LEN = 128
@@ -406,24 +405,14 @@ sys.exit(jserve.cli.main(["serve", "--port", sys.argv[3], "--served-model-name",
 def test_sigterm_drains_and_exits_zero(smollm2_checkpoint):
     """`jserve serve` in a subprocess (a tiny engine, no warm-up): SIGTERM -> 503, the stream in flight
     finishes, exit status 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(DATA / "arch" / "smollm2"), str(smollm2_checkpoint),
                              str(port)], env=env, stderr=subprocess.PIPE, text=True)
     srv = Server.__new__(Server)
     srv.port, srv.url = port, f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if request(srv, "GET", "/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
-            time.sleep(0.2)
+        wait_healthy(srv.url, [proc], 60)
 
         async def stream_and_terminate():
             async with aiohttp.ClientSession() as session:
