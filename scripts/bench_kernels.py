@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 PAGE_SIZE, HEAD_DIM = 16, 64
 HEADS = {"kv8": (8, 8), "smollm2": (9, 3)}  # name: (num_q_heads, num_kv_heads)
-KERNEL_BACKEND = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu"}  # jax platform -> kernel backend
+# jax platform -> its kernel backends ("cpu": the native decode kernel; "cpu_pallas": interpret mode)
+KERNEL_BACKENDS = {"cpu": ["cpu", "cpu_pallas"], "tpu": ["tpu"], "gpu": ["gpu"]}
 
 
 def make_inputs(batch, context, num_q_heads, num_kv_heads, dtype, tokens, seed=0, width=0):
@@ -119,7 +120,7 @@ def main(argv=None):
     parser.add_argument("--bandwidth", type=float, default=27.0,
                         help="the machine's memory bandwidth in GB/s (DESIGN §6: 27 on the dev box)")
     parser.add_argument("--backends", nargs="*",
-                        help="default: this platform's kernel backend and 'reference'")
+                        help="default: this platform's kernel backends and 'reference'")
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--context", type=int, nargs="*", default=[256, 1024, 2048])
     parser.add_argument("--table-width", type=int, default=128,
@@ -132,7 +133,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    backends = args.backends or [KERNEL_BACKEND[jax.default_backend()], "reference"]
+    backends = args.backends or [*KERNEL_BACKENDS[jax.default_backend()], "reference"]
     dtype = jnp.dtype(args.dtype)
     cases = [("decode", b, h, c) for h, b, c in itertools.product(args.heads, args.batch,
                                                                   args.context)]
@@ -140,7 +141,7 @@ def main(argv=None):
         cases += [("prefill", 2, h, c, t) for h in args.heads for c in args.context
                   for t in args.prefill_tokens if c > t]
     cases = [case if len(case) == 5 else (*case, 1) for case in cases]
-    header = (f"{'backend':<10}{'kind':<8}{'batch':>6}{'heads q/kv':>11}{'context':>8}{'tokens':>7}"
+    header = (f"{'backend':<11}{'kind':<8}{'batch':>6}{'heads q/kv':>11}{'context':>8}{'tokens':>7}"
               f"{'ms':>9}{'MB read':>9}{'GB/s':>7}{'of bw':>7}{'vs ref':>7}{'1st call s':>11}")
     print(f"jax {jax.__version__}, platform {jax.default_backend()}, dtype {dtype.name}, "
           f"page {PAGE_SIZE}, head_dim {HEAD_DIM}, table width "
@@ -152,7 +153,7 @@ def main(argv=None):
                             args.bandwidth, args.table_width, tokens):
             results.append(r)
             vs = f"{r['vs_reference']:>7.2f}" if r["vs_reference"] else f"{'-':>7}"
-            print(f"{r['backend']:<10}{kind:<8}{batch:>6}"
+            print(f"{r['backend']:<11}{kind:<8}{batch:>6}"
                   f"{f'{r['num_q_heads']}/{r['num_kv_heads']}':>11}{context:>8}{r['tokens']:>7}"
                   f"{r['ms']:>9.2f}{r['bytes'] / 1e6:>9.1f}{r['gbps']:>7.2f}"
                   f"{r['of_bandwidth']:>7.1%}{vs}{r['first_call_s']:>11.2f}", flush=True)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -9,8 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention import (paged_attention, paged_attention_reference,
+from pallas_kernels.paged_attention import (native, paged_attention, paged_attention_reference,
                                             paged_prefill_attention)
+
+# "cpu" decodes with the native kernel (native.py), "cpu_pallas" with the Pallas interpret one.
+CPU_BACKENDS = ("cpu", "cpu_pallas")
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 NUM_KV_HEADS = 2
@@ -76,8 +83,9 @@ DECODE_GRID = [  # head_dim, query heads per KV head, page_size, dtype
 ]
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("head_dim,groups,page_size,dtype", DECODE_GRID)
-def test_decode_matches_reference_and_dense(head_dim, groups, page_size, dtype):
+def test_decode_matches_reference_and_dense(head_dim, groups, page_size, dtype, backend):
     rng = np.random.default_rng(head_dim * groups + page_size)
     full = MAX_PAGES * page_size
     lengths = np.array([0, 1, page_size, page_size + 1, full, rng.integers(2, full)], np.int32)
@@ -89,7 +97,7 @@ def test_decode_matches_reference_and_dense(head_dim, groups, page_size, dtype):
     want = dense_attention(q[:, None], k, v, np.maximum(lengths - 1, 0), np.minimum(lengths, 1),
                            sm_scale=sm_scale)[:, 0]
     ref = paged_attention(*args, backend="reference", sm_scale=sm_scale)
-    out = paged_attention(*args, backend="cpu", sm_scale=sm_scale, pages_per_block=2)
+    out = paged_attention(*args, backend=backend, sm_scale=sm_scale, pages_per_block=2)
     check(ref, want, dtype)
     check(out, want, dtype)
     assert not np.asarray(out[0].astype(jnp.float32)).any()  # length 0 -> zeros
@@ -105,13 +113,14 @@ def test_decode_sliding_window_and_soft_cap(sliding_window, soft_cap):
     kw = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
     want = dense_attention(q[:, None], k, v, np.maximum(lengths - 1, 0), np.minimum(lengths, 1),
                            **kw)[:, 0]
-    for backend in ("reference", "cpu"):
+    for backend in ("reference", *CPU_BACKENDS):
         check(paged_attention(q, k_pages, v_pages, jnp.asarray(lengths), table, backend=backend,
                               **kw), want, jnp.float32)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("sliding_window", [None, 20])
-def test_decode_work_list_spans_several_chunks(sliding_window):
+def test_decode_work_list_spans_several_chunks(sliding_window, backend):
     # The CPU decode kernel walks (row, block) items `batch` at a time: with one page per block,
     # ragged lengths make many items, a partial last step and rows split across steps.
     rng = np.random.default_rng(11)
@@ -123,7 +132,7 @@ def test_decode_work_list_spans_several_chunks(sliding_window):
     want = dense_attention(q[:, None], k, v, np.maximum(lengths - 1, 0), np.minimum(lengths, 1),
                            **kw)[:, 0]
     for pages_per_block in (1, 3):
-        check(paged_attention(q, k_pages, v_pages, jnp.asarray(lengths), table, backend="cpu",
+        check(paged_attention(q, k_pages, v_pages, jnp.asarray(lengths), table, backend=backend,
                               pages_per_block=pages_per_block, **kw), want, jnp.float32)
 
 
@@ -166,11 +175,55 @@ def test_decode_is_one_token_prefill():
     np.testing.assert_allclose(np.asarray(pre[:, 0]), np.asarray(dec), atol=1e-6)
 
 
-def test_cpu_kernel_does_not_copy_the_page_pool():
+def test_native_decode_kernel_builds_and_is_what_cpu_decode_runs():
+    assert native.available(), native.unavailable_reason()
+    k_pages = jax.ShapeDtypeStruct((2, 9, 16, 64), jnp.float32)
+    args = (jax.ShapeDtypeStruct((4, 6, 64), jnp.float32), k_pages, k_pages,
+            jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 3), jnp.int32))
+    for backend, used in (("cpu", True), ("cpu_pallas", False)):
+        hlo = paged_attention.trace(*args, backend=backend, sm_scale=0.1).lower().as_text()
+        assert (native.TARGET in hlo) == used, backend
+
+
+@pytest.mark.parametrize("head_dim,groups", [(32, 16), (80, 2), (64, 17)])
+def test_native_decode_other_head_dims_and_groups(head_dim, groups):
+    # 32 and 80 take the kernel's generic head_dim loop; 17 groups exceed it (Pallas fallback).
+    rng = np.random.default_rng(head_dim + groups)
+    lengths = np.array([3, 0, 64, 17], np.int32)
+    k, v, k_pages, v_pages, table = make_cache(rng, lengths, page_size=16, head_dim=head_dim,
+                                               dtype=jnp.float32)
+    q = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS * groups, head_dim)), jnp.float32)
+    want = dense_attention(q[:, None], k, v, np.maximum(lengths - 1, 0), np.minimum(lengths, 1),
+                           sm_scale=0.2, soft_cap=5.0)[:, 0]
+    assert native.supports(groups, head_dim) == (groups <= 16)
+    check(paged_attention(q, k_pages, v_pages, jnp.asarray(lengths), table, backend="cpu",
+                          sm_scale=0.2, soft_cap=5.0), want, jnp.float32)
+
+
+def test_without_a_compiler_cpu_decode_falls_back_to_pallas(tmp_path):
+    code = (
+        "import numpy as np, jax.numpy as jnp\n"
+        "from pallas_kernels.paged_attention import native, paged_attention\n"
+        "q = jnp.ones((2, 4, 64)); pages = jnp.ones((2, 5, 16, 64))\n"
+        "out = paged_attention(q, pages, pages, jnp.array([3, 0], jnp.int32),\n"
+        "                      jnp.array([[1, 2], [0, 0]], jnp.int32), backend='cpu', sm_scale=0.1)\n"
+        "assert np.allclose(out[0], 1.0) and not np.asarray(out[1]).any()\n"
+        "assert not native.available()\n"
+        "print('REASON', native.unavailable_reason())\n")
+    env = dict(os.environ, CXX="/bin/false", JSERVE_KERNEL_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REASON RuntimeError: /bin/false" in done.stdout
+    assert "native CPU decode kernel unavailable" in done.stderr  # said once, in the log
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_kernel_does_not_copy_the_page_pool(backend):
     k_pages = jax.ShapeDtypeStruct((2, 97, 16, 64), jnp.float32)
     args = (jax.ShapeDtypeStruct((4, 4, 64), jnp.float32), k_pages, k_pages,
             jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 24), jnp.int32))
-    hlo = paged_attention.trace(*args, backend="cpu", sm_scale=0.1).lower().compile().as_text()
+    hlo = paged_attention.trace(*args, backend=backend, sm_scale=0.1).lower().compile().as_text()
     copies = [line for line in hlo.splitlines() if "f32[2,97,16,64]" in line and " copy(" in line]
     assert not copies, copies
 

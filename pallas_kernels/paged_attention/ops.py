@@ -1,9 +1,11 @@
 """Public paged-attention entry points: validate, pack queries as rows, dispatch on `backend`.
 
-Backends: "cpu" (Pallas interpret mode, coarse grid: the CPU fast path), "tpu" (Mosaic TPU
-kernel), "gpu" and "reference". There is no Mosaic GPU kernel yet: "gpu" runs the reference's
-XLA path (gather every slot of the page table, dense masked softmax in float32), which is
-correct but reads `max_pages_per_seq` pages per row whatever the lengths. All backends share
+Backends: "cpu" (decode: the native kernel of `native.py` when it builds; chunked prefill, and
+decode without a compiler: Pallas interpret mode, coarse grid), "cpu_pallas" (Pallas interpret
+mode for both), "tpu" (Mosaic TPU kernel), "gpu" and "reference". There is no Mosaic GPU
+kernel yet: "gpu" runs the reference's XLA path (gather every slot of the page table, dense
+masked softmax in float32), which is correct but reads `max_pages_per_seq` pages per row
+whatever the lengths. All backends share
 one layout contract (DESIGN §4).
 """
 
@@ -15,10 +17,10 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import cpu, reference, tpu
+from pallas_kernels.paged_attention import cpu, native, reference, tpu
 from pallas_kernels.paged_attention.common import pack_rows, unpack_rows
 
-BACKENDS = ("cpu", "tpu", "gpu", "reference")
+BACKENDS = ("cpu", "cpu_pallas", "tpu", "gpu", "reference")
 # Keys per compute block: 128 fills a TPU lane row, and on CPU 64-256 keys ran within noise
 # of each other (batch 16, 3 or 8 KV heads, contexts 256-2048), 128 most often the fastest.
 _DEFAULT_BLOCK_KEYS = 128
@@ -85,13 +87,20 @@ def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_s
             q, k_pages, v_pages, q_start, q_lens, page_indices,
             sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     num_kv_heads, _, page_size, _ = k_pages.shape
+    groups = q.shape[2] // num_kv_heads
+    if (backend == "cpu" and q.shape[1] == 1 and native.supports(groups, q.shape[3])
+            and native.available()):  # decode: the native kernel
+        out = native.paged_decode(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start, q_lens,
+                                  page_indices, sm_scale=sm_scale, soft_cap=soft_cap,
+                                  sliding_window=sliding_window)
+        return unpack_rows(out, 1).astype(q.dtype)
     if pages_per_block is None:
         pages_per_block = max(1, _DEFAULT_BLOCK_KEYS // page_size)
     pages_per_block = min(pages_per_block, page_indices.shape[1])
-    impl = cpu.paged_attention_rows if backend == "cpu" else tpu.paged_attention_rows
+    impl = tpu.paged_attention_rows if backend == "tpu" else cpu.paged_attention_rows
     out = impl(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start, q_lens, page_indices,
                sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
-               groups=q.shape[2] // num_kv_heads, pages_per_block=pages_per_block)
+               groups=groups, pages_per_block=pages_per_block)
     return unpack_rows(out, q.shape[1])
 
 
