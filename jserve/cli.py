@@ -127,7 +127,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
     g.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="explicit KV budget, e.g. 1GiB")
     g.add_argument("--memory-fraction", type=float, default=0.9, help="of accelerator memory for the engine")
-    g.add_argument("--attention-backend", default=None, choices=["cpu", "tpu", "gpu", "reference"],
+    g.add_argument("--attention-backend", default=None, choices=["cpu", "cpu_pallas", "tpu", "gpu", "reference"],
                    help="paged-attention kernel (default: from the platform)")
     g.add_argument("--mesh", default=None, help="device mesh, e.g. tp=4 or dp=2,tp=4 (default: one device)")
     g = p.add_argument_group("multi-host (jax.distributed)")

@@ -31,10 +31,19 @@ from jserve.model import model_graphdef, model_params
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
 from jserve.request import MAX_LOGPROBS
 from jserve.sampler import SamplingArrays, penalty_history, sample
+from pallas_kernels.paged_attention import native
 
 logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
+# XLA:CPU sends dots to YNNPACK by default. For the decode step at batch 8 and 16 with the native
+# attention kernel its Eigen dots were faster (SmolLM2, 2-core Zen 4, interleaved in one process:
+# batch 16 91 vs 109 ms, batch 8 56 vs 68 ms), and far slower at batch 2 and 4 (155 vs 46 ms,
+# 163 vs 64 ms: the tied LM head x @ E.T at M=2 took 105 ms in Eigen, 15 ms in YNNPACK); prefill
+# buckets, batch 32 and the Pallas attention showed no gain. scripts/bench_decode_step.py
+# measures this again on another machine.
+EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+EIGEN_DECODE_BATCHES = (8, 16)
 GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
 
 
@@ -93,14 +102,18 @@ class Runner:
         self.num_params = sum(int(x.size) for x in leaves)
         graphdef = model_graphdef(config)
         attention = PagedAttention(self.backend, config.sliding_window, mesh)
+        # Build the native CPU decode kernel now, not while tracing a step.
+        self.native_decode = self.backend == "cpu" and native.available()
         step = functools.partial(_step, graphdef, attention)
-        if mesh is None:
-            self._step = jax.jit(step, donate_argnames=("kv",))
-        else:
+        jit_kwargs: dict = {"donate_argnames": ("kv",)}
+        if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
 
-            out_shardings = (NamedSharding(mesh, P()), jax.tree.map(lambda _: kv_sharding, self.kv))
-            self._step = jax.jit(step, donate_argnames=("kv",), out_shardings=out_shardings)
+            jit_kwargs["out_shardings"] = (NamedSharding(mesh, P()),
+                                           jax.tree.map(lambda _: kv_sharding, self.kv))
+        self._step = jax.jit(step, **jit_kwargs)
+        # Mid-sized decode batches on CPU compile with XLA's Eigen dots instead of YNNPACK's.
+        self._step_eigen = jax.jit(step, compiler_options=EIGEN_DOTS, **jit_kwargs)
         self._seen: set[tuple] = set()
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
@@ -209,11 +222,11 @@ class Runner:
         arrays = self._pack(placed, B, T)
         sampling_arrays = SamplingArrays.build(sampling, B).as_tuple()
         history = penalty_history(penalties, B, self.max_model_len, self.config.vocab_size)
-        cached = _cache_size(self._step)
+        cached = self._compiled_count()
         t0 = time.perf_counter()
         out = jax.device_get(self._call(kind, B, T, (arrays, sampling_arrays, history)))
         seconds = time.perf_counter() - t0
-        self._count((kind, B, T), None if cached is None else _cache_size(self._step) > cached)
+        self._count((kind, B, T), None if cached is None else self._compiled_count() > cached)
         real = sum(len(r[1]) for r in rows)
         self.records.append(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
         self.total_real_tokens += real
@@ -231,8 +244,17 @@ class Runner:
 
     def _device_step(self, inputs):
         args = self._place(inputs)
-        out, self.kv = self._step(self.params, self.kv, *args[0], args[1], args[2])
+        out, self.kv = self.step_fn(*args[0][0].shape)(self.params, self.kv, *args[0], args[1], args[2])
         return out
+
+    def step_fn(self, batch: int, tokens: int):
+        """The jitted step for a (global batch, tokens) shape (see EIGEN_DECODE_BATCHES)."""
+        eigen = self.native_decode and tokens == 1 and batch // self.dp in EIGEN_DECODE_BATCHES
+        return self._step_eigen if eigen else self._step
+
+    def _compiled_count(self) -> int | None:
+        sizes = [_cache_size(f) for f in (self._step, self._step_eigen)]
+        return None if None in sizes else sum(sizes)
 
     def follow(self) -> int:
         """On processes other than 0: run the steps process 0 broadcasts until it stops them.

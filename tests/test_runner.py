@@ -73,6 +73,31 @@ def test_compilations_are_counted_and_stop_after_warmup():
         runner.execute([(0, list(range(9)), [4, 5, 6])], [GREEDY])
 
 
+def test_cpu_decode_at_batch_8_uses_eigen_dots_and_matches_the_reference():
+    config, params, _ = _load("smollm2")
+    kw = dict(num_pages=32, page_size=4, max_model_len=16, batch_buckets=(2, 8), token_buckets=(8,),
+              max_num_batched_tokens=8)
+    runner, ref = Runner(config, params, backend="cpu", **kw), Runner(config, params, backend="reference", **kw)
+    assert runner.native_decode and not ref.native_decode
+    assert runner.step_fn(8, 1) is runner._step_eigen
+    assert runner.step_fn(2, 1) is runner._step and runner.step_fn(8, 8) is runner._step
+    runner.warmup(progress=False)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [13, 14, 15, 16, 17]]
+    pages = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(len(prompts))]
+    tokens = {}
+    for r in (runner, ref):
+        last = [int(r.execute([(0, p, pg)], [GREEDY])["tokens"][0]) for p, pg in zip(prompts, pages)]
+        seen = [list(p) + [t] for p, t in zip(prompts, last)]
+        for _ in range(3):  # decode all five rows: the batch-8 bucket
+            out = r.execute([(len(s) - 1, [s[-1]], pg) for s, pg in zip(seen, pages)], [GREEDY] * 5)
+            for s, t in zip(seen, out["tokens"].tolist()):
+                s.append(int(t))
+        tokens[r.backend] = seen
+    assert tokens["cpu"] == tokens["reference"]
+    assert runner.num_compilations_after_warmup == 0
+    assert runner.records[-1].bucket == (8, 1)
+
+
 def test_step_records_count_real_tokens_bytes_and_flops():
     config, params, _ = _load("llama2")
     runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=32, backend="reference",

@@ -216,7 +216,7 @@ def test_step_hlo_has_the_collectives_and_no_weight_gather():
     args = (arrays, SamplingArrays.build([GREEDY] * 4, 4).as_tuple(),
             penalty_history([None] * 4, 4, runner.max_model_len, TINY.vocab_size))
     args = runner._place(args)
-    hlo = runner._step.lower(runner.params, runner.kv, *args[0], args[1], args[2]).compile().as_text()
+    hlo = runner.step_fn(4, 1).lower(runner.params, runner.kv, *args[0], args[1], args[2]).compile().as_text()
     # Megatron: one all-reduce after attention and one after the MLP per layer (XLA may fuse or
     # add a few for the embedding, norms and the tied head).
     all_reduces = len(re.findall(r"= [^=]*all-reduce(?:-start)?\(", hlo))

@@ -1,0 +1,123 @@
+"""Decode step time against its floor, per batch and context, for each kernel/dot-library choice.
+
+One runner over the real model (default SmolLM2-135M); every row of a step has `context` cached
+tokens. Each variant is the same step compiled with:
+  - attention: "cpu" (the native decode kernel) or "cpu_pallas" (Pallas interpret mode);
+  - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `runner.EIGEN_DOTS`).
+Variants take turns call by call (a busy machine slows them alike). The floor is the runner's
+own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (DESIGN §6:
+27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
+batches in `runner.EIGEN_DECODE_BATCHES`; this script is how that table was measured.
+
+    python scripts/bench_decode_step.py [--batch 2 4 8 16 32] [--context 256 1024] [--out step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+from jserve.checkpoint import load_checkpoint, resolve_model  # noqa: E402
+from jserve.engine import EngineConfig, build_engine  # noqa: E402
+from jserve.llm import enable_compilation_cache  # noqa: E402
+from jserve.model import model_graphdef  # noqa: E402
+from jserve.model.paged_attention import PagedAttention  # noqa: E402
+from jserve.runner import EIGEN_DOTS, GREEDY, _step  # noqa: E402
+from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
+
+VARIANTS = {"cpu/ynn": ("cpu", None), "cpu/eigen": ("cpu", EIGEN_DOTS),
+            "cpu_pallas/ynn": ("cpu_pallas", None), "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS)}
+
+
+class _NoTokenizer:
+    def detokenizer(self, *args, **kwargs):
+        raise AssertionError("the benchmark never detokenizes")
+
+
+def compile_variant(runner, config, backend, options, rows, batch):
+    """The decode step for `batch` rows, with this attention backend and these XLA options."""
+    step = functools.partial(_step, model_graphdef(config), PagedAttention(backend, config.sliding_window))
+    tokens, positions, meta, last = runner._pack(rows, batch, 1)
+    sampling = SamplingArrays.build([GREEDY] * batch, batch).as_tuple()
+    history = penalty_history([None] * batch, batch, runner.max_model_len, config.vocab_size)
+    lowered = jax.jit(step, donate_argnums=(1,)).lower(runner.params, runner.kv, tokens, positions,
+                                                       meta, last, sampling, history)
+    return lowered.compile(compiler_options=options)
+
+
+def bench(runner, config, variants, batch, context, runs, bandwidth, peak):
+    pages = math.ceil((context + 1) / runner.page_size)
+    rows = [(context, [1], list(range(1 + j * pages, 1 + (j + 1) * pages))) for j in range(batch)]
+    compiled = {}
+    for name in variants:
+        start = time.perf_counter()
+        compiled[name] = compile_variant(runner, config, *VARIANTS[name], rows, batch)
+        compiled[name + " compile s"] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(runs + 1):  # the first round is a warm-up call
+        for name in variants:
+            runner.step_fn = lambda b, t, c=compiled[name]: c
+            runner.execute(rows, [GREEDY] * batch)
+            if i:
+                times[name].append(runner.records[-1].seconds)
+    record = runner.records[-1]
+    floor = max(record.bytes_needed / bandwidth, record.flops_needed / peak)
+    return [dict(variant=name, batch=batch, context=context, median_ms=1e3 * statistics.median(t),
+                 min_ms=1e3 * min(t), floor_ms=1e3 * floor, bytes=record.bytes_needed,
+                 flops=record.flops_needed, over_floor=statistics.median(t) / floor,
+                 tokens_per_s=batch / statistics.median(t),
+                 compile_s=compiled[name + " compile s"])
+            for name, t in times.items()]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--batch", type=int, nargs="*", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--context", type=int, nargs="*", default=[256, 1024])
+    parser.add_argument("--variants", nargs="*", default=["cpu/ynn", "cpu/eigen", "cpu_pallas/ynn"],
+                        choices=list(VARIANTS))
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--bandwidth", type=float, default=27.0, help="GB/s (DESIGN §6)")
+    parser.add_argument("--peak", type=float, default=190.0, help="fp32 GFLOP/s (DESIGN §6)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    enable_compilation_cache()
+    config, params, _ = load_checkpoint(resolve_model(args.model))
+    max_len = max(args.context) + 1
+    engine = build_engine(config, params, _NoTokenizer(), [], EngineConfig(
+        max_model_len=2048 if max_len <= 2048 else max_len, max_num_seqs=max(args.batch),
+        num_pages=max(args.batch) * math.ceil(max_len / 16) + 1, warmup=False))
+    runner = engine.runner
+    print(f"jax {jax.__version__}; median (min) of {args.runs} calls, variants interleaved; "
+          f"floor = max(bytes / {args.bandwidth:g} GB/s, FLOPs / {args.peak:g} GFLOP/s)")
+    print(f"{'batch':>5}{'context':>8}  {'variant':<17}{'median ms':>10}{'min ms':>8}{'floor ms':>9}"
+          f"{'x floor':>8}{'tok/s':>7}")
+    results = []
+    for batch in args.batch:
+        for context in args.context:
+            for r in bench(runner, config, args.variants, batch, context, args.runs,
+                           args.bandwidth * 1e9, args.peak * 1e9):
+                results.append(r)
+                print(f"{batch:>5}{context:>8}  {r['variant']:<17}{r['median_ms']:>10.1f}"
+                      f"{r['min_ms']:>8.1f}{r['floor_ms']:>9.1f}{r['over_floor']:>8.2f}"
+                      f"{r['tokens_per_s']:>7.0f}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(dict(jax=jax.__version__, runs=args.runs,
+                                            bandwidth_gbps=args.bandwidth, peak_gflops=args.peak,
+                                            results=results), indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
