@@ -5,7 +5,12 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
-DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # 2, not 1, is the smallest (DESIGN.md §6)
+# Batch 1 has its own bucket: one row's matmuls are matrix-vector products, which XLA:CPU runs
+# near memory bandwidth (SmolLM2 decode at 256 context: 35 ms at batch 1 vs 51 ms for one row
+# padded to 2; scripts/bench_decode_step.py --batch 1 2). DESIGN.md §6 saw a one-row scatter copy
+# the whole cache; the paged step's HLO still has a copy of each layer's pool, but it is done in
+# place (the pages are donated): batch-1 step time did not grow with a 6x larger pool (31 ms).
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 

@@ -9,7 +9,7 @@ own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
 batches in `runner.EIGEN_DECODE_BATCHES`; this script is how that table was measured.
 
-    python scripts/bench_decode_step.py [--batch 2 4 8 16 32] [--context 256 1024] [--out step.json]
+    python scripts/bench_decode_step.py [--batch 1 2 4 8 16 32] [--context 256 1024] [--out step.json]
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def bench(runner, config, variants, batch, context, runs, bandwidth, peak):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--batch", type=int, nargs="*", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--context", type=int, nargs="*", default=[256, 1024])
     parser.add_argument("--variants", nargs="*", default=["cpu/ynn", "cpu/eigen", "cpu_pallas/ynn"],
                         choices=list(VARIANTS))
@@ -99,6 +99,7 @@ def main(argv=None):
         max_model_len=2048 if max_len <= 2048 else max_len, max_num_seqs=max(args.batch),
         num_pages=max(args.batch) * math.ceil(max_len / 16) + 1, warmup=False))
     runner = engine.runner
+    runner.batch_buckets = tuple(sorted(set(runner.batch_buckets) | set(args.batch)))
     print(f"jax {jax.__version__}; median (min) of {args.runs} calls, variants interleaved; "
           f"floor = max(bytes / {args.bandwidth:g} GB/s, FLOPs / {args.peak:g} GFLOP/s)")
     print(f"{'batch':>5}{'context':>8}  {'variant':<17}{'median ms':>10}{'min ms':>8}{'floor ms':>9}"
