@@ -36,14 +36,17 @@ from pallas_kernels.paged_attention import native
 logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
-# XLA:CPU sends dots to YNNPACK by default. For the decode step at batch 8 and 16 with the native
-# attention kernel its Eigen dots were faster (SmolLM2, 2-core Zen 4, interleaved in one process:
-# batch 16 91 vs 109 ms, batch 8 56 vs 68 ms), and far slower at batch 2 and 4 (155 vs 46 ms,
-# 163 vs 64 ms: the tied LM head x @ E.T at M=2 took 105 ms in Eigen, 15 ms in YNNPACK); prefill
-# buckets, batch 32 and the Pallas attention showed no gain. scripts/bench_decode_step.py
-# measures this again on another machine.
+# XLA:CPU sends dots to YNNPACK by default; some CPU steps run faster with its Eigen dots
+# (SmolLM2, 2-core Zen 4, each pair interleaved in one process, scripts/bench_decode_step.py and
+# /tmp harnesses; medians in ms, YNNPACK vs Eigen):
+# - decode with the native attention kernel: batch 8 72 vs 66, batch 16 100 vs 85 (256 context),
+#   135 vs 117 (1024); batch 1 35 vs 36 and batch 32 180 vs 187 (no gain); batch 2 and 4 51 vs
+#   141 and 64 vs 163: a logits dot over 2-4 rows takes ~120 ms in Eigen, 11-13 ms in YNNPACK.
+# - prefill of one row: 16 tokens 84 vs 55, 64 tokens 196 vs 184, 256 tokens 553 vs 525, 512
+#   tokens 1382 vs 1238 (128: 279 vs 292, noise); several rows hit the logits dot above.
 EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 EIGEN_DECODE_BATCHES = (8, 16)
+EIGEN_PREFILL_BATCHES = (1,)
 GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
 
 
@@ -249,7 +252,11 @@ class Runner:
 
     def step_fn(self, batch: int, tokens: int):
         """The jitted step for a (global batch, tokens) shape (see EIGEN_DECODE_BATCHES)."""
-        eigen = self.native_decode and tokens == 1 and batch // self.dp in EIGEN_DECODE_BATCHES
+        rows = batch // self.dp
+        if tokens == 1:
+            eigen = self.native_decode and rows in EIGEN_DECODE_BATCHES
+        else:
+            eigen = self.backend in ("cpu", "cpu_pallas") and rows in EIGEN_PREFILL_BATCHES
         return self._step_eigen if eigen else self._step
 
     def _compiled_count(self) -> int | None:

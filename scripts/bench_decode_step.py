@@ -1,21 +1,24 @@
-"""Decode step time against its floor, per batch and context, for each kernel/dot-library choice.
+"""Decode (and prefill) step time against its floor, per shape, for each kernel/dot-library choice.
 
 One runner over the real model (default SmolLM2-135M); every row of a step has `context` cached
-tokens. Each variant is the same step compiled with:
+tokens and feeds `tokens` new ones (1: decode; more: a prefill chunk). Each variant is the same
+step compiled with:
   - attention: "cpu" (the native decode kernel) or "cpu_pallas" (Pallas interpret mode);
   - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `runner.EIGEN_DOTS`).
 Variants take turns call by call (a busy machine slows them alike). The floor is the runner's
 own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (DESIGN §6:
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
-batches in `runner.EIGEN_DECODE_BATCHES`; this script is how that table was measured.
+batches in `runner.EIGEN_DECODE_BATCHES` and `EIGEN_PREFILL_BATCHES`; this script measures them.
 
     python scripts/bench_decode_step.py [--batch 1 2 4 8 16 32] [--context 256 1024] [--out step.json]
+    python scripts/bench_decode_step.py --batch 1 2 --context 0 --tokens 16 128 512
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import statistics
@@ -32,7 +35,8 @@ from jserve.engine import EngineConfig, build_engine  # noqa: E402
 from jserve.llm import enable_compilation_cache  # noqa: E402
 from jserve.model import model_graphdef  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
-from jserve.runner import EIGEN_DOTS, GREEDY, _step  # noqa: E402
+from jserve import buckets  # noqa: E402
+from jserve.runner import EIGEN_DOTS, GREEDY, PREFILL_BATCH_BUCKETS, _step  # noqa: E402
 from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
 
 VARIANTS = {"cpu/ynn": ("cpu", None), "cpu/eigen": ("cpu", EIGEN_DOTS),
@@ -44,10 +48,18 @@ class _NoTokenizer:
         raise AssertionError("the benchmark never detokenizes")
 
 
-def compile_variant(runner, config, backend, options, rows, batch):
-    """The decode step for `batch` rows, with this attention backend and these XLA options."""
+def compile_variant(runner, config, backend, options, rows):
+    """The step for these rows (padded to the runner's buckets), with this attention backend and
+    these XLA options."""
     step = functools.partial(_step, model_graphdef(config), PagedAttention(backend, config.sliding_window))
-    tokens, positions, meta, last = runner._pack(rows, batch, 1)
+    new = max(len(r[1]) for r in rows)
+    if new == 1:
+        batch, width = buckets.pick(runner.batch_buckets, len(rows)), 1
+    else:
+        batch = buckets.pick(PREFILL_BATCH_BUCKETS, len(rows))
+        width = buckets.pick(runner.token_buckets, new)
+    rows = rows + [None] * (batch - len(rows))
+    tokens, positions, meta, last = runner._pack(rows, batch, width)
     sampling = SamplingArrays.build([GREEDY] * batch, batch).as_tuple()
     history = penalty_history([None] * batch, batch, runner.max_model_len, config.vocab_size)
     lowered = jax.jit(step, donate_argnums=(1,)).lower(runner.params, runner.kv, tokens, positions,
@@ -55,13 +67,14 @@ def compile_variant(runner, config, backend, options, rows, batch):
     return lowered.compile(compiler_options=options)
 
 
-def bench(runner, config, variants, batch, context, runs, bandwidth, peak):
-    pages = math.ceil((context + 1) / runner.page_size)
-    rows = [(context, [1], list(range(1 + j * pages, 1 + (j + 1) * pages))) for j in range(batch)]
+def bench(runner, config, variants, batch, context, new, runs, bandwidth, peak):
+    pages = math.ceil((context + new) / runner.page_size)
+    rows = [(context, [1] * new, list(range(1 + j * pages, 1 + (j + 1) * pages)))
+            for j in range(batch)]
     compiled = {}
     for name in variants:
         start = time.perf_counter()
-        compiled[name] = compile_variant(runner, config, *VARIANTS[name], rows, batch)
+        compiled[name] = compile_variant(runner, config, *VARIANTS[name], rows)
         compiled[name + " compile s"] = time.perf_counter() - start
     times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(runs + 1):  # the first round is a warm-up call
@@ -72,10 +85,10 @@ def bench(runner, config, variants, batch, context, runs, bandwidth, peak):
                 times[name].append(runner.records[-1].seconds)
     record = runner.records[-1]
     floor = max(record.bytes_needed / bandwidth, record.flops_needed / peak)
-    return [dict(variant=name, batch=batch, context=context, median_ms=1e3 * statistics.median(t),
+    return [dict(variant=name, batch=batch, context=context, tokens=new, median_ms=1e3 * statistics.median(t),
                  min_ms=1e3 * min(t), floor_ms=1e3 * floor, bytes=record.bytes_needed,
                  flops=record.flops_needed, over_floor=statistics.median(t) / floor,
-                 tokens_per_s=batch / statistics.median(t),
+                 tokens_per_s=batch * new / statistics.median(t),
                  compile_s=compiled[name + " compile s"])
             for name, t in times.items()]
 
@@ -85,6 +98,8 @@ def main(argv=None):
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--context", type=int, nargs="*", default=[256, 1024])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1],
+                        help="new tokens per row: 1 is decode, more a prefill chunk")
     parser.add_argument("--variants", nargs="*", default=["cpu/ynn", "cpu/eigen", "cpu_pallas/ynn"],
                         choices=list(VARIANTS))
     parser.add_argument("--runs", type=int, default=7)
@@ -94,25 +109,25 @@ def main(argv=None):
     args = parser.parse_args(argv)
     enable_compilation_cache()
     config, params, _ = load_checkpoint(resolve_model(args.model))
-    max_len = max(args.context) + 1
+    max_len = max(args.context) + max(args.tokens)
     engine = build_engine(config, params, _NoTokenizer(), [], EngineConfig(
         max_model_len=2048 if max_len <= 2048 else max_len, max_num_seqs=max(args.batch),
+        max_num_batched_tokens=max(512, max(args.tokens)),
         num_pages=max(args.batch) * math.ceil(max_len / 16) + 1, warmup=False))
     runner = engine.runner
     runner.batch_buckets = tuple(sorted(set(runner.batch_buckets) | set(args.batch)))
     print(f"jax {jax.__version__}; median (min) of {args.runs} calls, variants interleaved; "
           f"floor = max(bytes / {args.bandwidth:g} GB/s, FLOPs / {args.peak:g} GFLOP/s)")
-    print(f"{'batch':>5}{'context':>8}  {'variant':<17}{'median ms':>10}{'min ms':>8}{'floor ms':>9}"
-          f"{'x floor':>8}{'tok/s':>7}")
+    print(f"{'batch':>5}{'context':>8}{'tokens':>7}  {'variant':<17}{'median ms':>10}{'min ms':>8}"
+          f"{'floor ms':>9}{'x floor':>8}{'tok/s':>7}")
     results = []
-    for batch in args.batch:
-        for context in args.context:
-            for r in bench(runner, config, args.variants, batch, context, args.runs,
-                           args.bandwidth * 1e9, args.peak * 1e9):
-                results.append(r)
-                print(f"{batch:>5}{context:>8}  {r['variant']:<17}{r['median_ms']:>10.1f}"
-                      f"{r['min_ms']:>8.1f}{r['floor_ms']:>9.1f}{r['over_floor']:>8.2f}"
-                      f"{r['tokens_per_s']:>7.0f}", flush=True)
+    for batch, context, new in itertools.product(args.batch, args.context, args.tokens):
+        for r in bench(runner, config, args.variants, batch, context, new, args.runs,
+                       args.bandwidth * 1e9, args.peak * 1e9):
+            results.append(r)
+            print(f"{batch:>5}{context:>8}{new:>7}  {r['variant']:<17}{r['median_ms']:>10.1f}"
+                  f"{r['min_ms']:>8.1f}{r['floor_ms']:>9.1f}{r['over_floor']:>8.2f}"
+                  f"{r['tokens_per_s']:>7.0f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(dict(jax=jax.__version__, runs=args.runs,
                                             bandwidth_gbps=args.bandwidth, peak_gflops=args.peak,

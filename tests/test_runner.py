@@ -80,7 +80,8 @@ def test_cpu_decode_at_batch_8_uses_eigen_dots_and_matches_the_reference():
     runner, ref = Runner(config, params, backend="cpu", **kw), Runner(config, params, backend="reference", **kw)
     assert runner.native_decode and not ref.native_decode
     assert runner.step_fn(8, 1) is runner._step_eigen
-    assert runner.step_fn(2, 1) is runner._step and runner.step_fn(8, 8) is runner._step
+    assert runner.step_fn(2, 1) is runner._step and runner.step_fn(2, 8) is runner._step
+    assert runner.step_fn(1, 8) is runner._step_eigen  # one-row prefill (the prompts below)
     runner.warmup(progress=False)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [13, 14, 15, 16, 17]]
     pages = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(len(prompts))]
