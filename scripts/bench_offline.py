@@ -212,7 +212,8 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
 
     def run_and_log(*a, **kw):
         original(*a, **kw)
-        all_rows, index = (a[0], a[2]) if len(a) >= 3 else (kw["all_rows"], kw["index"])
+        all_rows, parts = (a[0], a[2]) if len(a) >= 3 else (kw["all_rows"], kw["parts"])
+        index = [i for part in parts for i in part]  # parts: the row indices of each dp group
         log.append((runner.records[-1], sum(all_rows[i][0] + len(all_rows[i][1]) for i in index)))
 
     runner._run = run_and_log

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,8 @@ def _cpu_flags() -> str:
 
 def _build() -> Path:
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), " ".join(_FLAGS).encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()]))
+    parts = [source, jaxlib.__version__, " ".join(_FLAGS), _cpu_flags(), platform.machine()]
+    key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts))
     cache = Path(os.environ.get("JSERVE_KERNEL_CACHE",
                                 Path.home() / ".cache" / "jserve" / "kernels"))
     lib = cache / f"paged_decode_{key.hexdigest()[:16]}.so"
