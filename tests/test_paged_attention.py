@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention import (native, paged_attention, paged_attention_reference,
-                                            paged_prefill_attention)
+from pallas_kernels.paged_attention import (native, ops, paged_attention,
+                                            paged_attention_reference, paged_prefill_attention)
 
 # "cpu" decodes with the native kernel (native.py), "cpu_pallas" with the Pallas interpret one.
 CPU_BACKENDS = ("cpu", "cpu_pallas")
@@ -143,11 +143,13 @@ PREFILL_CASES = {  # name: (q_start, q_lens) per row; kv length = q_start + q_le
 }
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("case", sorted(PREFILL_CASES))
 @pytest.mark.parametrize("groups,dtype,sliding_window,soft_cap",
                          [(1, jnp.float32, None, None), (4, jnp.bfloat16, None, None),
                           (3, jnp.float32, 6, 5.0)])
-def test_prefill_matches_reference_and_dense(case, groups, dtype, sliding_window, soft_cap):
+def test_prefill_matches_reference_and_dense(case, groups, dtype, sliding_window, soft_cap,
+                                             backend):
     q_start, q_lens = (np.array(x, np.int32) for x in PREFILL_CASES[case])
     tokens, page_size, head_dim = 9, 8, 64
     rng = np.random.default_rng(len(case) + groups)
@@ -159,7 +161,35 @@ def test_prefill_matches_reference_and_dense(case, groups, dtype, sliding_window
     want = dense_attention(q, k, v, q_start, q_lens, **kw)
     args = (q, k_pages, v_pages, jnp.asarray(q_start), jnp.asarray(q_lens), table)
     check(paged_prefill_attention(*args, backend="reference", **kw), want, dtype)
-    check(paged_prefill_attention(*args, backend="cpu", pages_per_block=2, **kw), want, dtype)
+    check(paged_prefill_attention(*args, backend=backend, pages_per_block=2, **kw), want, dtype)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_native_prefill_chunk_longer_than_a_task(sliding_window, monkeypatch):
+    # The native kernel splits a row's chunk into runs of 32 tokens (tasks): 70 tokens make three,
+    # the last one partial; one row starts after a cached prefix, one is cut short by q_lens.
+    monkeypatch.setattr(ops, "NATIVE_MAX_TOKENS", 128)  # the engine sends it chunks of <= 32
+    q_start, q_lens = np.array([0, 37, 5], np.int32), np.array([70, 70, 33], np.int32)
+    rng = np.random.default_rng(70)
+    k, v, k_pages, v_pages, table = make_cache(rng, q_start + q_lens, page_size=16, head_dim=64,
+                                               dtype=jnp.float32, max_pages=7)
+    q = jnp.asarray(rng.standard_normal((3, 70, NUM_KV_HEADS * 3, 64)), jnp.float32)
+    kw = dict(sm_scale=0.125, sliding_window=sliding_window)
+    want = dense_attention(q, k, v, q_start, q_lens, **kw)
+    args = (q, k_pages, v_pages, jnp.asarray(q_start), jnp.asarray(q_lens), table)
+    check(paged_prefill_attention(*args, backend="cpu", **kw), want, jnp.float32)
+    assert native.TARGET in paged_prefill_attention.trace(*args, backend="cpu", **kw).lower().as_text()
+
+
+def test_cpu_backend_sends_chunks_past_native_max_tokens_to_pallas():
+    pages = jax.ShapeDtypeStruct((2, 9, 16, 64), jnp.float32)
+    per_row = jax.ShapeDtypeStruct((2,), jnp.int32)
+    for tokens, used in ((ops.NATIVE_MAX_TOKENS, True), (ops.NATIVE_MAX_TOKENS + 1, False)):
+        q = jax.ShapeDtypeStruct((2, tokens, 4, 64), jnp.float32)
+        hlo = paged_prefill_attention.trace(q, pages, pages, per_row, per_row,
+                                            jax.ShapeDtypeStruct((2, 4), jnp.int32),
+                                            backend="cpu", sm_scale=0.1).lower().as_text()
+        assert (native.TARGET in hlo) == used, tokens
 
 
 def test_decode_is_one_token_prefill():
@@ -200,7 +230,7 @@ def test_native_decode_other_head_dims_and_groups(head_dim, groups):
                           sm_scale=0.2, soft_cap=5.0), want, jnp.float32)
 
 
-def test_without_a_compiler_cpu_decode_falls_back_to_pallas(tmp_path):
+def test_without_a_compiler_the_cpu_backend_falls_back_to_pallas(tmp_path):
     code = (
         "import numpy as np, jax.numpy as jnp\n"
         "from pallas_kernels.paged_attention import native, paged_attention\n"
@@ -215,7 +245,7 @@ def test_without_a_compiler_cpu_decode_falls_back_to_pallas(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "REASON RuntimeError: /bin/false" in done.stdout
-    assert "native CPU decode kernel unavailable" in done.stderr  # said once, in the log
+    assert done.stderr.count("native CPU attention kernel unavailable") == 1  # once, in the log
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -1,4 +1,4 @@
-// Native CPU decode attention over a paged KV cache, called from JAX as an XLA FFI custom call.
+// Native CPU paged attention (decode, chunked prefill), called from JAX as an XLA FFI custom call.
 //
 // Why: in Pallas interpret mode every op of the kernel becomes an XLA:CPU op; the page gathers,
 // small batched dots and reductions ran at 5-10 GB/s and dominated the decode step at realistic
@@ -6,17 +6,19 @@
 // softmax, and splits the (row, KV head) pairs over XLA's intra-op thread pool.
 //
 // Layouts (DESIGN §4; the same contract as the Pallas kernels):
-//   q        f32 [batch, num_kv_heads, groups, head_dim]   queries packed per KV head
+//   q        f32 [batch, num_kv_heads, tokens * groups, head_dim]   queries packed per KV head:
+//            row r is token r / groups of the row's chunk, query head k * groups + r % groups
 //   k_pages  f32|bf16 [num_kv_heads, num_pages, page_size, head_dim]
 //   v_pages  same as k_pages
-//   q_start  s32 [batch]   position of the row's query (= keys already cached before it)
-//   q_lens   s32 [batch]   1 for a real row, 0 for padding (output zeros)
+//   q_start  s32 [batch]   position of the row's first new token (= keys cached before it)
+//   q_lens   s32 [batch]   real new tokens of the row; tokens past it (and padded rows) output 0
 //   page_indices s32 [batch, max_pages]
-//   out      f32 [batch, num_kv_heads, groups, head_dim]
-// Attributes: sm_scale, soft_cap (0 = off), sliding_window (0 = off).
+//   out      f32, q's shape
+// Attributes: groups, sm_scale, soft_cap (0 = off), sliding_window (0 = off).
 //
-// Semantics match pallas_kernels.paged_attention.reference: the query at position p attends keys
-// max(0, p - window + 1) .. p; logits q.k * sm_scale, then soft_cap * tanh(logits / soft_cap).
+// Semantics match pallas_kernels.paged_attention.reference: token t of row b sits at position
+// p = q_start[b] + t and attends keys max(0, p - window + 1) .. p (the chunk's own K/V are already
+// in the pages); logits q.k * sm_scale, then soft_cap * tanh(logits / soft_cap).
 
 #include <algorithm>
 #include <atomic>
@@ -53,25 +55,28 @@ template <>
 inline float Load<uint16_t>(const uint16_t* p, int i) { return Bf16ToF32(p[i]); }
 
 struct Shape {
-  int64_t batch, kv_heads, groups, head_dim, num_pages, page_size, max_pages;
+  int64_t batch, kv_heads, tokens, groups, head_dim, num_pages, page_size, max_pages;
 };
 
-// One (row, KV head): all `groups` queries against the row's live keys, page by page.
+constexpr int64_t kTokensPerTask = 32;  // a prefill row's chunk is split into tasks this long
+
+// One (row, KV head, token): the token's `groups` queries against its keys, page by page.
 // HD > 0 fixes head_dim at compile time so the inner loops vectorize; HD == 0 is generic.
 template <typename T, int HD>
-void AttendOne(const Shape& s, int64_t b, int64_t k, const float* q, const T* k_pages,
-               const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
+void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float* q,
+               const T* k_pages, const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
                const int32_t* page_indices, float* out, float sm_scale, float soft_cap,
                int32_t window) {
   const int64_t D = HD > 0 ? HD : s.head_dim;
   const int64_t G = s.groups, P = s.page_size;
-  const float* qb = q + ((b * s.kv_heads + k) * G) * D;
-  float* ob = out + ((b * s.kv_heads + k) * G) * D;
-  if (q_lens[b] <= 0) {
+  const int64_t first_row = ((b * s.kv_heads + k) * s.tokens + token) * G;
+  const float* qb = q + first_row * D;
+  float* ob = out + first_row * D;
+  if (token >= q_lens[b]) {
     std::fill(ob, ob + G * D, 0.0f);
     return;
   }
-  const int64_t pos = q_start[b];
+  const int64_t pos = q_start[b] + token;
   const int64_t end = pos + 1;
   const int64_t begin = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   float m[kMaxGroups], l[kMaxGroups];
@@ -163,16 +168,19 @@ template <typename T>
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
                ffi::Buffer<ffi::S32> page_indices, ffi::Result<ffi::Buffer<ffi::F32>> out,
-               float sm_scale, float soft_cap, int32_t window) {
+               int32_t groups, float sm_scale, float soft_cap, int32_t window) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || page_indices.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("paged decode: q and pages must be 4-D, page_indices 2-D");
+    return ffi::Error::InvalidArgument("paged attention: q and pages must be 4-D, page_indices 2-D");
   }
-  Shape s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], page_indices.dimensions()[1]};
+  if (groups < 1 || qd[2] % groups) {
+    return ffi::Error::InvalidArgument("paged attention: q rows must be tokens * groups");
+  }
+  Shape s{qd[0], qd[1], qd[2] / groups, groups, qd[3], kd[1], kd[2], page_indices.dimensions()[1]};
   if (kd[0] != s.kv_heads || kd[3] != s.head_dim || s.groups > kMaxGroups ||
       s.head_dim > kMaxHeadDim) {
-    return ffi::Error::InvalidArgument("paged decode: unsupported shapes");
+    return ffi::Error::InvalidArgument("paged attention: unsupported shapes");
   }
   const float* qp = q.typed_data();
   const T* kp = reinterpret_cast<const T*>(k_pages.untyped_data());
@@ -181,43 +189,49 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
   const int32_t* ql = q_lens.typed_data();
   const int32_t* pi = page_indices.typed_data();
   float* op = out->typed_data();
+  // Tasks: (row, KV head, run of kTokensPerTask tokens); a decode task is one token.
+  const int64_t runs = (s.tokens + kTokensPerTask - 1) / kTokensPerTask;
   auto task = [=](int64_t i) {
-    const int64_t b = i / s.kv_heads, k = i % s.kv_heads;
-    if (s.head_dim == 64) {
-      AttendOne<T, 64>(s, b, k, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
-    } else if (s.head_dim == 128) {
-      AttendOne<T, 128>(s, b, k, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
-    } else {
-      AttendOne<T, 0>(s, b, k, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
+    const int64_t run = i % runs, bk = i / runs;
+    const int64_t b = bk / s.kv_heads, k = bk % s.kv_heads;
+    const int64_t stop = std::min(s.tokens, (run + 1) * kTokensPerTask);
+    for (int64_t t = run * kTokensPerTask; t < stop; ++t) {
+      if (s.head_dim == 64) {
+        AttendOne<T, 64>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
+      } else if (s.head_dim == 128) {
+        AttendOne<T, 128>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
+      } else {
+        AttendOne<T, 0>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
+      }
     }
   };
-  ParallelFor(pool, s.batch * s.kv_heads, task);
+  ParallelFor(pool, s.batch * s.kv_heads * runs, task);
   return ffi::Error::Success();
 }
 
-ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
-                       ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> q_start,
-                       ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_indices,
-                       ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, float soft_cap,
-                       int32_t sliding_window) {
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> q_start,
+                          ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_indices,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t groups, float sm_scale,
+                          float soft_cap, int32_t sliding_window) {
   if (k_pages.element_type() != v_pages.element_type()) {
-    return ffi::Error::InvalidArgument("paged decode: k_pages and v_pages dtypes differ");
+    return ffi::Error::InvalidArgument("paged attention: k_pages and v_pages dtypes differ");
   }
   switch (k_pages.element_type()) {
     case ffi::F32:
-      return Run<float>(pool, q, k_pages, v_pages, q_start, q_lens, page_indices, out, sm_scale,
-                        soft_cap, sliding_window);
+      return Run<float>(pool, q, k_pages, v_pages, q_start, q_lens, page_indices, out, groups,
+                        sm_scale, soft_cap, sliding_window);
     case ffi::BF16:
-      return Run<uint16_t>(pool, q, k_pages, v_pages, q_start, q_lens, page_indices, out,
+      return Run<uint16_t>(pool, q, k_pages, v_pages, q_start, q_lens, page_indices, out, groups,
                            sm_scale, soft_cap, sliding_window);
     default:
-      return ffi::Error::InvalidArgument("paged decode: pages must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument("paged attention: pages must be float32 or bfloat16");
   }
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedDecode, PagedDecode,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
@@ -227,6 +241,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedDecode, PagedDecode,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int32_t>("groups")
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("sliding_window"));

@@ -1,10 +1,10 @@
-"""The native CPU decode kernel (`cpu_native.cc`): built on first use, called as an XLA FFI target.
+"""The native CPU attention kernel (`cpu_native.cc`): built on first use, called as an XLA FFI target.
 
 The shared library is compiled with the machine's C++ compiler (`$CXX`, else `g++`) against the
 XLA FFI headers that ship with jaxlib, with `-march=native`, and cached under
 `$JSERVE_KERNEL_CACHE` (default `~/.cache/jserve/kernels`), keyed on the source, the jaxlib
 version and the CPU's flags. If there is no compiler or the build fails, `available()` says so
-once in the log and the "cpu" backend keeps its Pallas interpret-mode kernel (which the
+once in the log and the "cpu" backend keeps its Pallas interpret-mode kernels (which the
 "cpu_pallas" backend always uses).
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-TARGET = "jserve_paged_decode"
+TARGET = "jserve_paged_attention"
 _SOURCE = Path(__file__).with_name("cpu_native.cc")
 # -ffast-math lets GCC call glibc's vector expf (libmvec) in the softmax loop.
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
@@ -53,8 +53,8 @@ def available() -> bool:
                 _state["ok"] = True
             except Exception as e:  # no compiler, a failed build, an FFI mismatch: fall back
                 _state.update(ok=False, error=f"{type(e).__name__}: {e}")
-                logger.warning("native CPU decode kernel unavailable, using the Pallas interpret "
-                               "kernel: %s", _state["error"])
+                logger.warning("native CPU attention kernel unavailable, using the Pallas interpret "
+                               "kernels: %s", _state["error"])
         return _state["ok"]
 
 
@@ -78,7 +78,7 @@ def _build() -> Path:
     key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts))
     cache = Path(os.environ.get("JSERVE_KERNEL_CACHE",
                                 Path.home() / ".cache" / "jserve" / "kernels"))
-    lib = cache / f"paged_decode_{key.hexdigest()[:16]}.so"
+    lib = cache / f"paged_attention_{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -94,27 +94,28 @@ def _build() -> Path:
         os.unlink(tmp)
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     os.replace(tmp, lib)
-    logger.info("built the native CPU decode kernel: %s", lib)
+    logger.info("built the native CPU attention kernel: %s", lib)
     return lib
 
 
 def _register(lib: Path) -> None:
     handle = ctypes.cdll.LoadLibrary(str(lib))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.JservePagedDecode),
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.JservePagedAttention),
                                 platform="cpu")
 
 
-def paged_decode(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array, q_start: jax.Array,
-                 q_lens: jax.Array, page_indices: jax.Array, *, sm_scale: float,
-                 soft_cap: float | None, sliding_window: int | None) -> jax.Array:
-    """Decode attention on packed rows [batch, num_kv_heads, groups, head_dim]; float32 out.
+def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                         q_start: jax.Array, q_lens: jax.Array, page_indices: jax.Array, *,
+                         groups: int, sm_scale: float, soft_cap: float | None,
+                         sliding_window: int | None) -> jax.Array:
+    """Attention of packed query rows [batch, num_kv_heads, tokens * groups, head_dim]; f32 out.
 
-    Same contract as `cpu.paged_attention_rows` with one token per row (q_lens 0 or 1).
+    Same contract as `cpu.paged_attention_rows` (decode is the one-token case).
     """
     if not available():
-        raise RuntimeError(f"native CPU decode kernel unavailable: {unavailable_reason()}")
+        raise RuntimeError(f"native CPU attention kernel unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_rows.shape, jnp.float32),
                             vmap_method="sequential")
     return call(q_rows.astype(jnp.float32), k_pages, v_pages, q_start, q_lens, page_indices,
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
-                sliding_window=np.int32(sliding_window or 0))
+                groups=np.int32(groups), sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int32(sliding_window or 0))
