@@ -51,6 +51,21 @@ def pytest_configure(config):
     from jserve.llm import enable_compilation_cache
 
     enable_compilation_cache()
+    # Build the native CPU attention kernel afresh in every run (a few seconds), so the suite
+    # checks the build on this machine's compiler and jaxlib, not a library cached long ago.
+    if "JSERVE_KERNEL_CACHE" not in os.environ:
+        import tempfile
+
+        config._jserve_kernel_dir = os.environ["JSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(
+            prefix="jserve-kernels-")
+
+
+def pytest_unconfigure(config):
+    kernel_dir = getattr(config, "_jserve_kernel_dir", None)
+    if kernel_dir:
+        import shutil
+
+        shutil.rmtree(kernel_dir, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
