@@ -230,6 +230,18 @@ def test_native_decode_other_head_dims_and_groups(head_dim, groups):
                           sm_scale=0.2, soft_cap=5.0), want, jnp.float32)
 
 
+def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
+    # Linking with -ffast-math once pulled in crtfastmath.o, which set flush-to-zero process-wide
+    # on load (hypothesis then refused to run in the same process).
+    code = ("import sys\n"
+            "from pallas_kernels.paged_attention import native\n"
+            "assert native.available(), native.unavailable_reason()\n"
+            "assert sys.float_info.min / 2 > 0, 'flush-to-zero is on'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JSERVE_KERNEL_CACHE=str(tmp_path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_without_a_compiler_the_cpu_backend_falls_back_to_pallas(tmp_path):
     code = (
         "import numpy as np, jax.numpy as jnp\n"

@@ -391,7 +391,7 @@ class Tiny:
     def __init__(self, args):
         config, params = read_params(sys.argv[1])
         # test_async_engine's knobs: the shapes come from the persistent compilation cache
-        cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, page_size=4, num_pages=200,
+        cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, page_size=4, num_pages=400,
                            backend="cpu", warmup=False)
         self.engine = build_engine(config, {k: jnp.asarray(v) for k, v in params.items()},
                                    Tokenizer.load(sys.argv[2]), [], cfg)
@@ -416,7 +416,9 @@ def test_sigterm_drains_and_exits_zero(smollm2_checkpoint):
 
         async def stream_and_terminate():
             async with aiohttp.ClientSession() as session:
-                body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 30, "ignore_eos": True, "stream": True,
+                # Long enough that the drain outlasts the 0.3 s below (30 tokens once took longer
+                # than that; with the native decode kernel the tiny model drained them sooner).
+                body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 600, "ignore_eos": True, "stream": True,
                         "stream_options": {"include_usage": True}}
                 async with session.post(srv.url + "/v1/completions", json=body) as resp:
                     lines = [await resp.content.readline()]
@@ -430,7 +432,7 @@ def test_sigterm_drains_and_exits_zero(smollm2_checkpoint):
         chunks, lines = asyncio.run(stream_and_terminate())
         assert lines[-2].strip() == b"data: [DONE]"
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-        assert chunks[-1]["usage"]["completion_tokens"] == 30  # finished within the grace period
+        assert chunks[-1]["usage"]["completion_tokens"] == 600  # finished within the grace period
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:

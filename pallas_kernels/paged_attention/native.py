@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 TARGET = "jserve_paged_attention"
 _SOURCE = Path(__file__).with_name("cpu_native.cc")
 # -ffast-math lets GCC call glibc's vector expf (libmvec) in the softmax loop.
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "error": why not
 
@@ -88,11 +88,18 @@ def _build() -> Path:
     # Build to a private name, then rename: concurrent processes never see a partial library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
-    cmd = [compiler, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    # Compile and link in two steps: linking with -ffast-math would add crtfastmath.o, whose
+    # constructor turns on flush-to-zero for the whole process when the library loads.
+    obj = tmp + ".o"
+    for cmd in ([compiler, *_FLAGS, "-c", "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", obj],
+                [compiler, "-shared", obj, "-o", tmp]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            for path in (obj, tmp):
+                if os.path.exists(path):
+                    os.unlink(path)
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    os.unlink(obj)
     os.replace(tmp, lib)
     logger.info("built the native CPU attention kernel: %s", lib)
     return lib
