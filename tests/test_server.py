@@ -476,8 +476,10 @@ def test_disconnect_mid_stream_frees_pages(server):
 
 
 def test_disconnect_while_waiting_for_a_plain_reply_aborts(server):
+    # The client gives up after 0.1 s, a few tens of steps at most (a tiny-model step takes ~3 ms
+    # with the native kernel; at 0.3 s a CI run got through 96 of the 100 before the abort).
     async def go():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
             with pytest.raises(asyncio.TimeoutError):
                 await session.post(server.url + "/v1/completions",
                                    json={"prompt": PROMPTS[2], "max_tokens": 100, "ignore_eos": True})
@@ -486,7 +488,7 @@ def test_disconnect_while_waiting_for_a_plain_reply_aborts(server):
     asyncio.run(go())
     stats = engine_idle(server)
     assert stats["pages_in_use"] == 0 and stats["num_running"] == 0
-    assert stats["num_steps"] - steps < 90
+    assert 0 < stats["num_steps"] - steps < 90  # it ran, and stopped well before its 100 tokens
 
 
 def test_concurrent_streams_with_disconnects(server, expected):
