@@ -10,7 +10,10 @@ from typing import Sequence
 # padded to 2; scripts/bench_decode_step.py --batch 1 2). DESIGN.md §6 saw a one-row scatter copy
 # the whole cache; the paged step's HLO still has a copy of each layer's pool, but it is done in
 # place (the pages are donated): batch-1 step time did not grow with a 6x larger pool (31 ms).
+# The runner drops it without the native CPU kernel (the Pallas interpret kernel took 1.5 s at
+# batch 1), and the dense-cache runner keeps 2 as its smallest (DESIGN.md §6).
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DENSE_BATCH_BUCKETS = DEFAULT_BATCH_BUCKETS[1:]
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 

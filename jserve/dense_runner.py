@@ -29,7 +29,7 @@ class DenseRunner:
     """Owns params on the device and the compiled steps; counts compilations."""
 
     def __init__(self, config: ModelConfig, params: dict[str, jax.Array], *, max_model_len: int,
-                 batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
+                 batch_buckets: Sequence[int] = buckets.DENSE_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  length_buckets: Sequence[int] = buckets.DEFAULT_LENGTH_BUCKETS):
         self.config = config

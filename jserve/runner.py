@@ -107,6 +107,10 @@ class Runner:
         attention = PagedAttention(self.backend, config.sliding_window, mesh)
         # Build the native CPU decode kernel now, not while tracing a step.
         self.native_decode = self.backend == "cpu" and native.available()
+        if not self.native_decode and 1 in self.batch_buckets and len(self.batch_buckets) > 1:
+            # Batch 1 pays off with the native kernel (SmolLM2, 256 context: 28 ms vs 38 ms at
+            # batch 2); the Pallas interpret kernel took 1.5 s at batch 1 (bench_decode_step.py).
+            self.batch_buckets = tuple(b for b in self.batch_buckets if b != 1)
         step = functools.partial(_step, graphdef, attention)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:

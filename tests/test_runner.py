@@ -79,6 +79,8 @@ def test_cpu_decode_at_batch_8_uses_eigen_dots_and_matches_the_reference():
               max_num_batched_tokens=8)
     runner, ref = Runner(config, params, backend="cpu", **kw), Runner(config, params, backend="reference", **kw)
     assert runner.native_decode and not ref.native_decode
+    assert 1 in Runner(config, params, backend="cpu", num_pages=8, max_model_len=16).batch_buckets
+    assert 1 not in Runner(config, params, backend="cpu_pallas", num_pages=8, max_model_len=16).batch_buckets
     assert runner.step_fn(8, 1) is runner._step_eigen
     assert runner.step_fn(2, 1) is runner._step and runner.step_fn(2, 8) is runner._step
     assert runner.step_fn(1, 8) is runner._step_eigen  # one-row prefill (the prompts below)
