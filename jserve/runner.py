@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
 # XLA:CPU sends dots to YNNPACK by default; some CPU steps run faster with its Eigen dots
-# (SmolLM2, 2-core Zen 4, each pair interleaved in one process, scripts/bench_decode_step.py and
-# /tmp harnesses; medians in ms, YNNPACK vs Eigen):
+# (SmolLM2, 2-core Zen 4, each pair interleaved in one process with scripts/bench_decode_step.py
+# or an uncommitted harness of the same kind; medians in ms, YNNPACK vs Eigen):
 # - decode with the native attention kernel: batch 8 72 vs 66, batch 16 100 vs 85 (256 context),
 #   135 vs 117 (1024); batch 1 35 vs 36 and batch 32 180 vs 187 (no gain); batch 2 and 4 51 vs
 #   141 and 64 vs 163: a logits dot over 2-4 rows takes ~120 ms in Eigen, 11-13 ms in YNNPACK.
@@ -105,7 +105,7 @@ class Runner:
         self.num_params = sum(int(x.size) for x in leaves)
         graphdef = model_graphdef(config)
         attention = PagedAttention(self.backend, config.sliding_window, mesh)
-        # Build the native CPU decode kernel now, not while tracing a step.
+        # Build the native CPU attention kernel now, not while tracing a step.
         self.native_decode = self.backend == "cpu" and native.available()
         if not self.native_decode and 1 in self.batch_buckets and len(self.batch_buckets) > 1:
             # Batch 1 pays off with the native kernel (SmolLM2, 256 context: 28 ms vs 38 ms at
@@ -119,7 +119,7 @@ class Runner:
             jit_kwargs["out_shardings"] = (NamedSharding(mesh, P()),
                                            jax.tree.map(lambda _: kv_sharding, self.kv))
         self._step = jax.jit(step, **jit_kwargs)
-        # Mid-sized decode batches on CPU compile with XLA's Eigen dots instead of YNNPACK's.
+        # Some CPU step shapes compile with XLA's Eigen dots instead of YNNPACK's (step_fn).
         self._step_eigen = jax.jit(step, compiler_options=EIGEN_DOTS, **jit_kwargs)
         self._seen: set[tuple] = set()
         self.num_compilations = 0
