@@ -230,6 +230,16 @@ def test_native_decode_other_head_dims_and_groups(head_dim, groups):
                           sm_scale=0.2, soft_cap=5.0), want, jnp.float32)
 
 
+def test_native_kernel_stays_inside_the_table_and_the_pool():
+    # Out-of-contract inputs (a length past the table, page ids outside the pool) must not make
+    # the C++ kernel read out of bounds: it stops at the table's end and reads page 0 instead.
+    pages = jnp.ones((2, 5, 16, 64), jnp.float32)
+    table = jnp.array([[1, 2], [10**6, -3]], jnp.int32)
+    out = paged_attention(jnp.ones((2, 4, 64)), pages, pages, jnp.array([10**5, 20], jnp.int32), table,
+                          backend="cpu", sm_scale=0.1)
+    np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
+
+
 def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
     # Linking with -ffast-math once pulled in crtfastmath.o, which set flush-to-zero process-wide
     # on load (hypothesis then refused to run in the same process).

@@ -77,7 +77,9 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
     return;
   }
   const int64_t pos = q_start[b] + token;
-  const int64_t end = pos + 1;
+  // Never read past the page table or the pool, whatever the inputs say (the Pallas kernels
+  // clamp the same way): keys beyond the table are not attended, a bad page id reads page 0.
+  const int64_t end = std::min<int64_t>(pos + 1, s.max_pages * s.page_size);
   const int64_t begin = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   float m[kMaxGroups], l[kMaxGroups];
   alignas(64) float acc[kMaxGroups * kMaxHeadDim];
@@ -95,7 +97,8 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
   const T* v_head = v_pages + k * s.num_pages * P * D;
   alignas(64) float scores[kMaxGroups][64];
   for (int64_t t0 = begin; t0 < end;) {
-    const int64_t page = table[t0 / P];
+    int64_t page = table[t0 / P];
+    if (page < 0 || page >= s.num_pages) page = 0;
     const int64_t off = t0 % P;
     const int64_t n = std::min<int64_t>({P - off, end - t0, 64});
     const T* kp = k_head + (page * P + off) * D;
