@@ -105,9 +105,10 @@ class Runner:
         self.num_params = sum(int(x.size) for x in leaves)
         graphdef = model_graphdef(config)
         attention = PagedAttention(self.backend, config.sliding_window, mesh)
-        # Build the native CPU attention kernel now, not while tracing a step.
-        self.native_decode = self.backend == "cpu" and native.available()
-        if not self.native_decode and 1 in self.batch_buckets and len(self.batch_buckets) > 1:
+        # Build the native CPU attention kernel now, not while tracing a step (decode and short
+        # prefill chunks run on it, see pallas_kernels.paged_attention.ops).
+        self.native_attention = self.backend == "cpu" and native.available()
+        if not self.native_attention and 1 in self.batch_buckets and len(self.batch_buckets) > 1:
             # Batch 1 pays off with the native kernel (SmolLM2, 256 context: 28 ms vs 38 ms at
             # batch 2); the Pallas interpret kernel took 1.5 s at batch 1 (bench_decode_step.py).
             self.batch_buckets = tuple(b for b in self.batch_buckets if b != 1)
@@ -258,7 +259,7 @@ class Runner:
         """The jitted step for a (global batch, tokens) shape (see EIGEN_DECODE_BATCHES)."""
         rows = batch // self.dp
         if tokens == 1:
-            eigen = self.native_decode and rows in EIGEN_DECODE_BATCHES
+            eigen = self.native_attention and rows in EIGEN_DECODE_BATCHES
         else:
             eigen = self.backend in ("cpu", "cpu_pallas") and rows in EIGEN_PREFILL_BATCHES
         return self._step_eigen if eigen else self._step

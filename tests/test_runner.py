@@ -78,7 +78,7 @@ def test_cpu_decode_at_batch_8_uses_eigen_dots_and_matches_the_reference():
     kw = dict(num_pages=32, page_size=4, max_model_len=16, batch_buckets=(2, 8), token_buckets=(8,),
               max_num_batched_tokens=8)
     runner, ref = Runner(config, params, backend="cpu", **kw), Runner(config, params, backend="reference", **kw)
-    assert runner.native_decode and not ref.native_decode
+    assert runner.native_attention and not ref.native_attention
     assert 1 in Runner(config, params, backend="cpu", num_pages=8, max_model_len=16).batch_buckets
     assert 1 not in Runner(config, params, backend="cpu_pallas", num_pages=8, max_model_len=16).batch_buckets
     assert runner.step_fn(8, 1) is runner._step_eigen
