@@ -164,32 +164,37 @@ def test_prefill_matches_reference_and_dense(case, groups, dtype, sliding_window
     check(paged_prefill_attention(*args, backend=backend, pages_per_block=2, **kw), want, dtype)
 
 
-@pytest.mark.parametrize("sliding_window", [None, 40])
-def test_native_prefill_chunk_longer_than_a_task(sliding_window, monkeypatch):
-    # The native kernel splits a row's chunk into runs of 32 tokens (tasks): 70 tokens make three,
-    # the last one partial; one row starts after a cached prefix, one is cut short by q_lens.
-    monkeypatch.setattr(ops, "NATIVE_MAX_TOKENS", 128)  # the engine sends it chunks of <= 32
+@pytest.mark.parametrize("head_dim,groups,dtype,sliding_window,soft_cap", [
+    (64, 3, jnp.float32, None, None), (64, 3, jnp.float32, 40, None),
+    (128, 1, jnp.bfloat16, None, 4.0), (80, 16, jnp.float32, 25, None),
+    (36, 2, jnp.float32, None, None)])
+def test_native_prefill_chunk_spans_several_tiles(head_dim, groups, dtype, sliding_window,
+                                                  soft_cap):
+    # The native kernel cuts a row's chunk into tiles of 64 // groups tokens against blocks of 64
+    # keys: 70 tokens make 4 tiles at 3 groups, 2 at 1 group, 18 at 16. One row starts after a
+    # cached prefix, one is cut short by q_lens. head_dim 80 takes the tiles' 8-wide tail, 36 is
+    # no multiple of 8 and walks each token's keys alone.
     q_start, q_lens = np.array([0, 37, 5], np.int32), np.array([70, 70, 33], np.int32)
-    rng = np.random.default_rng(70)
-    k, v, k_pages, v_pages, table = make_cache(rng, q_start + q_lens, page_size=16, head_dim=64,
-                                               dtype=jnp.float32, max_pages=7)
-    q = jnp.asarray(rng.standard_normal((3, 70, NUM_KV_HEADS * 3, 64)), jnp.float32)
-    kw = dict(sm_scale=0.125, sliding_window=sliding_window)
+    rng = np.random.default_rng(head_dim + groups)
+    k, v, k_pages, v_pages, table = make_cache(rng, q_start + q_lens, page_size=16,
+                                               head_dim=head_dim, dtype=dtype, max_pages=7)
+    q = jnp.asarray(rng.standard_normal((3, 70, NUM_KV_HEADS * groups, head_dim)), dtype)
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     want = dense_attention(q, k, v, q_start, q_lens, **kw)
     args = (q, k_pages, v_pages, jnp.asarray(q_start), jnp.asarray(q_lens), table)
-    check(paged_prefill_attention(*args, backend="cpu", **kw), want, jnp.float32)
+    check(paged_prefill_attention(*args, backend="cpu", **kw), want, dtype)
     assert native.TARGET in paged_prefill_attention.trace(*args, backend="cpu", **kw).lower().as_text()
 
 
-def test_cpu_backend_sends_chunks_past_native_max_tokens_to_pallas():
+def test_cpu_backend_runs_every_chunk_length_natively():
     pages = jax.ShapeDtypeStruct((2, 9, 16, 64), jnp.float32)
     per_row = jax.ShapeDtypeStruct((2,), jnp.int32)
-    for tokens, used in ((ops.NATIVE_MAX_TOKENS, True), (ops.NATIVE_MAX_TOKENS + 1, False)):
-        q = jax.ShapeDtypeStruct((2, tokens, 4, 64), jnp.float32)
+    for tokens, heads, used in ((1, 4, True), (32, 4, True), (512, 4, True), (16, 34, False)):
+        q = jax.ShapeDtypeStruct((2, tokens, heads, 64), jnp.float32)  # 34 heads: 17 groups
         hlo = paged_prefill_attention.trace(q, pages, pages, per_row, per_row,
                                             jax.ShapeDtypeStruct((2, 4), jnp.int32),
                                             backend="cpu", sm_scale=0.1).lower().as_text()
-        assert (native.TARGET in hlo) == used, tokens
+        assert (native.TARGET in hlo) == used, (tokens, heads)
 
 
 def test_decode_is_one_token_prefill():
@@ -237,6 +242,10 @@ def test_native_kernel_stays_inside_the_table_and_the_pool():
     table = jnp.array([[1, 2], [10**6, -3]], jnp.int32)
     out = paged_attention(jnp.ones((2, 4, 64)), pages, pages, jnp.array([10**5, 20], jnp.int32), table,
                           backend="cpu", sm_scale=0.1)
+    np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
+    out = paged_prefill_attention(jnp.ones((2, 40, 4, 64)), pages, pages,
+                                  jnp.array([10**5, 3], jnp.int32), jnp.array([40, 40], jnp.int32),
+                                  table, backend="cpu", sm_scale=0.1)  # tiles past the table too
     np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
 
 

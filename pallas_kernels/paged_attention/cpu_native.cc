@@ -27,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -143,6 +144,209 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tiled prefill: a tile of a row's query tokens (all `groups` heads of one KV head, up to
+// kTileRows query rows) against blocks of kKeyBlock keys, flash-attention style, so a long
+// chunk costs one pass over its keys per tile, not per token. The tile's queries are held
+// transposed (Qt [head_dim][rows]), so the scores come out as St [keys][rows] from K rows read
+// straight from the pages (f32; bf16 pages are widened per block), with no transposition of K,
+// and the softmax runs down St's columns with whole-vector max/exp/sum. Needs head_dim % 8 == 0;
+// other sizes take AttendOne per token.
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 Ld(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void St(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline v8 Max(v8 a, v8 b) { return a > b ? a : b; }
+
+constexpr int64_t kKeyBlock = 64;
+constexpr int64_t kTileRows = 64;  // query rows per tile (a multiple of 32)
+
+// St[j][rows] = sum_d krow[j][d] * Qt[d][rows] for NK keys, NV * 8 rows from r0.
+template <int NK, int NV>
+inline void Scores(const float* const* krow, const float* qt, float* st, int64_t D, int64_t r0) {
+  v8 a[NK][NV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* q = qt + d * kTileRows + r0;
+    for (int j = 0; j < NK; ++j) {
+      const v8 k = Splat(krow[j][d]);
+      for (int v = 0; v < NV; ++v) a[j][v] += k * Ld(q + 8 * v);
+    }
+  }
+  for (int j = 0; j < NK; ++j)
+    for (int v = 0; v < NV; ++v) St(st + j * kTileRows + r0 + 8 * v, a[j][v]);
+}
+
+template <int NK>
+inline void ScoresRows(const float* const* krow, const float* qt, float* st, int64_t D,
+                       int64_t rows8) {
+  int64_t r0 = 0;
+  for (; r0 + 32 <= rows8; r0 += 32) Scores<NK, 4>(krow, qt, st, D, r0);
+  switch ((rows8 - r0) / 8) {
+    case 3: Scores<NK, 3>(krow, qt, st, D, r0); break;
+    case 2: Scores<NK, 2>(krow, qt, st, D, r0); break;
+    case 1: Scores<NK, 1>(krow, qt, st, D, r0); break;
+    default: break;
+  }
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j Pt[j][r] * vrow[j] for NR rows from r, 32 dims at a time.
+template <int NR>
+inline void Accumulate(const float* pt, const float* alpha, const float* const* vrow, float* acc,
+                       int64_t n, int64_t D, int64_t r) {
+  int64_t dc = 0;
+  for (; dc + 32 <= D; dc += 32) {
+    v8 a[NR][4];
+    for (int i = 0; i < NR; ++i) {
+      const v8 s = Splat(alpha[r + i]);
+      for (int v = 0; v < 4; ++v) a[i][v] = Ld(acc + (r + i) * D + dc + 8 * v) * s;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = vrow[j] + dc;
+      for (int i = 0; i < NR; ++i) {
+        const v8 p = Splat(pt[j * kTileRows + r + i]);
+        for (int v = 0; v < 4; ++v) a[i][v] += p * Ld(vj + 8 * v);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < 4; ++v) St(acc + (r + i) * D + dc + 8 * v, a[i][v]);
+  }
+  for (; dc < D; dc += 8) {  // head_dim % 32 != 0: the last 8-wide columns
+    v8 a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = Ld(acc + (r + i) * D + dc) * Splat(alpha[r + i]);
+    for (int64_t j = 0; j < n; ++j) {
+      const v8 v0 = Ld(vrow[j] + dc);
+      for (int i = 0; i < NR; ++i) a[i] += Splat(pt[j * kTileRows + r + i]) * v0;
+    }
+    for (int i = 0; i < NR; ++i) St(acc + (r + i) * D + dc, a[i]);
+  }
+}
+
+// Tokens t0..t1-1 of row b, KV head k.
+template <typename T>
+void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, const float* q,
+                const T* k_pages, const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
+                const int32_t* page_indices, float* out, float sm_scale, float soft_cap,
+                int32_t window) {
+  const int64_t D = s.head_dim, G = s.groups, P = s.page_size;
+  const int64_t first_row = ((b * s.kv_heads + k) * s.tokens + t0) * G;
+  const float* qb = q + first_row * D;
+  float* ob = out + first_row * D;
+  const int64_t real_end = std::max(t0, std::min<int64_t>(t1, q_lens[b]));
+  std::fill(ob + (real_end - t0) * G * D, ob + (t1 - t0) * G * D, 0.0f);  // padded tokens
+  const int64_t R = (real_end - t0) * G;
+  if (R == 0) return;
+  const int64_t rows8 = (R + 7) / 8 * 8;
+  const int64_t first_pos = q_start[b] + t0, last_pos = q_start[b] + real_end - 1;
+  // Never read past the page table or the pool (see AttendOne).
+  const int64_t end = std::min<int64_t>(last_pos + 1, s.max_pages * P);
+  const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+
+  // Per-thread scratch: Qt [D][kTileRows], acc [R][D], St [kKeyBlock][kTileRows], the running
+  // max / sum / rescale per row, and widened K/V rows for bf16 pages.
+  thread_local std::vector<float> buf;
+  const int64_t widen = std::is_same<T, float>::value ? 0 : 2 * kKeyBlock * D;
+  buf.resize(D * kTileRows + R * D + kKeyBlock * kTileRows + 3 * kTileRows + widen);
+  float* qt = buf.data();
+  float* acc = qt + D * kTileRows;
+  float* st = acc + R * D;
+  float* m = st + kKeyBlock * kTileRows;
+  float* l = m + kTileRows;
+  float* alpha = l + kTileRows;
+  float* wide = alpha + kTileRows;
+  for (int64_t d = 0; d < D; ++d) {
+    for (int64_t r = 0; r < rows8; ++r) qt[d * kTileRows + r] = r < R ? qb[r * D + d] * sm_scale : 0.0f;
+  }
+  std::fill(acc, acc + R * D, 0.0f);
+  std::fill(m, m + kTileRows, kMinScore);
+  std::fill(l, l + kTileRows, 0.0f);
+
+  const int32_t* table = page_indices + b * s.max_pages;
+  const T* k_head = k_pages + k * s.num_pages * P * D;
+  const T* v_head = v_pages + k * s.num_pages * P * D;
+  const float* krow[kKeyBlock];
+  const float* vrow[kKeyBlock];
+  for (int64_t j0 = begin; j0 < end; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, end - j0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = j0 + j;
+      int64_t page = table[key / P];
+      if (page < 0 || page >= s.num_pages) page = 0;
+      const T* kp = k_head + (page * P + key % P) * D;
+      const T* vp = v_head + (page * P + key % P) * D;
+      if constexpr (std::is_same<T, float>::value) {
+        krow[j] = kp;
+        vrow[j] = vp;
+      } else {
+        float* kw = wide + j * D;
+        float* vw = wide + (kKeyBlock + j) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kw[d] = Load(kp, static_cast<int>(d));
+          vw[d] = Load(vp, static_cast<int>(d));
+        }
+        krow[j] = kw;
+        vrow[j] = vw;
+      }
+    }
+    int64_t jp = 0;
+    for (; jp + 3 <= n; jp += 3) ScoresRows<3>(krow + jp, qt, st + jp * kTileRows, D, rows8);
+    if (n - jp == 2) ScoresRows<2>(krow + jp, qt, st + jp * kTileRows, D, rows8);
+    if (n - jp == 1) ScoresRows<1>(krow + jp, qt, st + jp * kTileRows, D, rows8);
+
+    // Masks, by key: rows whose token precedes the key (causal), and rows whose window has
+    // moved past it; row r is token r / G, at position first_pos + r / G.
+    for (int64_t j = 0; j < n; ++j) {
+      float* sj = st + j * kTileRows;
+      if (soft_cap > 0.0f) {
+        for (int64_t r = 0; r < rows8; ++r) sj[r] = soft_cap * std::tanh(sj[r] / soft_cap);
+      }
+      const int64_t key = j0 + j;
+      const int64_t causal = std::clamp<int64_t>((key - first_pos) * G, 0, rows8);
+      std::fill(sj, sj + causal, kMinScore);
+      if (window > 0) {
+        const int64_t out_of_window = std::clamp<int64_t>((key + window - first_pos) * G, 0, rows8);
+        std::fill(sj + out_of_window, sj + rows8, kMinScore);
+      }
+    }
+    // Online softmax down the columns, 8 rows at a time.
+    for (int64_t r = 0; r < rows8; r += 8) {
+      v8 block_max = Splat(kMinScore);
+      for (int64_t j = 0; j < n; ++j) block_max = Max(block_max, Ld(st + j * kTileRows + r));
+      const v8 m_old = Ld(m + r), m_new = Max(m_old, block_max);
+      v8 sum = Splat(0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        float* p = st + j * kTileRows + r;
+        alignas(32) float e[8];
+        St(e, Ld(p) - m_new);
+        for (int i = 0; i < 8; ++i) e[i] = std::exp(e[i]);
+        const v8 pe = Ld(e);
+        St(p, pe);
+        sum += pe;
+      }
+      alignas(32) float a[8];
+      St(a, m_old - m_new);
+      for (int i = 0; i < 8; ++i) a[i] = std::exp(a[i]);  // 0 once a real key follows masked ones
+      const v8 av = Ld(a);
+      St(alpha + r, av);
+      St(l + r, av * Ld(l + r) + sum);
+      St(m + r, m_new);
+    }
+    int64_t rp = 0;
+    for (; rp + 3 <= R; rp += 3) Accumulate<3>(st, alpha, vrow, acc, n, D, rp);
+    if (R - rp == 2) Accumulate<2>(st, alpha, vrow, acc, n, D, rp);
+    if (R - rp == 1) Accumulate<1>(st, alpha, vrow, acc, n, D, rp);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) ob[r * D + d] = acc[r * D + d] * inv;
+  }
+}
+
 // Runs fn(0..n-1) on the caller and on XLA's intra-op pool. Helpers that start late find no
 // work and leave; the caller waits only for tasks a helper actually took.
 template <typename F>
@@ -192,7 +396,21 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
   const int32_t* ql = q_lens.typed_data();
   const int32_t* pi = page_indices.typed_data();
   float* op = out->typed_data();
-  // Tasks: (row, KV head, run of kTokensPerTask tokens); a decode task is one token.
+  if (s.tokens > 1 && s.head_dim % 8 == 0) {
+    // Prefill: tasks are (row, KV head, tile of tile_tokens tokens).
+    const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / s.groups);
+    const int64_t tiles = (s.tokens + tile_tokens - 1) / tile_tokens;
+    auto tile_task = [=](int64_t i) {
+      const int64_t tile = i % tiles, bk = i / tiles;
+      const int64_t t0 = tile * tile_tokens, t1 = std::min(s.tokens, t0 + tile_tokens);
+      AttendTile<T>(s, bk / s.kv_heads, bk % s.kv_heads, t0, t1, qp, kp, vp, qs, ql, pi, op,
+                    sm_scale, soft_cap, window);
+    };
+    ParallelFor(pool, s.batch * s.kv_heads * tiles, tile_task);
+    return ffi::Error::Success();
+  }
+  // Decode (and head sizes the tiles do not take): tasks are (row, KV head, run of
+  // kTokensPerTask tokens), each token walking its keys alone.
   const int64_t runs = (s.tokens + kTokensPerTask - 1) / kTokensPerTask;
   auto task = [=](int64_t i) {
     const int64_t run = i % runs, bk = i / runs;

@@ -1,12 +1,12 @@
 """Public paged-attention entry points: validate, pack queries as rows, dispatch on `backend`.
 
-Backends: "cpu" (decode and chunks of up to `NATIVE_MAX_TOKENS` tokens: the native kernel of
-`native.py` when it builds; longer chunks, and all without a compiler: Pallas interpret mode,
-coarse grid), "cpu_pallas" (Pallas interpret mode for both), "tpu" (Mosaic TPU kernel), "gpu"
-and "reference". There is no Mosaic GPU kernel yet: "gpu" runs the reference's XLA path (gather
-every slot of the page table, dense masked softmax in float32), which is correct but reads
-`max_pages_per_seq` pages per row whatever the lengths. All backends share one layout contract
-(DESIGN §4).
+Backends: "cpu" (the native kernel of `native.py`, decode and prefill chunks of any length,
+when it builds; without a compiler, or past `native.MAX_GROUPS` query heads per KV head, Pallas
+interpret mode, coarse grid), "cpu_pallas" (Pallas interpret mode always), "tpu" (Mosaic TPU
+kernel), "gpu" and "reference". There is no Mosaic GPU kernel yet: "gpu" runs the reference's
+XLA path (gather every slot of the page table, dense masked softmax in float32), which is
+correct but reads `max_pages_per_seq` pages per row whatever the lengths. All backends share
+one layout contract (DESIGN §4).
 """
 
 from __future__ import annotations
@@ -24,12 +24,6 @@ BACKENDS = ("cpu", "cpu_pallas", "tpu", "gpu", "reference")
 # Keys per compute block: 128 fills a TPU lane row, and on CPU 64-256 keys ran within noise
 # of each other (batch 16, 3 or 8 KV heads, contexts 256-2048), 128 most often the fastest.
 _DEFAULT_BLOCK_KEYS = 128
-# Chunks up to this many tokens per row also take the native kernel on "cpu". It walks each
-# token's keys one by one (no key reuse across tokens). 30 SmolLM2 layers of attention alone,
-# interleaved (an uncommitted harness), native vs Pallas: 8 rows x 16 tokens after 512 cached
-# 131 vs 227 ms; 2 x 32 after 1024 141 vs 156 ms; 1 x 512 from 0 243 vs 344 ms; but 1 x 256
-# after 1024 502 vs 335 ms, where Pallas' per-block matmuls win.
-NATIVE_MAX_TOKENS = 32
 _STATIC = ("backend", "sm_scale", "soft_cap", "sliding_window", "pages_per_block")
 
 
@@ -94,8 +88,7 @@ def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_s
             sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     num_kv_heads, _, page_size, _ = k_pages.shape
     groups = q.shape[2] // num_kv_heads
-    if (backend == "cpu" and q.shape[1] <= NATIVE_MAX_TOKENS
-            and native.supports(groups, q.shape[3]) and native.available()):
+    if backend == "cpu" and native.supports(groups, q.shape[3]) and native.available():
         out = native.paged_attention_rows(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start,
                                           q_lens, page_indices, groups=groups, sm_scale=sm_scale,
                                           soft_cap=soft_cap, sliding_window=sliding_window)
