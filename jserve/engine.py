@@ -289,7 +289,7 @@ class LLMEngine:
 def _sampling_row(req: Request) -> tuple:
     p = req.params
     return (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, len(req.output_token_ids),
-            p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+            p.repetition_penalty, p.presence_penalty, p.frequency_penalty, int(p.logprobs is not None))
 
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20

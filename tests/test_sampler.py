@@ -66,11 +66,25 @@ def test_penalties_match_vllm_arithmetic():
 def test_logprobs_are_of_the_raw_distribution_even_with_penalties():
     logits = np.array([[2.0, 1.0, 0.0, -1.0, -2, -3, -4, -5]], np.float32)
     history, num_prompt = penalty_history([([0], [0])], 1, 4, V)
-    out = _sample(logits, [(0.0, 0, 1.0, 0.0, 0, 1, 10.0, 2.0, 2.0)], (jnp.asarray(history), jnp.asarray(num_prompt)))
+    out = _sample(logits, [(0.0, 0, 1.0, 0.0, 0, 1, 10.0, 2.0, 2.0, 1)], (jnp.asarray(history), jnp.asarray(num_prompt)))
     assert int(out["tokens"][0]) == 1  # token 0 penalised away
     raw = logits[0] - np.log(np.exp(logits[0]).sum())
     np.testing.assert_allclose(float(out["logprob"][0]), raw[1], rtol=1e-5)
     assert int(out["rank"][0]) == 2
+
+
+def test_logprobs_are_computed_only_when_a_row_wants_them():
+    logits = np.random.default_rng(2).normal(size=(3, V)).astype(np.float32)
+    raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    none = _sample(logits, [(0.0, 0, 1.0, 0.0, 0, 0)] * 3)  # no row asks: zeros, same tokens
+    one = _sample(logits, [(0.0, 0, 1.0, 0.0, 0, 0)] * 2 + [(0.0, 0, 1.0, 0.0, 0, 0, 1.0, 0.0, 0.0, 1)])
+    assert np.asarray(none["tokens"]).tolist() == np.asarray(one["tokens"]).tolist() == logits.argmax(-1).tolist()
+    for key in ("logprob", "rank", "top_ids", "top_logprobs"):
+        assert not np.asarray(none[key]).any(), key
+    # One row asking computes them for the whole batch (the rows that did not ask ignore them).
+    np.testing.assert_allclose(np.asarray(one["logprob"]), raw.max(-1), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(one["top_logprobs"]), -np.sort(-raw, -1)[:, :3], rtol=1e-5)
+    assert np.asarray(one["rank"]).tolist() == [1, 1, 1]
 
 
 def test_sampling_params_validate_penalties():
