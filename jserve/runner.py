@@ -28,25 +28,38 @@ from jserve import buckets
 from jserve.config import ModelConfig
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
+from jserve.model.llama import xla_tied_head
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
 from jserve.request import MAX_LOGPROBS
 from jserve.sampler import SamplingArrays, penalty_history, sample
+from pallas_kernels.matmul import native as native_matmul
 from pallas_kernels.paged_attention import native
 
 logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
 # XLA:CPU sends dots to YNNPACK by default; some CPU steps run faster with its Eigen dots
-# (SmolLM2, 2-core Zen 4, each pair interleaved in one process with scripts/bench_decode_step.py
-# or an uncommitted harness of the same kind; medians in ms, YNNPACK vs Eigen):
-# - decode with the native attention kernel: batch 8 72 vs 66, batch 16 100 vs 85 (256 context),
-#   135 vs 117 (1024); batch 1 35 vs 36 and batch 32 180 vs 187 (no gain); batch 2 and 4 51 vs
-#   141 and 64 vs 163: a logits dot over 2-4 rows takes ~120 ms in Eigen, 11-13 ms in YNNPACK.
+# (SmolLM2, 2-core AMD EPYC with AVX2, each pair interleaved in one process with
+# scripts/bench_decode_step.py or an uncommitted harness of the same kind; medians in ms, YNNPACK
+# vs Eigen):
+# - decode with the native attention kernel and the XLA head: batch 8 72 vs 66, batch 16 100 vs
+#   85 (256 context), 135 vs 117 (1024); batch 1 35 vs 36 and batch 32 180 vs 187 (no gain);
+#   batch 2 and 4 51 vs 141 and 64 vs 163: a logits dot over 2-4 rows takes ~120 ms in Eigen,
+#   11-13 ms in YNNPACK.
+# - with the native head too (256 context): batch 2 41 vs 51, batch 4 60 vs 51, batch 8 79 vs 61,
+#   batch 16 101 vs 79, batch 32 160 vs 152, batch 1 29 vs 29.
 # - prefill of one row: 16 tokens 84 vs 55, 64 tokens 196 vs 184, 256 tokens 553 vs 525, 512
-#   tokens 1382 vs 1238 (128: 279 vs 292, noise); several rows hit the logits dot above.
+#   tokens 1382 vs 1238 (128: 279 vs 292, noise); several rows hit the logits dot above (with
+#   the native head: 2 x 64-128 and 4 x 64-128 tokens within 5 %, so they stay on YNNPACK).
 EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 EIGEN_DECODE_BATCHES = (8, 16)
+EIGEN_DECODE_BATCHES_NATIVE_HEAD = (4, 8, 16, 32)
 EIGEN_PREFILL_BATCHES = (1,)
+# The tied LM head of steps with at least this many logit rows runs on the native CPU matmul
+# (pallas_kernels/matmul): SmolLM2's 49152 x 576 embedding, XLA (YNNPACK / Eigen) vs native, ms,
+# interleaved (an uncommitted harness): 1 row 5.0 / 4.8 vs 6.9-8.2; 4 rows 11.4 / 114 vs 9.8;
+# 8 rows 16.3 / 20.5 vs 8.8; 16 rows 21.8 / 30.5 vs 13.8.
+NATIVE_HEAD_MIN_ROWS = 2
 GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
 
 
@@ -112,7 +125,10 @@ class Runner:
             # Batch 1 pays off with the native kernel (SmolLM2, 256 context: 28 ms vs 38 ms at
             # batch 2); the Pallas interpret kernel took 1.5 s at batch 1 (bench_decode_step.py).
             self.batch_buckets = tuple(b for b in self.batch_buckets if b != 1)
-        step = functools.partial(_step, graphdef, attention)
+        # The native LM head (built now, not while tracing): unsharded float32 tied embeddings.
+        self.native_head = (self.backend == "cpu" and mesh is None and config.tie_word_embeddings
+                            and self.params["embed"].dtype == jnp.float32 and native_matmul.available())
+        step = functools.partial(_step, graphdef, attention, native_tied_head if self.native_head else None)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
@@ -259,7 +275,8 @@ class Runner:
         """The jitted step for a (global batch, tokens) shape (see EIGEN_DECODE_BATCHES)."""
         rows = batch // self.dp
         if tokens == 1:
-            eigen = self.native_attention and rows in EIGEN_DECODE_BATCHES
+            eigen = self.native_attention and rows in (
+                EIGEN_DECODE_BATCHES_NATIVE_HEAD if self.native_head else EIGEN_DECODE_BATCHES)
         else:
             eigen = self.backend in ("cpu", "cpu_pallas") and rows in EIGEN_PREFILL_BATCHES
         return self._step_eigen if eigen else self._step
@@ -399,7 +416,15 @@ def _broadcast(header, tree=None):
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
 
 
-def _step(graphdef, attention, params, kv, tokens, positions, meta, last, sampling, history):
+def native_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
+    """The tied LM head on the native CPU matmul from NATIVE_HEAD_MIN_ROWS rows on."""
+    if x.shape[0] < NATIVE_HEAD_MIN_ROWS:
+        return xla_tied_head(x, embed)
+    return native_matmul.matmul_nt(x, embed)
+
+
+def _step(graphdef, attention, tied_head, params, kv, tokens, positions, meta, last, sampling, history):
     model = nnx.merge(graphdef, params)
-    logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None])
+    logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None],
+                       tied_head=tied_head)
     return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv

@@ -3,8 +3,10 @@
 One runner over the real model (default SmolLM2-135M); every row of a step has `context` cached
 tokens and feeds `tokens` new ones (1: decode; more: a prefill chunk). Each variant is the same
 step compiled with:
-  - attention: "cpu" (the native decode kernel) or "cpu_pallas" (Pallas interpret mode);
-  - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `runner.EIGEN_DOTS`).
+  - attention: "cpu" (the native kernel) or "cpu_pallas" (Pallas interpret mode);
+  - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `runner.EIGEN_DOTS`);
+  - the tied LM head: the native matmul (`runner.native_tied_head`) on "cpu" variants, an XLA
+    dot on "cpu_pallas" ones and on "cpu/...+xla-head".
 Variants take turns call by call (a busy machine slows them alike). The floor is the runner's
 own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (DESIGN §6:
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
@@ -36,11 +38,14 @@ from jserve.llm import enable_compilation_cache  # noqa: E402
 from jserve.model import model_graphdef  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
 from jserve import buckets  # noqa: E402
-from jserve.runner import EIGEN_DOTS, GREEDY, PREFILL_BATCH_BUCKETS, _step  # noqa: E402
+from jserve.runner import (EIGEN_DOTS, GREEDY, PREFILL_BATCH_BUCKETS, _step,  # noqa: E402
+                           native_tied_head)
 from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
 
-VARIANTS = {"cpu/ynn": ("cpu", None), "cpu/eigen": ("cpu", EIGEN_DOTS),
-            "cpu_pallas/ynn": ("cpu_pallas", None), "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS)}
+# name: (attention backend, XLA options, native LM head); "+xla-head" keeps the head an XLA dot.
+VARIANTS = {"cpu/ynn": ("cpu", None, True), "cpu/eigen": ("cpu", EIGEN_DOTS, True),
+            "cpu/ynn+xla-head": ("cpu", None, False), "cpu/eigen+xla-head": ("cpu", EIGEN_DOTS, False),
+            "cpu_pallas/ynn": ("cpu_pallas", None, False), "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS, False)}
 
 
 class _NoTokenizer:
@@ -48,10 +53,11 @@ class _NoTokenizer:
         raise AssertionError("the benchmark never detokenizes")
 
 
-def compile_variant(runner, config, backend, options, rows):
-    """The step for these rows (padded to the runner's buckets), with this attention backend and
-    these XLA options."""
-    step = functools.partial(_step, model_graphdef(config), PagedAttention(backend, config.sliding_window))
+def compile_variant(runner, config, backend, options, native_head, rows):
+    """The step for these rows (padded to the runner's buckets), with this attention backend,
+    these XLA options and the native or the XLA tied LM head."""
+    head = native_tied_head if native_head and runner.native_head else None
+    step = functools.partial(_step, model_graphdef(config), PagedAttention(backend, config.sliding_window), head)
     new = max(len(r[1]) for r in rows)
     if new == 1:
         batch, width = buckets.pick(runner.batch_buckets, len(rows)), 1

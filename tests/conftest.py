@@ -51,7 +51,7 @@ def pytest_configure(config):
     from jserve.llm import enable_compilation_cache
 
     enable_compilation_cache()
-    # Build the native CPU attention kernel afresh in every run (a few seconds), so the suite
+    # Build the native CPU kernels afresh in every run (a few seconds each), so the suite
     # checks the build on this machine's compiler and jaxlib, not a library cached long ago.
     if "JSERVE_KERNEL_CACHE" not in os.environ:
         import tempfile

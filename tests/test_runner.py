@@ -10,6 +10,8 @@ import pytest
 from jserve.checkpoint import read_params
 from jserve.dense_runner import DenseRunner
 from jserve.runner import GREEDY, Runner
+from jserve.sampler import SamplingArrays, penalty_history
+from pallas_kernels.matmul import native as native_matmul
 
 from conftest import DATA
 
@@ -73,12 +75,25 @@ def test_compilations_are_counted_and_stop_after_warmup():
         runner.execute([(0, list(range(9)), [4, 5, 6])], [GREEDY])
 
 
+def _step_hlo(runner, batch, tokens):
+    arrays = runner._pack([None] * batch, batch, tokens)
+    sampling = SamplingArrays.build([], batch).as_tuple()
+    history = penalty_history([None] * batch, batch, runner.max_model_len, runner.config.vocab_size)
+    return runner.step_fn(batch, tokens).lower(runner.params, runner.kv, *arrays, sampling,
+                                               history).as_text()
+
+
 def test_cpu_decode_at_batch_8_uses_eigen_dots_and_matches_the_reference():
     config, params, _ = _load("smollm2")
     kw = dict(num_pages=32, page_size=4, max_model_len=16, batch_buckets=(2, 8), token_buckets=(8,),
               max_num_batched_tokens=8)
     runner, ref = Runner(config, params, backend="cpu", **kw), Runner(config, params, backend="reference", **kw)
     assert runner.native_attention and not ref.native_attention
+    # The tied LM head runs on the native matmul from NATIVE_HEAD_MIN_ROWS logit rows on.
+    assert runner.native_head and not ref.native_head
+    for batch, used in ((1, False), (2, True), (8, True)):
+        assert (native_matmul.TARGET in _step_hlo(runner, batch, 1)) == used, batch
+    assert runner.step_fn(4, 1) is runner._step_eigen  # with the native head (EIGEN_DECODE_*)
     assert 1 in Runner(config, params, backend="cpu", num_pages=8, max_model_len=16).batch_buckets
     assert 1 not in Runner(config, params, backend="cpu_pallas", num_pages=8, max_model_len=16).batch_buckets
     assert runner.step_fn(8, 1) is runner._step_eigen
@@ -122,6 +137,8 @@ _FRESH_PROCESS = r"""
 import sys, threading
 from jserve.checkpoint import read_params
 from jserve.runner import GREEDY, Runner
+from jserve.sampler import SamplingArrays, penalty_history
+from pallas_kernels.matmul import native as native_matmul
 
 config, params = read_params(sys.argv[1])
 runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=16, backend="reference",

@@ -8,7 +8,7 @@ runs over a contiguous cache (offline generation) or a paged one (the engine).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +88,17 @@ class DecoderLayer(nnx.Module):
             self.b_down = _param(rngs, (D,), dtype, 0.0)
 
 
+def xla_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
+    """Float32 logits [rows, vocab] = x [rows, hidden] @ embed [vocab, hidden].T, as an XLA dot.
+
+    Written E @ x.T, not x @ E.T: at one row XLA:CPU runs the former as a matrix-vector product
+    over E's contiguous rows (5 ms for SmolLM2's 113 MB E) and the latter as a transposing copy
+    fused with the dot (17 ms); from two rows on both become the same dot.
+    """
+    flat = jax.lax.dot_general(embed, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return flat.T
+
+
 class LlamaModel(nnx.Module):
     """Decoder-only transformer; `__call__` returns float32 logits and the updated cache.
 
@@ -107,7 +118,8 @@ class LlamaModel(nnx.Module):
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), dtype)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Any, meta: Any,
-                 attention: Attention, *, logits_index: jax.Array | None = None
+                 attention: Attention, *, logits_index: jax.Array | None = None,
+                 tied_head: Callable[[jax.Array, jax.Array], jax.Array] | None = None
                  ) -> tuple[jax.Array, Any]:
         """Run the decoder.
 
@@ -118,6 +130,9 @@ class LlamaModel(nnx.Module):
           attention: the backend that writes K/V and attends.
           logits_index: optional int32 [batch, n]: only these token positions get logits
             (decode and prefill need just the last one; prompt logprobs need all).
+          tied_head: with tied embeddings, computes float32 logits [rows, vocab] from the final
+            hidden states [rows, hidden] and the embedding [vocab, hidden] (default
+            `xla_tied_head`; the runner passes a native CPU kernel).
         Returns:
           float32 logits [batch, tokens or n, vocab] and the new cache.
         """
@@ -155,13 +170,8 @@ class LlamaModel(nnx.Module):
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         if c.tie_word_embeddings:
-            # E @ x.T, not x @ E.T: at one row XLA:CPU runs the former as a matrix-vector product
-            # over E's contiguous rows (5 ms for SmolLM2's 113 MB E) and the latter as a transposing
-            # copy fused with the dot (17 ms); from two rows on both become the same dot.
             n = x.shape[1]
-            flat = jax.lax.dot_general(self.embed[...], x.reshape(B * n, -1), (((1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-            logits = flat.T.reshape(B, n, -1)
+            logits = (tied_head or xla_tied_head)(x.reshape(B * n, -1), self.embed[...]).reshape(B, n, -1)
         else:
             logits = jnp.dot(x, self.lm_head[...], preferred_element_type=jnp.float32)
         return logits, cache

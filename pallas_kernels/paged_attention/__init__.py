@@ -1,8 +1,8 @@
 """Paged attention over a KV cache laid out `[num_kv_heads, num_pages, page_size, head_dim]`.
 
 `paged_attention` (decode: one query per row) and `paged_prefill_attention` (a causal chunk of
-queries per row) dispatch to a backend: "cpu" (a native C++ decode kernel called through XLA's
-FFI, built on first use; Pallas interpret mode for prefill), "cpu_pallas" (interpret mode only),
+queries per row) dispatch to a backend: "cpu" (a native C++ kernel called through XLA's FFI,
+built on first use; Pallas interpret mode without a compiler), "cpu_pallas" (interpret mode only),
 "tpu" (Mosaic TPU kernel), "gpu" (XLA gather fallback for now) or "reference" (pure jnp).
 """
 

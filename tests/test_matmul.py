@@ -1,0 +1,52 @@
+"""The native CPU matmul (`x @ w.T` for few rows, the LM head) against numpy in float64."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.matmul import native
+
+
+@pytest.mark.parametrize("m,k,n", [
+    (1, 64, 1000), (2, 576, 4099), (7, 33, 50), (8, 64, 24), (9, 100, 70), (16, 576, 3000),
+    (17, 64, 7), (32, 96, 385), (64, 130, 200), (5, 1, 9), (3, 0, 4)])
+def test_matches_numpy(m, k, n):
+    # Row counts around the kernel's 8-row vectors and 16-row chunks; N around its 6- and 8-row
+    # micro-kernels and 24-row task blocks (leftover rows take the one-row kernel); K = 0 is zeros.
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    out = jax.jit(native.matmul_nt)(x, w)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * max(k, 1) ** 0.5)
+
+
+def test_other_dtypes_are_computed_in_float32_and_bad_shapes_are_refused():
+    x = jnp.ones((3, 8), jnp.bfloat16)
+    out = native.matmul_nt(x, jnp.full((5, 8), 0.5, jnp.bfloat16))
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), 4.0)
+    with pytest.raises(ValueError, match=r"\(3, 8\) and \(5, 7\)"):
+        native.matmul_nt(x, jnp.ones((5, 7)))
+    with pytest.raises(ValueError, match="x \\[M, K\\]"):
+        native.matmul_nt(jnp.ones((2, 3, 8)), jnp.ones((5, 8)))
+
+
+def test_without_a_compiler_it_says_why_once(tmp_path):
+    code = ("from pallas_kernels.matmul import native\n"
+            "assert not native.available() and not native.available()\n"
+            "print('REASON', native.unavailable_reason())\n")
+    env = dict(os.environ, CXX="/bin/false", JSERVE_KERNEL_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REASON RuntimeError: /bin/false" in done.stdout
+    assert done.stderr.count("native CPU matmul unavailable, using XLA's dot") == 1
