@@ -346,5 +346,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=None)
     if config.warmup:
         runner.warmup()
-    scorer = DenseRunner(model_config, per_layer, max_model_len=config.max_model_len, batch_buckets=(1,))
+    # The runner's params (its layer weights may be packed for the native CPU matmuls): one copy.
+    scorer = DenseRunner(model_config, runner.params, max_model_len=config.max_model_len, batch_buckets=(1,),
+                         linear=runner.linear)
     return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=scorer)

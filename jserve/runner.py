@@ -28,7 +28,7 @@ from jserve import buckets
 from jserve.config import ModelConfig
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
-from jserve.model.llama import xla_tied_head
+from jserve.model.llama import LAYER_MATMULS, xla_tied_head
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
 from jserve.request import MAX_LOGPROBS
 from jserve.sampler import SamplingArrays, penalty_history, sample
@@ -60,6 +60,13 @@ EIGEN_PREFILL_BATCHES = (1,)
 # interleaved (an uncommitted harness): 1 row 5.0 / 4.8 vs 6.9-8.2; 4 rows 11.4 / 114 vs 9.8;
 # 8 rows 16.3 / 20.5 vs 8.8; 16 rows 21.8 / 30.5 vs 13.8.
 NATIVE_HEAD_MIN_ROWS = 2
+# NATIVE_MATMULS_NOTE: with the native CPU kernels the layer weights are held packed as
+# [N / 24, K, 24] panels and every layer matmul, decode and prefill alike, runs on
+# pallas_kernels.matmul's packed kernel (XLA's dots cannot read that layout, and a second,
+# natural copy would double the weights' memory). 30 SmolLM2 layers at M rows, ms, packed /
+# YNNPACK / Eigen (interleaved, an uncommitted harness): M=1 16.7 / 19.8 / 19.3, 8 17.4 / 39.9 /
+# 29.0, 16 31.3 / 54.8 / 35.5, 64 110 / 126 / 124; at M=512 (long prefill chunks) it loses ~10 %:
+# 823 / 712 / 759.
 GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
 
 
@@ -83,10 +90,12 @@ class Runner:
                  page_size: int = 16, max_model_len: int, kv_dtype: Any = None, backend: str | None = None,
                  batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
-                 max_num_batched_tokens: int = 512, mesh: Any = None):
+                 max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True):
         """With a ('dp', 'tp') `mesh`, `params` must already be laid out and placed for it
         (`jserve.sharding.place_params`); buckets, `max_num_batched_tokens` and page ids are then
-        per data-parallel group, and `num_pages` counts all groups' pages."""
+        per data-parallel group, and `num_pages` counts all groups' pages. `native_matmuls=False`
+        keeps the layer matmuls and the LM head on XLA's dots even where the native CPU kernels
+        would run them (tests and benchmarks compare the two)."""
         self.config = config
         self.mesh = mesh
         self.dp = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape))["dp"]
@@ -118,17 +127,30 @@ class Runner:
         self.num_params = sum(int(x.size) for x in leaves)
         graphdef = model_graphdef(config)
         attention = PagedAttention(self.backend, config.sliding_window, mesh)
-        # Build the native CPU attention kernel now, not while tracing a step (decode and short
-        # prefill chunks run on it, see pallas_kernels.paged_attention.ops).
+        # Build the native CPU attention kernel now, not while tracing a step (decode and prefill
+        # chunks run on it, see pallas_kernels.paged_attention.ops).
         self.native_attention = self.backend == "cpu" and native.available()
         if not self.native_attention and 1 in self.batch_buckets and len(self.batch_buckets) > 1:
             # Batch 1 pays off with the native kernel (SmolLM2, 256 context: 28 ms vs 38 ms at
             # batch 2); the Pallas interpret kernel took 1.5 s at batch 1 (bench_decode_step.py).
             self.batch_buckets = tuple(b for b in self.batch_buckets if b != 1)
-        # The native LM head (built now, not while tracing): unsharded float32 tied embeddings.
-        self.native_head = (self.backend == "cpu" and mesh is None and config.tie_word_embeddings
-                            and self.params["embed"].dtype == jnp.float32 and native_matmul.available())
-        step = functools.partial(_step, graphdef, attention, native_tied_head if self.native_head else None)
+        # Native matmuls on the CPU backend, unsharded and float32 (built now, not while tracing):
+        # the tied LM head, and the layer matmuls over weights packed once, here, into the
+        # kernel's panels (NATIVE_MATMULS_NOTE).
+        native_ok = native_matmuls and self.backend == "cpu" and mesh is None and native_matmul.available()
+        self.native_head = (native_ok and config.tie_word_embeddings
+                            and self.params["embed"].dtype == jnp.float32)
+        layers = self.params["layers"]
+        self.native_matmuls = native_ok and all(
+            layer[name].dtype == jnp.float32 for layer in layers.values() for name in LAYER_MATMULS)
+        if self.native_matmuls:
+            self.params = {**self.params, "layers": {
+                i: {name: native_matmul.pack(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
+                for i, layer in layers.items()}}
+            del layers
+        self.linear = native_linear if self.native_matmuls else None
+        step = functools.partial(_step, graphdef, attention, native_tied_head if self.native_head else None,
+                                 self.linear)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
@@ -274,6 +296,8 @@ class Runner:
     def step_fn(self, batch: int, tokens: int):
         """The jitted step for a (global batch, tokens) shape (see EIGEN_DECODE_BATCHES)."""
         rows = batch // self.dp
+        if self.native_matmuls:
+            return self._step  # no XLA dot is left to pick a library for (NATIVE_MATMULS_NOTE)
         if tokens == 1:
             eigen = self.native_attention and rows in (
                 EIGEN_DECODE_BATCHES_NATIVE_HEAD if self.native_head else EIGEN_DECODE_BATCHES)
@@ -423,8 +447,17 @@ def native_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
     return native_matmul.matmul_nt(x, embed)
 
 
-def _step(graphdef, attention, tied_head, params, kv, tokens, positions, meta, last, sampling, history):
+def native_linear(x: jax.Array, w: jax.Array, out_features: int) -> jax.Array:
+    """A layer matmul over a packed weight (`pallas_kernels.matmul.native.pack`) on the native
+    CPU kernel; a plain [in, out] weight stays an XLA dot."""
+    if w.ndim == 3:
+        return native_matmul.matmul_packed(x, w, out_features)
+    return x @ w
+
+
+def _step(graphdef, attention, tied_head, linear, params, kv, tokens, positions, meta, last, sampling,
+          history):
     model = nnx.merge(graphdef, params)
     logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None],
-                       tied_head=tied_head)
+                       tied_head=tied_head, linear=linear)
     return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv

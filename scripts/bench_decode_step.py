@@ -5,8 +5,10 @@ tokens and feeds `tokens` new ones (1: decode; more: a prefill chunk). Each vari
 step compiled with:
   - attention: "cpu" (the native kernel) or "cpu_pallas" (Pallas interpret mode);
   - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `runner.EIGEN_DOTS`);
-  - the tied LM head: the native matmul (`runner.native_tied_head`) on "cpu" variants, an XLA
-    dot on "cpu_pallas" ones and on "cpu/...+xla-head".
+  - the tied LM head: the native matmul (`runner.native_tied_head`) on "native" and "cpu"
+    variants, an XLA dot on "cpu_pallas" ones and on "cpu/...+xla-head";
+  - the layer matmuls: the native kernel over packed weights on "native" (the runner's default
+    on CPU, where it then needs no dot library), XLA's dots over [in, out] weights otherwise.
 Variants take turns call by call (a busy machine slows them alike). The floor is the runner's
 own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (DESIGN §6:
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
@@ -38,14 +40,18 @@ from jserve.llm import enable_compilation_cache  # noqa: E402
 from jserve.model import model_graphdef  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
 from jserve import buckets  # noqa: E402
+from jserve.model.llama import LAYER_MATMULS  # noqa: E402
 from jserve.runner import (EIGEN_DOTS, GREEDY, PREFILL_BATCH_BUCKETS, _step,  # noqa: E402
-                           native_tied_head)
+                           native_linear, native_tied_head)
 from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
+from pallas_kernels.matmul import native as native_matmul  # noqa: E402
 
-# name: (attention backend, XLA options, native LM head); "+xla-head" keeps the head an XLA dot.
-VARIANTS = {"cpu/ynn": ("cpu", None, True), "cpu/eigen": ("cpu", EIGEN_DOTS, True),
-            "cpu/ynn+xla-head": ("cpu", None, False), "cpu/eigen+xla-head": ("cpu", EIGEN_DOTS, False),
-            "cpu_pallas/ynn": ("cpu_pallas", None, False), "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS, False)}
+# name: (attention backend, XLA options, native LM head, native packed layer matmuls).
+VARIANTS = {"native": ("cpu", None, True, True), "native/eigen": ("cpu", EIGEN_DOTS, True, True),
+            "cpu/ynn": ("cpu", None, True, False), "cpu/eigen": ("cpu", EIGEN_DOTS, True, False),
+            "cpu/ynn+xla-head": ("cpu", None, False, False), "cpu/eigen+xla-head": ("cpu", EIGEN_DOTS, False, False),
+            "cpu_pallas/ynn": ("cpu_pallas", None, False, False),
+            "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS, False, False)}
 
 
 class _NoTokenizer:
@@ -53,11 +59,26 @@ class _NoTokenizer:
         raise AssertionError("the benchmark never detokenizes")
 
 
-def compile_variant(runner, config, backend, options, native_head, rows):
+def natural_params(runner, config):
+    """The runner's params with packed layer weights unpacked to [in, out] (for XLA's dots)."""
+    if not runner.native_matmuls:
+        return runner.params
+    c = config
+    widths = {"wq": c.num_heads * c.head_dim, "wk": c.num_kv_heads * c.head_dim,
+              "wv": c.num_kv_heads * c.head_dim, "wo": c.hidden_size, "w_gate": c.intermediate_size,
+              "w_up": c.intermediate_size, "w_down": c.hidden_size}
+    return {**runner.params, "layers": {
+        i: {k: native_matmul.unpack(w, widths[k]) if k in LAYER_MATMULS else w for k, w in layer.items()}
+        for i, layer in runner.params["layers"].items()}}
+
+
+def compile_variant(runner, config, params, backend, options, native_head, native_matmuls, rows):
     """The step for these rows (padded to the runner's buckets), with this attention backend,
-    these XLA options and the native or the XLA tied LM head."""
+    these XLA options, the native or the XLA tied LM head and layer matmuls."""
     head = native_tied_head if native_head and runner.native_head else None
-    step = functools.partial(_step, model_graphdef(config), PagedAttention(backend, config.sliding_window), head)
+    linear = native_linear if native_matmuls and runner.native_matmuls else None
+    step = functools.partial(_step, model_graphdef(config), PagedAttention(backend, config.sliding_window),
+                             head, linear)
     new = max(len(r[1]) for r in rows)
     if new == 1:
         batch, width = buckets.pick(runner.batch_buckets, len(rows)), 1
@@ -68,19 +89,22 @@ def compile_variant(runner, config, backend, options, native_head, rows):
     tokens, positions, meta, last = runner._pack(rows, batch, width)
     sampling = SamplingArrays.build([GREEDY] * batch, batch).as_tuple()
     history = penalty_history([None] * batch, batch, runner.max_model_len, config.vocab_size)
-    lowered = jax.jit(step, donate_argnums=(1,)).lower(runner.params, runner.kv, tokens, positions,
+    lowered = jax.jit(step, donate_argnums=(1,)).lower(params, runner.kv, tokens, positions,
                                                        meta, last, sampling, history)
-    return lowered.compile(compiler_options=options)
+    compiled = lowered.compile(compiler_options=options)
+    return lambda _runner_params, *args: compiled(params, *args)
 
 
-def bench(runner, config, variants, batch, context, new, runs, bandwidth, peak):
+def bench(runner, config, natural, variants, batch, context, new, runs, bandwidth, peak):
     pages = math.ceil((context + new) / runner.page_size)
     rows = [(context, [1] * new, list(range(1 + j * pages, 1 + (j + 1) * pages)))
             for j in range(batch)]
     compiled, compile_s = {}, {}
     for name in variants:
         start = time.perf_counter()
-        compiled[name] = compile_variant(runner, config, *VARIANTS[name], rows)
+        packed = VARIANTS[name][3] and runner.native_matmuls
+        compiled[name] = compile_variant(runner, config, runner.params if packed else natural,
+                                         *VARIANTS[name], rows)
         compile_s[name] = time.perf_counter() - start
     times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(runs + 1):  # the first round is a warm-up call
@@ -106,7 +130,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, nargs="*", default=[256, 1024])
     parser.add_argument("--tokens", type=int, nargs="*", default=[1],
                         help="new tokens per row: 1 is decode, more a prefill chunk")
-    parser.add_argument("--variants", nargs="*", default=["cpu/ynn", "cpu/eigen", "cpu_pallas/ynn"],
+    parser.add_argument("--variants", nargs="*", default=["native", "cpu/ynn", "cpu/eigen", "cpu_pallas/ynn"],
                         choices=list(VARIANTS))
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--bandwidth", type=float, default=27.0, help="GB/s (DESIGN §6)")
@@ -122,13 +146,14 @@ def main(argv=None):
         num_pages=max(args.batch) * math.ceil(max_len / 16) + 1, warmup=False))
     runner = engine.runner
     runner.batch_buckets = tuple(sorted(set(runner.batch_buckets) | set(args.batch)))
+    natural = natural_params(runner, config)
     print(f"jax {jax.__version__}; median (min) of {args.runs} calls, variants interleaved; "
           f"floor = max(bytes / {args.bandwidth:g} GB/s, FLOPs / {args.peak:g} GFLOP/s)")
     print(f"{'batch':>5}{'context':>8}{'tokens':>7}  {'variant':<17}{'median ms':>10}{'min ms':>8}"
           f"{'floor ms':>9}{'x floor':>8}{'tok/s':>7}")
     results = []
     for batch, context, new in itertools.product(args.batch, args.context, args.tokens):
-        for r in bench(runner, config, args.variants, batch, context, new, args.runs,
+        for r in bench(runner, config, natural, args.variants, batch, context, new, args.runs,
                        args.bandwidth * 1e9, args.peak * 1e9):
             results.append(r)
             print(f"{batch:>5}{context:>8}{new:>7}  {r['variant']:<17}{r['median_ms']:>10.1f}"

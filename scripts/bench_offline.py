@@ -189,8 +189,6 @@ def run_hf(args, prompts, max_tokens, golden) -> dict:
 
 
 def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
-    import jax
-
     from jserve import LLM, SamplingParams
 
     load = os.getloadavg()[0]
@@ -233,9 +231,9 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
     records = [r for r, _ in log]
     stats = llm.stats()
     by_kind = {k: [r for r in records if r.kind == k] for k in ("decode", "prefill")}
-    leaves = jax.tree_util.tree_leaves(runner.params)
-    model = {"params": int(sum(x.size for x in leaves)), "weight_bytes": int(sum(x.nbytes for x in leaves)),
-             "kv_bytes_per_token": llm.config.kv_bytes_per_token(leaves[0].dtype.itemsize),
+    # The runner's counts, taken before it packed layer weights for the native CPU matmuls.
+    model = {"params": runner.num_params, "weight_bytes": runner.param_bytes,
+             "kv_bytes_per_token": llm.config.kv_bytes_per_token(runner.kv[0][0].dtype.itemsize),
              "num_layers": llm.config.num_layers, "num_heads": llm.config.num_heads,
              "head_dim": llm.config.head_dim}
     return {

@@ -1,4 +1,5 @@
-"""The native CPU matmul (`x @ w.T` for few rows, the LM head) against numpy in float64."""
+"""The native CPU matmuls (the LM head's `x @ w.T`, the layers' packed `x @ w`) against numpy in
+float64."""
 
 from __future__ import annotations
 
@@ -38,6 +39,34 @@ def test_other_dtypes_are_computed_in_float32_and_bad_shapes_are_refused():
         native.matmul_nt(x, jnp.ones((5, 7)))
     with pytest.raises(ValueError, match="x \\[M, K\\]"):
         native.matmul_nt(jnp.ones((2, 3, 8)), jnp.ones((5, 8)))
+
+
+@pytest.mark.parametrize("lead,k,n", [
+    ((1,), 576, 576), ((16,), 576, 1536), ((2, 8), 1536, 576), ((5,), 64, 70), ((130,), 100, 48),
+    ((3,), 7, 5), ((4,), 0, 24), ((513,), 40, 30)])
+def test_packed_matches_numpy(lead, k, n):
+    # Rows around the 4-row micro-kernel (tails of 1-3 rows), N around the 24-column panels
+    # (padded with zero columns), K across several 128-row blocks, leading batch dims.
+    rng = np.random.default_rng(k * 7 + n)
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = native.pack(jnp.asarray(w))
+    assert packed.shape == (-(-n // native.PANEL), k, native.PANEL)
+    np.testing.assert_array_equal(np.asarray(native.unpack(packed, n)), w)
+    out = jax.jit(native.matmul_packed, static_argnums=2)(x, packed, n)
+    assert out.shape == (*lead, n) and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5,
+                               atol=1e-5 * max(k, 1) ** 0.5)
+
+
+def test_packed_refuses_bad_shapes():
+    packed = native.pack(jnp.ones((8, 30)))
+    with pytest.raises(ValueError, match=r"\(2, 9\) and \(2, 8, 24\)"):
+        native.matmul_packed(jnp.ones((2, 9)), packed, 30)
+    with pytest.raises(ValueError, match="n=49"):
+        native.matmul_packed(jnp.ones((2, 8)), packed, 49)
+    with pytest.raises(ValueError, match="2-D"):
+        native.pack(jnp.ones((2, 3, 4)))
 
 
 def test_without_a_compiler_it_says_why_once(tmp_path):

@@ -83,22 +83,37 @@ def _step_hlo(runner, batch, tokens):
                                                history).as_text()
 
 
-def test_cpu_decode_at_batch_8_uses_eigen_dots_and_matches_the_reference():
+@pytest.mark.parametrize("native_matmuls", [True, False])
+def test_cpu_steps_use_native_matmuls_or_eigen_dots_and_match_the_reference(native_matmuls):
     config, params, _ = _load("smollm2")
     kw = dict(num_pages=32, page_size=4, max_model_len=16, batch_buckets=(2, 8), token_buckets=(8,),
               max_num_batched_tokens=8)
-    runner, ref = Runner(config, params, backend="cpu", **kw), Runner(config, params, backend="reference", **kw)
+    runner = Runner(config, params, backend="cpu", native_matmuls=native_matmuls, **kw)
+    ref = Runner(config, params, backend="reference", **kw)
     assert runner.native_attention and not ref.native_attention
-    # The tied LM head runs on the native matmul from NATIVE_HEAD_MIN_ROWS logit rows on.
-    assert runner.native_head and not ref.native_head
-    for batch, used in ((1, False), (2, True), (8, True)):
-        assert (native_matmul.TARGET in _step_hlo(runner, batch, 1)) == used, batch
-    assert runner.step_fn(4, 1) is runner._step_eigen  # with the native head (EIGEN_DECODE_*)
+    assert runner.native_matmuls == runner.native_head == native_matmuls
+    assert not ref.native_matmuls and not ref.native_head
+    if native_matmuls:
+        # Layer weights packed once; every layer matmul on the packed kernel, the tied LM head on
+        # the native one from NATIVE_HEAD_MIN_ROWS logit rows on; one jit (no dot library left).
+        assert runner.params["layers"][0]["wq"].ndim == 3 and ref.params["layers"][0]["wq"].ndim == 2
+        for batch, tokens, head in ((1, 1, False), (2, 1, True), (8, 1, True), (1, 8, False)):
+            hlo = _step_hlo(runner, batch, tokens)
+            assert hlo.count(native_matmul.PACKED_TARGET) == 7 * config.num_layers, (batch, tokens)
+            assert (f"@{native_matmul.TARGET}(" in hlo) == head, (batch, tokens)
+            assert runner.step_fn(batch, tokens) is runner._step
+        _check_batch_8_matches_the_reference(runner, ref)
+        return
+    assert runner.step_fn(4, 1) is runner._step  # 2-4 rows: Eigen's logits dot is slow
     assert 1 in Runner(config, params, backend="cpu", num_pages=8, max_model_len=16).batch_buckets
     assert 1 not in Runner(config, params, backend="cpu_pallas", num_pages=8, max_model_len=16).batch_buckets
     assert runner.step_fn(8, 1) is runner._step_eigen
     assert runner.step_fn(2, 1) is runner._step and runner.step_fn(2, 8) is runner._step
     assert runner.step_fn(1, 8) is runner._step_eigen  # one-row prefill (the prompts below)
+    _check_batch_8_matches_the_reference(runner, ref)
+
+
+def _check_batch_8_matches_the_reference(runner, ref):
     runner.warmup(progress=False)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [13, 14, 15, 16, 17]]
     pages = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(len(prompts))]

@@ -88,6 +88,14 @@ class DecoderLayer(nnx.Module):
             self.b_down = _param(rngs, (D,), dtype, 0.0)
 
 
+LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def xla_linear(x: jax.Array, w: jax.Array, out_features: int) -> jax.Array:
+    """x [..., in] @ w [in, out]: the layer matmuls' default (an XLA dot)."""
+    return x @ w
+
+
 def xla_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
     """Float32 logits [rows, vocab] = x [rows, hidden] @ embed [vocab, hidden].T, as an XLA dot.
 
@@ -119,7 +127,8 @@ class LlamaModel(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Any, meta: Any,
                  attention: Attention, *, logits_index: jax.Array | None = None,
-                 tied_head: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+                 tied_head: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+                 linear: Callable[[jax.Array, jax.Array, int], jax.Array] | None = None
                  ) -> tuple[jax.Array, Any]:
         """Run the decoder.
 
@@ -133,16 +142,23 @@ class LlamaModel(nnx.Module):
           tied_head: with tied embeddings, computes float32 logits [rows, vocab] from the final
             hidden states [rows, hidden] and the embedding [vocab, hidden] (default
             `xla_tied_head`; the runner passes a native CPU kernel).
+          linear: computes `x @ w` for the layer weights named in `LAYER_MATMULS`, given x
+            [..., in], the weight as the params hold it and the output width (default
+            `xla_linear`; the runner's native CPU path holds them packed, see
+            `pallas_kernels.matmul.native.pack`).
         Returns:
           float32 logits [batch, tokens or n, vocab] and the new cache.
         """
         c = self.config
         B, T = tokens.shape
+        lin = linear or xla_linear
+        D, F, qd, kvd = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
+                         c.num_kv_heads * c.head_dim)
         x = self.embed[...][tokens]  # [batch, tokens, hidden]
         inv_freq = jnp.asarray(np.asarray(rope_inv_freq(c), np.float32))
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm[...], c.rms_norm_eps)
-            q, k, v = h @ w.wq[...], h @ w.wk[...], h @ w.wv[...]
+            q, k, v = lin(h, w.wq[...], qd), lin(h, w.wk[...], kvd), lin(h, w.wv[...], kvd)
             if c.qkv_bias:
                 q, k, v = q + w.bq[...], k + w.bk[...], v + w.bv[...]
             q = q.reshape(B, T, c.num_heads, c.head_dim)
@@ -154,15 +170,15 @@ class LlamaModel(nnx.Module):
             q = apply_rotary(q, positions, inv_freq)
             k = apply_rotary(k, positions, inv_freq)
             attn, cache = attention(i, q, k, v, cache, meta)
-            out = attn.reshape(B, T, c.num_heads * c.head_dim) @ w.wo[...]
+            out = lin(attn.reshape(B, T, qd), w.wo[...], D)
             if c.o_bias:
                 out = out + w.bo[...]
             x = x + out
             h = rms_norm(x, w.mlp_norm[...], c.rms_norm_eps)
-            gate, up = h @ w.w_gate[...], h @ w.w_up[...]
+            gate, up = lin(h, w.w_gate[...], F), lin(h, w.w_up[...], F)
             if c.mlp_bias:
                 gate, up = gate + w.b_gate[...], up + w.b_up[...]
-            down = (jax.nn.silu(gate) * up) @ w.w_down[...]
+            down = lin(jax.nn.silu(gate) * up, w.w_down[...], D)
             if c.mlp_bias:
                 down = down + w.b_down[...]
             x = x + down

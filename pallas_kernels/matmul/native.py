@@ -1,12 +1,16 @@
-"""The native CPU matmul for few rows (`cpu_matmul.cc`): `x @ w.T` with w in [N, K] layout.
+"""The native CPU matmuls (`cpu_matmul.cc`), built on first use (`pallas_kernels.native_build`).
 
-Built on first use like the native attention kernel (`pallas_kernels.native_build`). The runner
-uses it for the tied LM head of decode steps, where XLA:CPU's dot is 2-3x slower (see
-`jserve.runner.NATIVE_HEAD_MIN_ROWS`); without a compiler the head stays an XLA dot.
+- `matmul_nt(x, w)`: `x @ w.T` with w in [N, K] layout: the tied LM head (w = the embedding), where
+  XLA:CPU's dot is 2-3x slower at a few rows (see `jserve.runner.NATIVE_HEAD_MIN_ROWS`).
+- `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
+  [N / 24, K, 24] panels: the layer matmuls of the paged runner on CPU.
+
+Without a compiler `available()` is False and the runner keeps XLA dots and natural weights.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -15,9 +19,11 @@ import jax.numpy as jnp
 from pallas_kernels.native_build import NativeLibrary
 
 TARGET = "jserve_matmul_nt"
+PACKED_TARGET = "jserve_matmul_packed"
+PANEL = 24  # kPanel in cpu_matmul.cc
 _LIBRARY = NativeLibrary("matmul", Path(__file__).with_name("cpu_matmul.cc"),
-                         {TARGET: "JserveMatmulNT"}, what="native CPU matmul",
-                         fallback="using XLA's dot")
+                         {TARGET: "JserveMatmulNT", PACKED_TARGET: "JserveMatmulPacked"},
+                         what="native CPU matmul", fallback="using XLA's dot")
 
 
 def available() -> bool:
@@ -38,3 +44,37 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), w.astype(jnp.float32))
+
+
+def pack(w: jax.Array) -> jax.Array:
+    """[K, N] -> float32 [ceil(N / 24), K, 24]: column panels, N padded with zero columns."""
+    if w.ndim != 2:
+        raise ValueError(f"pack needs a 2-D weight [K, N], got shape {w.shape}")
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, panels * PANEL - n)))
+    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def unpack(packed: jax.Array, n: int) -> jax.Array:
+    """Inverse of `pack`: [P, K, 24] -> [K, n]."""
+    p, k, _ = packed.shape
+    return packed.transpose(1, 0, 2).reshape(k, p * PANEL)[:, :n]
+
+
+def matmul_packed(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """`x @ w` in float32 for x [..., K] and `packed = pack(w)`; returns [..., n]."""
+    if packed.ndim != 3 or packed.shape[2] != PANEL or x.shape[-1] != packed.shape[1]:
+        raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [P, K, {PANEL}], "
+                         f"got {x.shape} and {packed.shape}")
+    if not 0 < n <= packed.shape[0] * PANEL:
+        raise ValueError(f"n={n} must be in (0, {packed.shape[0] * PANEL}] for packed {packed.shape}")
+    if not available():
+        raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
+    lead = x.shape[:-1]
+    flat = x.reshape(math.prod(lead), x.shape[-1]).astype(jnp.float32)
+    call = jax.ffi.ffi_call(PACKED_TARGET,
+                            jax.ShapeDtypeStruct((flat.shape[0], packed.shape[0] * PANEL), jnp.float32),
+                            vmap_method="sequential")
+    out = call(flat, packed)
+    return (out if out.shape[1] == n else out[:, :n]).reshape(*lead, n)
