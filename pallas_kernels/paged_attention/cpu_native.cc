@@ -348,7 +348,11 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
 }
 
 // Runs fn(0..n-1) on the caller and on XLA's intra-op pool. Helpers that start late find no
-// work and leave; the caller waits only for tasks a helper actually took.
+// work and leave; the caller waits only for tasks a helper actually took. The caller is usually
+// not a pool thread (XLA runs the custom call on the thread that launched the step), so
+// pool.num_threads() - 1 helpers keep one runner per core: 30 SmolLM2 layers, interleaved, one
+// helper per pool thread vs one fewer: decode 16 rows x 365 cached 16.8 vs 13.5 ms, prefill
+// 1 x 512 tokens 163 vs 141 ms.
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
   struct State {
@@ -362,7 +366,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
     for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) (*shared_fn)(i);
     state->active.fetch_sub(1);
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   for (int64_t h = 0; h < helpers; ++h) {
     auto task = run;  // Schedule takes its callable by value (an rvalue)
     pool.Schedule(std::move(task));
