@@ -104,6 +104,22 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
     const int64_t n = std::min<int64_t>({P - off, end - t0, 64});
     const T* kp = k_head + (page * P + off) * D;
     const T* vp = v_head + (page * P + off) * D;
+    if (t0 + n < end) {
+      // The next block's rows live on another page, somewhere else in the pool: start fetching
+      // them now, the hardware prefetcher only follows this page. 30 SmolLM2 layers, interleaved:
+      // 16 rows x 365 cached 13.5-14.7 -> 13.0-13.9 ms, x 1024 49-68 -> 45-59 ms; but one row x
+      // 4096 cached (3 tasks) 8.0-8.6 -> 8.6-9.7 ms.
+      const int64_t t1 = t0 + n;
+      int64_t next = table[t1 / P];
+      if (next < 0 || next >= s.num_pages) next = 0;
+      const int64_t bytes = std::min<int64_t>({P - t1 % P, end - t1, 64}) * D * sizeof(T);
+      const char* nk = reinterpret_cast<const char*>(k_head + (next * P + t1 % P) * D);
+      const char* nv = reinterpret_cast<const char*>(v_head + (next * P + t1 % P) * D);
+      for (int64_t i = 0; i < bytes; i += 64) {
+        __builtin_prefetch(nk + i);
+        __builtin_prefetch(nv + i);
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
       float block_max = kMinScore;
