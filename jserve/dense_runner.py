@@ -32,9 +32,9 @@ class DenseRunner:
                  batch_buckets: Sequence[int] = buckets.DENSE_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  length_buckets: Sequence[int] = buckets.DEFAULT_LENGTH_BUCKETS,
-                 linear: Any = None):
-        """`linear`: the model's layer-matmul hook (`LlamaModel.__call__`), for params whose layer
-        weights are not plain [in, out] arrays (the paged runner's packed ones, shared here)."""
+                 linear: Any = None, tied_head: Any = None):
+        """`linear`, `tied_head`: the model's hooks (`LlamaModel.__call__`) for params whose layer
+        weights and embedding are not plain arrays (the paged runner's packed ones, shared here)."""
         self.config = config
         # Stacked (checkpoint) params are split per layer once, here (see LlamaModel).
         self.params = params if "layers" in params else model_params(config, params)
@@ -47,10 +47,10 @@ class DenseRunner:
         self._shapes_seen: set[tuple] = set()
         self.num_compilations = 0
         attention = DenseAttention(config.sliding_window)
-        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef, attention, linear),
+        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef, attention, linear, tied_head),
                                 static_argnames=("num_logprobs", "num_prompt_logprobs"),
                                 donate_argnames=("cache",))
-        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef, attention, linear),
+        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef, attention, linear, tied_head),
                                static_argnames=("num_logprobs",), donate_argnames=("cache",))
 
     @property
@@ -103,21 +103,23 @@ class DenseRunner:
         return jax.device_get(out), cache
 
 
-def _prefill_step(graphdef, attention, linear, params, tokens, positions, last, cache, sampling, *,
-                  num_logprobs, num_prompt_logprobs):
+def _prefill_step(graphdef, attention, linear, tied_head, params, tokens, positions, last, cache, sampling,
+                  *, num_logprobs, num_prompt_logprobs):
     model = nnx.merge(graphdef, params)
     if num_prompt_logprobs is None:
         logits, cache = model(tokens, positions, cache, positions, attention, logits_index=last,
-                              linear=linear)
+                              linear=linear, tied_head=tied_head)
         return sample(logits[:, 0], *sampling, num_logprobs=num_logprobs), None, cache
-    logits, cache = model(tokens, positions, cache, positions, attention, linear=linear)  # [batch, tokens, vocab]
+    logits, cache = model(tokens, positions, cache, positions, attention, linear=linear,
+                          tied_head=tied_head)  # [batch, tokens, vocab]
     final = jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0]
     next_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     plp = prompt_logprobs(logits, next_tokens, num_logprobs=num_prompt_logprobs)
     return sample(final, *sampling, num_logprobs=num_logprobs), plp, cache
 
 
-def _decode_step(graphdef, attention, linear, params, tokens, positions, cache, sampling, *, num_logprobs):
+def _decode_step(graphdef, attention, linear, tied_head, params, tokens, positions, cache, sampling, *,
+                 num_logprobs):
     model = nnx.merge(graphdef, params)
-    logits, cache = model(tokens, positions, cache, positions, attention, linear=linear)
+    logits, cache = model(tokens, positions, cache, positions, attention, linear=linear, tied_head=tied_head)
     return sample(logits[:, 0], *sampling, num_logprobs=num_logprobs), cache

@@ -346,7 +346,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=None)
     if config.warmup:
         runner.warmup()
-    # The runner's params (its layer weights may be packed for the native CPU matmuls): one copy.
+    # The runner's params (its weights may be packed for the native CPU matmuls): one copy.
     scorer = DenseRunner(model_config, runner.params, max_model_len=config.max_model_len, batch_buckets=(1,),
-                         linear=runner.linear)
+                         linear=runner.linear, tied_head=runner.tied_head)
     return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=scorer)

@@ -28,7 +28,7 @@ from jserve import buckets
 from jserve.config import ModelConfig
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
-from jserve.model.llama import LAYER_MATMULS, xla_tied_head
+from jserve.model.llama import LAYER_MATMULS
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
 from jserve.request import MAX_LOGPROBS
 from jserve.sampler import SamplingArrays, penalty_history, sample
@@ -38,6 +38,7 @@ from pallas_kernels.paged_attention import native
 logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
+# Without the native matmuls (no compiler, non-float32 weights, `native_matmuls=False`):
 # XLA:CPU sends dots to YNNPACK by default; some CPU steps run faster with its Eigen dots
 # (SmolLM2, 2-core AMD EPYC with AVX2, each pair interleaved in one process with
 # scripts/bench_decode_step.py or an uncommitted harness of the same kind; medians in ms, YNNPACK
@@ -46,27 +47,22 @@ PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
 #   85 (256 context), 135 vs 117 (1024); batch 1 35 vs 36 and batch 32 180 vs 187 (no gain);
 #   batch 2 and 4 51 vs 141 and 64 vs 163: a logits dot over 2-4 rows takes ~120 ms in Eigen,
 #   11-13 ms in YNNPACK.
-# - with the native head too (256 context): batch 2 41 vs 51, batch 4 60 vs 51, batch 8 79 vs 61,
-#   batch 16 101 vs 79, batch 32 160 vs 152, batch 1 29 vs 29.
 # - prefill of one row: 16 tokens 84 vs 55, 64 tokens 196 vs 184, 256 tokens 553 vs 525, 512
-#   tokens 1382 vs 1238 (128: 279 vs 292, noise); several rows hit the logits dot above (with
-#   the native head: 2 x 64-128 and 4 x 64-128 tokens within 5 %, so they stay on YNNPACK).
+#   tokens 1382 vs 1238 (128: 279 vs 292, noise); several rows hit the logits dot above.
 EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 EIGEN_DECODE_BATCHES = (8, 16)
-EIGEN_DECODE_BATCHES_NATIVE_HEAD = (4, 8, 16, 32)
 EIGEN_PREFILL_BATCHES = (1,)
-# The tied LM head of steps with at least this many logit rows runs on the native CPU matmul
-# (pallas_kernels/matmul): SmolLM2's 49152 x 576 embedding, XLA (YNNPACK / Eigen) vs native, ms,
-# interleaved (an uncommitted harness): 1 row 5.0 / 4.8 vs 6.9-8.2; 4 rows 11.4 / 114 vs 9.8;
-# 8 rows 16.3 / 20.5 vs 8.8; 16 rows 21.8 / 30.5 vs 13.8.
-NATIVE_HEAD_MIN_ROWS = 2
-# NATIVE_MATMULS_NOTE: with the native CPU kernels the layer weights are held packed as
-# [N / 24, K, 24] panels and every layer matmul, decode and prefill alike, runs on
-# pallas_kernels.matmul's packed kernel (XLA's dots cannot read that layout, and a second,
-# natural copy would double the weights' memory). 30 SmolLM2 layers at M rows, ms, packed /
-# YNNPACK / Eigen (interleaved, an uncommitted harness): M=1 16.7 / 19.8 / 19.3, 8 17.4 / 39.9 /
-# 29.0, 16 31.3 / 54.8 / 35.5, 64 110 / 126 / 124; at M=512 (long prefill chunks) it loses ~10 %:
-# 823 / 712 / 759.
+# The tied LM head on the native CPU kernel, over the embedding packed like the layer weights
+# (its transpose; the embedding lookup reads the panels, llama.embed_rows): SmolLM2's 49152 x 576
+# head at 1 / 4 / 16 / 32 rows, ms, packed vs XLA's dot (YNNPACK), interleaved on a quiet machine
+# (an uncommitted harness): 4.1 / 4.5 / 6.0 / 10.7 vs 4.8 / 7.7 / 11.8 / 17.4.
+# NATIVE_MATMULS_NOTE: with the native CPU kernels the layer weights (and a tied embedding,
+# transposed) are held packed as [N / 24, K, 24] panels and every layer matmul and the LM head,
+# decode and prefill alike, run on pallas_kernels.matmul's packed kernel (XLA's dots cannot read
+# that layout, and a second, natural copy would double the weights' memory). 30 SmolLM2 layers
+# at M rows, ms, packed / YNNPACK / Eigen (interleaved, an uncommitted harness): M=1 16.7 / 19.8 /
+# 19.3, 8 17.4 / 39.9 / 29.0, 16 31.3 / 54.8 / 35.5, 64 110 / 126 / 124; at M=512 (long prefill
+# chunks) it loses ~10 %: 823 / 712 / 759.
 GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
 
 
@@ -148,9 +144,12 @@ class Runner:
                 i: {name: native_matmul.pack(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
                 for i, layer in layers.items()}}
             del layers
+        if self.native_head:
+            self.params = {**self.params, "embed": native_matmul.pack(self.params["embed"].T)}
+        # The model's hooks for these params (whoever merges `self.params` into the model needs them).
         self.linear = native_linear if self.native_matmuls else None
-        step = functools.partial(_step, graphdef, attention, native_tied_head if self.native_head else None,
-                                 self.linear)
+        self.tied_head = functools.partial(native_tied_head, vocab=config.vocab_size) if self.native_head else None
+        step = functools.partial(_step, graphdef, attention, self.tied_head, self.linear)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
@@ -299,8 +298,7 @@ class Runner:
         if self.native_matmuls:
             return self._step  # no XLA dot is left to pick a library for (NATIVE_MATMULS_NOTE)
         if tokens == 1:
-            eigen = self.native_attention and rows in (
-                EIGEN_DECODE_BATCHES_NATIVE_HEAD if self.native_head else EIGEN_DECODE_BATCHES)
+            eigen = self.native_attention and rows in EIGEN_DECODE_BATCHES
         else:
             eigen = self.backend in ("cpu", "cpu_pallas") and rows in EIGEN_PREFILL_BATCHES
         return self._step_eigen if eigen else self._step
@@ -440,11 +438,9 @@ def _broadcast(header, tree=None):
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
 
 
-def native_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
-    """The tied LM head on the native CPU matmul from NATIVE_HEAD_MIN_ROWS rows on."""
-    if x.shape[0] < NATIVE_HEAD_MIN_ROWS:
-        return xla_tied_head(x, embed)
-    return native_matmul.matmul_nt(x, embed)
+def native_tied_head(x: jax.Array, embed: jax.Array, *, vocab: int) -> jax.Array:
+    """The tied LM head on the native CPU kernel: the embedding packed as `pack(embed.T)`."""
+    return native_matmul.matmul_packed(x, embed, vocab)
 
 
 def native_linear(x: jax.Array, w: jax.Array, out_features: int) -> jax.Array:

@@ -5,10 +5,9 @@ tokens and feeds `tokens` new ones (1: decode; more: a prefill chunk). Each vari
 step compiled with:
   - attention: "cpu" (the native kernel) or "cpu_pallas" (Pallas interpret mode);
   - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `runner.EIGEN_DOTS`);
-  - the tied LM head: the native matmul (`runner.native_tied_head`) on "native" and "cpu"
-    variants, an XLA dot on "cpu_pallas" ones and on "cpu/...+xla-head";
-  - the layer matmuls: the native kernel over packed weights on "native" (the runner's default
-    on CPU, where it then needs no dot library), XLA's dots over [in, out] weights otherwise.
+  - the layer matmuls and the tied LM head: the native kernel over packed weights on "native"
+    (the runner's default on CPU, where no dot library is then left to choose), XLA's dots over
+    unpacked weights otherwise ("cpu/..." keep the native attention kernel).
 Variants take turns call by call (a busy machine slows them alike). The floor is the runner's
 own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (DESIGN §6:
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
@@ -41,17 +40,14 @@ from jserve.model import model_graphdef  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
 from jserve import buckets  # noqa: E402
 from jserve.model.llama import LAYER_MATMULS  # noqa: E402
-from jserve.runner import (EIGEN_DOTS, GREEDY, PREFILL_BATCH_BUCKETS, _step,  # noqa: E402
-                           native_linear, native_tied_head)
+from jserve.runner import EIGEN_DOTS, GREEDY, PREFILL_BATCH_BUCKETS, _step, native_linear  # noqa: E402
 from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
 from pallas_kernels.matmul import native as native_matmul  # noqa: E402
 
-# name: (attention backend, XLA options, native LM head, native packed layer matmuls).
-VARIANTS = {"native": ("cpu", None, True, True), "native/eigen": ("cpu", EIGEN_DOTS, True, True),
-            "cpu/ynn": ("cpu", None, True, False), "cpu/eigen": ("cpu", EIGEN_DOTS, True, False),
-            "cpu/ynn+xla-head": ("cpu", None, False, False), "cpu/eigen+xla-head": ("cpu", EIGEN_DOTS, False, False),
-            "cpu_pallas/ynn": ("cpu_pallas", None, False, False),
-            "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS, False, False)}
+# name: (attention backend, XLA options, native matmuls over packed weights).
+VARIANTS = {"native": ("cpu", None, True), "native/eigen": ("cpu", EIGEN_DOTS, True),
+            "cpu/ynn": ("cpu", None, False), "cpu/eigen": ("cpu", EIGEN_DOTS, False),
+            "cpu_pallas/ynn": ("cpu_pallas", None, False), "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS, False)}
 
 
 class _NoTokenizer:
@@ -67,16 +63,20 @@ def natural_params(runner, config):
     widths = {"wq": c.num_heads * c.head_dim, "wk": c.num_kv_heads * c.head_dim,
               "wv": c.num_kv_heads * c.head_dim, "wo": c.hidden_size, "w_gate": c.intermediate_size,
               "w_up": c.intermediate_size, "w_down": c.hidden_size}
+    embed = runner.params["embed"]
     return {**runner.params, "layers": {
         i: {k: native_matmul.unpack(w, widths[k]) if k in LAYER_MATMULS else w for k, w in layer.items()}
-        for i, layer in runner.params["layers"].items()}}
+        for i, layer in runner.params["layers"].items()},
+        "embed": native_matmul.unpack(embed, c.vocab_size).T if embed.ndim == 3 else embed}
 
 
-def compile_variant(runner, config, params, backend, options, native_head, native_matmuls, rows):
+def compile_variant(runner, config, params, backend, options, native_matmuls, rows):
     """The step for these rows (padded to the runner's buckets), with this attention backend,
-    these XLA options, the native or the XLA tied LM head and layer matmuls."""
-    head = native_tied_head if native_head and runner.native_head else None
-    linear = native_linear if native_matmuls and runner.native_matmuls else None
+    these XLA options, and the native matmuls over the runner's packed params or XLA's dots over
+    unpacked ones (`params`)."""
+    packed = native_matmuls and runner.native_matmuls
+    head = runner.tied_head if packed else None
+    linear = native_linear if packed else None
     step = functools.partial(_step, model_graphdef(config), PagedAttention(backend, config.sliding_window),
                              head, linear)
     new = max(len(r[1]) for r in rows)
@@ -102,7 +102,7 @@ def bench(runner, config, natural, variants, batch, context, new, runs, bandwidt
     compiled, compile_s = {}, {}
     for name in variants:
         start = time.perf_counter()
-        packed = VARIANTS[name][3] and runner.native_matmuls
+        packed = VARIANTS[name][2] and runner.native_matmuls
         compiled[name] = compile_variant(runner, config, runner.params if packed else natural,
                                          *VARIANTS[name], rows)
         compile_s[name] = time.perf_counter() - start

@@ -74,9 +74,10 @@ def test_teacher_forced_logits_match_reference(smollm2_llm, golden):
         positions = np.full((1, T), T, np.int32)
         positions[0, :len(ids)] = np.arange(len(ids))
         cache = init_cache(config.num_layers, 1, config.num_kv_heads, T, config.head_dim)
-        # The runner's params may hold packed layer weights: its `linear` reads them.
+        # The runner's params may hold packed weights: its hooks read them.
         logits, _ = model(jnp.asarray(tokens), jnp.asarray(positions), cache, jnp.asarray(positions),
-                          DenseAttention(config.sliding_window), linear=llm.runner.linear)
+                          DenseAttention(config.sliding_window), linear=llm.runner.linear,
+                          tied_head=llm.runner.tied_head)
         logits = np.asarray(logits[0])
         P = len(case["prompt_ids"])
         refs = [(j, s) for j, s in enumerate(case["prompt_positions"])]

@@ -1,5 +1,5 @@
-"""The native CPU matmuls (the LM head's `x @ w.T`, the layers' packed `x @ w`) against numpy in
-float64."""
+"""The native CPU matmul over packed weights against numpy in float64, and the packed
+embedding's lookup."""
 
 from __future__ import annotations
 
@@ -13,32 +13,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels.matmul import native
-
-
-@pytest.mark.parametrize("m,k,n", [
-    (1, 64, 1000), (2, 576, 4099), (7, 33, 50), (8, 64, 24), (9, 100, 70), (16, 576, 3000),
-    (17, 64, 7), (32, 96, 385), (64, 130, 200), (5, 1, 9), (3, 0, 4)])
-def test_matches_numpy(m, k, n):
-    # Row counts around the kernel's 8-row vectors and 16-row chunks; N around its 6- and 8-row
-    # micro-kernels and 24-row task blocks (leftover rows take the one-row kernel); K = 0 is zeros.
-    rng = np.random.default_rng(m * 1000 + n)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    out = jax.jit(native.matmul_nt)(x, w)
-    assert out.shape == (m, n) and out.dtype == jnp.float32
-    want = x.astype(np.float64) @ w.T.astype(np.float64)
-    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * max(k, 1) ** 0.5)
-
-
-def test_other_dtypes_are_computed_in_float32_and_bad_shapes_are_refused():
-    x = jnp.ones((3, 8), jnp.bfloat16)
-    out = native.matmul_nt(x, jnp.full((5, 8), 0.5, jnp.bfloat16))
-    assert out.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(out), 4.0)
-    with pytest.raises(ValueError, match=r"\(3, 8\) and \(5, 7\)"):
-        native.matmul_nt(x, jnp.ones((5, 7)))
-    with pytest.raises(ValueError, match="x \\[M, K\\]"):
-        native.matmul_nt(jnp.ones((2, 3, 8)), jnp.ones((5, 8)))
 
 
 @pytest.mark.parametrize("lead,k,n", [
@@ -57,6 +31,17 @@ def test_packed_matches_numpy(lead, k, n):
     assert out.shape == (*lead, n) and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5,
                                atol=1e-5 * max(k, 1) ** 0.5)
+
+
+def test_embedding_rows_from_the_packed_transpose():
+    # The runner's native head packs the embedding's transpose; the model's lookup reads the panels.
+    from jserve.model.llama import embed_rows
+
+    embed = jnp.asarray(np.random.default_rng(0).standard_normal((50, 8)), jnp.float32)
+    tokens = jnp.array([[0, 23, 24, 49], [7, 7, 48, 1]], jnp.int32)
+    packed = native.pack(embed.T)
+    np.testing.assert_array_equal(np.asarray(embed_rows(packed, tokens)), np.asarray(embed)[np.asarray(tokens)])
+    np.testing.assert_array_equal(np.asarray(embed_rows(embed, tokens)), np.asarray(embed)[np.asarray(tokens)])
 
 
 def test_packed_refuses_bad_shapes():

@@ -96,6 +96,16 @@ def xla_linear(x: jax.Array, w: jax.Array, out_features: int) -> jax.Array:
     return x @ w
 
 
+def embed_rows(embed: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The embedding rows of `tokens`, from the table as the params hold it: [vocab, hidden], or,
+    where the runner's native CPU head reads it, its transpose packed as [vocab / P, hidden, P]
+    panels (`pallas_kernels.matmul.native.pack(embed.T)`: token t is panel t // P, lane t % P)."""
+    if embed.ndim == 3:
+        lanes = embed.shape[2]
+        return embed[tokens // lanes, :, tokens % lanes]
+    return embed[tokens]
+
+
 def xla_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
     """Float32 logits [rows, vocab] = x [rows, hidden] @ embed [vocab, hidden].T, as an XLA dot.
 
@@ -140,8 +150,9 @@ class LlamaModel(nnx.Module):
           logits_index: optional int32 [batch, n]: only these token positions get logits
             (decode and prefill need just the last one; prompt logprobs need all).
           tied_head: with tied embeddings, computes float32 logits [rows, vocab] from the final
-            hidden states [rows, hidden] and the embedding [vocab, hidden] (default
-            `xla_tied_head`; the runner passes a native CPU kernel).
+            hidden states [rows, hidden] and the embedding as the params hold it (default
+            `xla_tied_head`, for [vocab, hidden]; the runner's native CPU head reads it packed,
+            see `embed_rows`).
           linear: computes `x @ w` for the layer weights named in `LAYER_MATMULS`, given x
             [..., in], the weight as the params hold it and the output width (default
             `xla_linear`; the runner's native CPU path holds them packed, see
@@ -154,7 +165,7 @@ class LlamaModel(nnx.Module):
         lin = linear or xla_linear
         D, F, qd, kvd = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
                          c.num_kv_heads * c.head_dim)
-        x = self.embed[...][tokens]  # [batch, tokens, hidden]
+        x = embed_rows(self.embed[...], tokens)  # [batch, tokens, hidden]
         inv_freq = jnp.asarray(np.asarray(rope_inv_freq(c), np.float32))
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm[...], c.rms_norm_eps)

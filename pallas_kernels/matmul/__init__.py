@@ -1,1 +1,2 @@
-"""Matmuls XLA:CPU runs slowly: `native.matmul_nt`, `x @ w.T` for a few rows of x (the LM head)."""
+"""A native CPU matmul over weights packed once at load (`native.matmul_packed`): the paged
+runner's layer matmuls and tied LM head on CPU, where XLA's dots are slow at a few rows."""

@@ -1,11 +1,9 @@
-"""The native CPU matmuls (`cpu_matmul.cc`), built on first use (`pallas_kernels.native_build`).
+"""The native CPU matmul (`cpu_matmul.cc`), built on first use (`pallas_kernels.native_build`).
 
-- `matmul_nt(x, w)`: `x @ w.T` with w in [N, K] layout: the tied LM head (w = the embedding), where
-  XLA:CPU's dot is 2-3x slower at a few rows (see `jserve.runner.NATIVE_HEAD_MIN_ROWS`).
-- `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
-  [N / 24, K, 24] panels: the layer matmuls of the paged runner on CPU.
-
-Without a compiler `available()` is False and the runner keeps XLA dots and natural weights.
+`pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
+[N / 24, K, 24] panels: the paged runner's layer matmuls and tied LM head on CPU (see
+`jserve.runner.NATIVE_MATMULS_NOTE`). Without a compiler `available()` is False and the runner
+keeps XLA's dots and unpacked weights.
 """
 
 from __future__ import annotations
@@ -18,11 +16,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.native_build import NativeLibrary
 
-TARGET = "jserve_matmul_nt"
-PACKED_TARGET = "jserve_matmul_packed"
+TARGET = "jserve_matmul_packed"
 PANEL = 24  # kPanel in cpu_matmul.cc
 _LIBRARY = NativeLibrary("matmul", Path(__file__).with_name("cpu_matmul.cc"),
-                         {TARGET: "JserveMatmulNT", PACKED_TARGET: "JserveMatmulPacked"},
+                         {TARGET: "JserveMatmulPacked"},
                          what="native CPU matmul", fallback="using XLA's dot")
 
 
@@ -33,17 +30,6 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return _LIBRARY.unavailable_reason()
-
-
-def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w.T` in float32: x [M, K], w [N, K] (both cast to float32) -> [M, N]."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"matmul_nt needs x [M, K] and w [N, K], got {x.shape} and {w.shape}")
-    if not available():
-        raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
-                            vmap_method="sequential")
-    return call(x.astype(jnp.float32), w.astype(jnp.float32))
 
 
 def pack(w: jax.Array) -> jax.Array:
@@ -73,7 +59,7 @@ def matmul_packed(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
         raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
     lead = x.shape[:-1]
     flat = x.reshape(math.prod(lead), x.shape[-1]).astype(jnp.float32)
-    call = jax.ffi.ffi_call(PACKED_TARGET,
+    call = jax.ffi.ffi_call(TARGET,
                             jax.ShapeDtypeStruct((flat.shape[0], packed.shape[0] * PANEL), jnp.float32),
                             vmap_method="sequential")
     out = call(flat, packed)
