@@ -24,45 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jserve import buckets
+from jserve import buckets, cpu_kernels
 from jserve.config import ModelConfig
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
-from jserve.model.llama import LAYER_MATMULS
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
 from jserve.request import MAX_LOGPROBS
 from jserve.sampler import SamplingArrays, penalty_history, sample
-from pallas_kernels.matmul import native as native_matmul
 from pallas_kernels.paged_attention import native
 
 logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
-# Without the native matmuls (no compiler, non-float32 weights, `native_matmuls=False`):
-# XLA:CPU sends dots to YNNPACK by default; some CPU steps run faster with its Eigen dots
-# (SmolLM2, 2-core AMD EPYC with AVX2, each pair interleaved in one process with
-# scripts/bench_decode_step.py or an uncommitted harness of the same kind; medians in ms, YNNPACK
-# vs Eigen):
-# - decode with the native attention kernel and the XLA head: batch 8 72 vs 66, batch 16 100 vs
-#   85 (256 context), 135 vs 117 (1024); batch 1 35 vs 36 and batch 32 180 vs 187 (no gain);
-#   batch 2 and 4 51 vs 141 and 64 vs 163: a logits dot over 2-4 rows takes ~120 ms in Eigen,
-#   11-13 ms in YNNPACK.
-# - prefill of one row: 16 tokens 84 vs 55, 64 tokens 196 vs 184, 256 tokens 553 vs 525, 512
-#   tokens 1382 vs 1238 (128: 279 vs 292, noise); several rows hit the logits dot above.
-EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-EIGEN_DECODE_BATCHES = (8, 16)
-EIGEN_PREFILL_BATCHES = (1,)
-# The tied LM head on the native CPU kernel, over the embedding packed like the layer weights
-# (its transpose; the embedding lookup reads the panels, llama.embed_rows): SmolLM2's 49152 x 576
-# head at 1 / 4 / 16 / 32 rows, ms, packed vs XLA's dot (YNNPACK), interleaved on a quiet machine
-# (an uncommitted harness): 4.1 / 4.5 / 6.0 / 10.7 vs 4.8 / 7.7 / 11.8 / 17.4.
-# NATIVE_MATMULS_NOTE: with the native CPU kernels the layer weights (and a tied embedding,
-# transposed) are held packed as [N / 24, K, 24] panels and every layer matmul and the LM head,
-# decode and prefill alike, run on pallas_kernels.matmul's packed kernel (XLA's dots cannot read
-# that layout, and a second, natural copy would double the weights' memory). 30 SmolLM2 layers
-# at M rows, ms, packed / YNNPACK / Eigen (interleaved, an uncommitted harness): M=1 16.7 / 19.8 /
-# 19.3, 8 17.4 / 39.9 / 29.0, 16 31.3 / 54.8 / 35.5, 64 110 / 126 / 124; at M=512 (long prefill
-# chunks) it loses ~10 %: 823 / 712 / 759.
 GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
 
 
@@ -130,25 +103,11 @@ class Runner:
             # Batch 1 pays off with the native kernel (SmolLM2, 256 context: 28 ms vs 38 ms at
             # batch 2); the Pallas interpret kernel took 1.5 s at batch 1 (bench_decode_step.py).
             self.batch_buckets = tuple(b for b in self.batch_buckets if b != 1)
-        # Native matmuls on the CPU backend, unsharded and float32 (built now, not while tracing):
-        # the tied LM head, and the layer matmuls over weights packed once, here, into the
-        # kernel's panels (NATIVE_MATMULS_NOTE).
-        native_ok = native_matmuls and self.backend == "cpu" and mesh is None and native_matmul.available()
-        self.native_head = (native_ok and config.tie_word_embeddings
-                            and self.params["embed"].dtype == jnp.float32)
-        layers = self.params["layers"]
-        self.native_matmuls = native_ok and all(
-            layer[name].dtype == jnp.float32 for layer in layers.values() for name in LAYER_MATMULS)
-        if self.native_matmuls:
-            self.params = {**self.params, "layers": {
-                i: {name: native_matmul.pack(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
-                for i, layer in layers.items()}}
-            del layers
-        if self.native_head:
-            self.params = {**self.params, "embed": native_matmul.pack(self.params["embed"].T)}
-        # The model's hooks for these params (whoever merges `self.params` into the model needs them).
-        self.linear = native_linear if self.native_matmuls else None
-        self.tied_head = functools.partial(native_tied_head, vocab=config.vocab_size) if self.native_head else None
+        # Native matmuls on the CPU backend, unsharded and float32 (built now, not while tracing).
+        native_ok = native_matmuls and self.backend == "cpu" and mesh is None
+        self.params, self.linear, self.tied_head = cpu_kernels.native_matmul_params(
+            config, self.params, enabled=native_ok)
+        self.native_matmuls, self.native_head = self.linear is not None, self.tied_head is not None
         step = functools.partial(_step, graphdef, attention, self.tied_head, self.linear)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
@@ -158,7 +117,7 @@ class Runner:
                                            jax.tree.map(lambda _: kv_sharding, self.kv))
         self._step = jax.jit(step, **jit_kwargs)
         # Some CPU step shapes compile with XLA's Eigen dots instead of YNNPACK's (step_fn).
-        self._step_eigen = jax.jit(step, compiler_options=EIGEN_DOTS, **jit_kwargs)
+        self._step_eigen = jax.jit(step, compiler_options=cpu_kernels.EIGEN_DOTS, **jit_kwargs)
         self._seen: set[tuple] = set()
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
@@ -296,11 +255,11 @@ class Runner:
         """The jitted step for a (global batch, tokens) shape (see EIGEN_DECODE_BATCHES)."""
         rows = batch // self.dp
         if self.native_matmuls:
-            return self._step  # no XLA dot is left to pick a library for (NATIVE_MATMULS_NOTE)
+            return self._step  # no XLA dot is left to pick a library for (cpu_kernels)
         if tokens == 1:
-            eigen = self.native_attention and rows in EIGEN_DECODE_BATCHES
+            eigen = self.native_attention and rows in cpu_kernels.EIGEN_DECODE_BATCHES
         else:
-            eigen = self.backend in ("cpu", "cpu_pallas") and rows in EIGEN_PREFILL_BATCHES
+            eigen = self.backend in ("cpu", "cpu_pallas") and rows in cpu_kernels.EIGEN_PREFILL_BATCHES
         return self._step_eigen if eigen else self._step
 
     def _compiled_count(self) -> int | None:
@@ -436,19 +395,6 @@ def _broadcast(header, tree=None):
     if header is not None:  # process 0: first the header, then the inputs
         multihost_utils.broadcast_one_to_all(header)
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
-
-
-def native_tied_head(x: jax.Array, embed: jax.Array, *, vocab: int) -> jax.Array:
-    """The tied LM head on the native CPU kernel: the embedding packed as `pack(embed.T)`."""
-    return native_matmul.matmul_packed(x, embed, vocab)
-
-
-def native_linear(x: jax.Array, w: jax.Array, out_features: int) -> jax.Array:
-    """A layer matmul over a packed weight (`pallas_kernels.matmul.native.pack`) on the native
-    CPU kernel; a plain [in, out] weight stays an XLA dot."""
-    if w.ndim == 3:
-        return native_matmul.matmul_packed(x, w, out_features)
-    return x @ w
 
 
 def _step(graphdef, attention, tied_head, linear, params, kv, tokens, positions, meta, last, sampling,

@@ -4,14 +4,14 @@ One runner over the real model (default SmolLM2-135M); every row of a step has `
 tokens and feeds `tokens` new ones (1: decode; more: a prefill chunk). Each variant is the same
 step compiled with:
   - attention: "cpu" (the native kernel) or "cpu_pallas" (Pallas interpret mode);
-  - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `runner.EIGEN_DOTS`);
+  - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `cpu_kernels.EIGEN_DOTS`);
   - the layer matmuls and the tied LM head: the native kernel over packed weights on "native"
     (the runner's default on CPU, where no dot library is then left to choose), XLA's dots over
     unpacked weights otherwise ("cpu/..." keep the native attention kernel).
 Variants take turns call by call (a busy machine slows them alike). The floor is the runner's
 own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (DESIGN §6:
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
-batches in `runner.EIGEN_DECODE_BATCHES` and `EIGEN_PREFILL_BATCHES`; this script measures them.
+batches in `cpu_kernels.EIGEN_DECODE_BATCHES` and `EIGEN_PREFILL_BATCHES`; this script measures them.
 
     python scripts/bench_decode_step.py [--batch 1 2 4 8 16 32] [--context 256 1024] [--out step.json]
     python scripts/bench_decode_step.py --batch 1 2 --context 0 --tokens 16 128 512
@@ -40,7 +40,8 @@ from jserve.model import model_graphdef  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
 from jserve import buckets  # noqa: E402
 from jserve.model.llama import LAYER_MATMULS  # noqa: E402
-from jserve.runner import EIGEN_DOTS, GREEDY, PREFILL_BATCH_BUCKETS, _step, native_linear  # noqa: E402
+from jserve.cpu_kernels import EIGEN_DOTS, native_linear  # noqa: E402
+from jserve.runner import GREEDY, PREFILL_BATCH_BUCKETS, _step  # noqa: E402
 from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
 from pallas_kernels.matmul import native as native_matmul  # noqa: E402
 

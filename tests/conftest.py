@@ -97,3 +97,15 @@ def smollm2_llm(smollm2_checkpoint):
     from jserve import LLM
 
     return LLM(str(smollm2_checkpoint), max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+
+
+def run_python(code: str, kernel_cache, **env):
+    """Run `code` in a fresh Python with its own native-kernel cache (and `env` on top); fails the
+    test with the child's stderr if it exits non-zero."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JSERVE_KERNEL_CACHE=str(kernel_cache), **env))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

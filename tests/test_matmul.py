@@ -3,15 +3,12 @@ embedding's lookup."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_python
 from pallas_kernels.matmul import native
 
 
@@ -58,9 +55,6 @@ def test_without_a_compiler_it_says_why_once(tmp_path):
     code = ("from pallas_kernels.matmul import native\n"
             "assert not native.available() and not native.available()\n"
             "print('REASON', native.unavailable_reason())\n")
-    env = dict(os.environ, CXX="/bin/false", JSERVE_KERNEL_CACHE=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(code, tmp_path, CXX="/bin/false")
     assert "REASON RuntimeError: /bin/false" in done.stdout
     assert done.stderr.count("native CPU matmul unavailable, using XLA's dot") == 1

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -13,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention import (native, ops, paged_attention,
+from conftest import run_python
+from pallas_kernels.paged_attention import (native, paged_attention,
                                             paged_attention_reference, paged_prefill_attention)
 
 # "cpu" decodes with the native kernel (native.py), "cpu_pallas" with the Pallas interpret one.
@@ -256,9 +253,7 @@ def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
             "from pallas_kernels.paged_attention import native\n"
             "assert native.available(), native.unavailable_reason()\n"
             "assert sys.float_info.min / 2 > 0, 'flush-to-zero is on'\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, JSERVE_KERNEL_CACHE=str(tmp_path)))
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_python(code, tmp_path)
 
 
 def test_without_a_compiler_the_cpu_backend_falls_back_to_pallas(tmp_path):
@@ -271,10 +266,7 @@ def test_without_a_compiler_the_cpu_backend_falls_back_to_pallas(tmp_path):
         "assert np.allclose(out[0], 1.0) and not np.asarray(out[1]).any()\n"
         "assert not native.available()\n"
         "print('REASON', native.unavailable_reason())\n")
-    env = dict(os.environ, CXX="/bin/false", JSERVE_KERNEL_CACHE=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(code, tmp_path, CXX="/bin/false")
     assert "REASON RuntimeError: /bin/false" in done.stdout
     assert done.stderr.count("native CPU attention kernel unavailable") == 1  # once, in the log
 

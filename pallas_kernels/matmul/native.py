@@ -2,7 +2,7 @@
 
 `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
 [N / 24, K, 24] panels: the paged runner's layer matmuls and tied LM head on CPU (see
-`jserve.runner.NATIVE_MATMULS_NOTE`). Without a compiler `available()` is False and the runner
+`jserve.cpu_kernels`). Without a compiler `available()` is False and the runner
 keeps XLA's dots and unpacked weights.
 """
 

@@ -1,0 +1,75 @@
+"""Which CPU kernels a paged step runs: XLA's dot library per step shape, or the native matmuls
+over weights packed once at load (`pallas_kernels.matmul`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jserve.config import ModelConfig
+from jserve.model.llama import LAYER_MATMULS
+from pallas_kernels.matmul import native as native_matmul
+
+# Without the native matmuls (no compiler, non-float32 weights, `native_matmuls=False`):
+# XLA:CPU sends dots to YNNPACK by default; some CPU steps run faster with its Eigen dots
+# (SmolLM2, 2-core AMD EPYC with AVX2, each pair interleaved in one process with
+# scripts/bench_decode_step.py or an uncommitted harness of the same kind; medians in ms, YNNPACK
+# vs Eigen):
+# - decode with the native attention kernel and the XLA head: batch 8 72 vs 66, batch 16 100 vs
+#   85 (256 context), 135 vs 117 (1024); batch 1 35 vs 36 and batch 32 180 vs 187 (no gain);
+#   batch 2 and 4 51 vs 141 and 64 vs 163: a logits dot over 2-4 rows takes ~120 ms in Eigen,
+#   11-13 ms in YNNPACK.
+# - prefill of one row: 16 tokens 84 vs 55, 64 tokens 196 vs 184, 256 tokens 553 vs 525, 512
+#   tokens 1382 vs 1238 (128: 279 vs 292, noise); several rows hit the logits dot above.
+EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+EIGEN_DECODE_BATCHES = (8, 16)
+EIGEN_PREFILL_BATCHES = (1,)
+#
+# With the native CPU kernels the layer weights (and a tied embedding, transposed) are held packed
+# as [N / 24, K, 24] panels and every layer matmul and the LM head, decode and prefill alike, run
+# on pallas_kernels.matmul's packed kernel (XLA's dots cannot read that layout, and a second,
+# natural copy would double the weights' memory). 30 SmolLM2 layers
+# at M rows, ms, packed / YNNPACK / Eigen (interleaved, an uncommitted harness): M=1 16.7 / 19.8 /
+# 19.3, 8 17.4 / 39.9 / 29.0, 16 31.3 / 54.8 / 35.5, 64 110 / 126 / 124; at M=512 (long prefill
+# chunks) it loses ~10 %: 823 / 712 / 759.
+# The tied LM head on the native CPU kernel, over the embedding packed like the layer weights
+# (its transpose; the embedding lookup reads the panels, llama.embed_rows): SmolLM2's 49152 x 576
+# head at 1 / 4 / 16 / 32 rows, ms, packed vs XLA's dot (YNNPACK), interleaved on a quiet machine
+# (an uncommitted harness): 4.1 / 4.5 / 6.0 / 10.7 vs 4.8 / 7.7 / 11.8 / 17.4.
+
+
+def native_matmul_params(config: ModelConfig, params: dict[str, Any], *, enabled: bool
+                         ) -> tuple[dict[str, Any], Callable | None, Callable | None]:
+    """`(params, linear, tied_head)` for a runner: with `enabled` and the kernel built, float32 layer
+    weights and a float32 tied embedding (transposed) packed once into the kernel's panels, and
+    the model hooks that read them (None where a weight stays plain, for XLA's dots). Whoever
+    merges the returned params into the model must pass the hooks."""
+    enabled = enabled and native_matmul.available()
+    layers = params["layers"]
+    packed_layers = enabled and all(
+        layer[name].dtype == jnp.float32 for layer in layers.values() for name in LAYER_MATMULS)
+    packed_head = enabled and config.tie_word_embeddings and params["embed"].dtype == jnp.float32
+    if packed_layers:
+        params = {**params, "layers": {
+            i: {name: native_matmul.pack(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
+            for i, layer in layers.items()}}
+    if packed_head:
+        params = {**params, "embed": native_matmul.pack(params["embed"].T)}
+    return (params, native_linear if packed_layers else None,
+            functools.partial(native_tied_head, vocab=config.vocab_size) if packed_head else None)
+
+
+def native_tied_head(x: jax.Array, embed: jax.Array, *, vocab: int) -> jax.Array:
+    """The tied LM head on the native CPU kernel: the embedding packed as `pack(embed.T)`."""
+    return native_matmul.matmul_packed(x, embed, vocab)
+
+
+def native_linear(x: jax.Array, w: jax.Array, out_features: int) -> jax.Array:
+    """A layer matmul over a packed weight (`pallas_kernels.matmul.native.pack`) on the native
+    CPU kernel; a plain [in, out] weight stays an XLA dot."""
+    if w.ndim == 3:
+        return native_matmul.matmul_packed(x, w, out_features)
+    return x @ w
