@@ -232,6 +232,25 @@ def test_native_decode_other_head_dims_and_groups(head_dim, groups):
                           sm_scale=0.2, soft_cap=5.0), want, jnp.float32)
 
 
+@pytest.mark.parametrize("dtype,sliding_window,soft_cap", [
+    (jnp.float32, None, None), (jnp.bfloat16, None, 4.0), (jnp.float32, 700, None)])
+def test_native_decode_splits_long_rows(dtype, sliding_window, soft_cap):
+    # Few rows x KV heads with long contexts split their keys over tasks (4 per pool thread, at
+    # least 256 keys each) and merge the parts: one row of 1500 keys splits on any machine. The
+    # other row is short (one part) and the third padded (zeros).
+    rng = np.random.default_rng(5)
+    lengths = np.array([1500, 40, 0], np.int32)
+    k, v, k_pages, v_pages, table = make_cache(rng, lengths, page_size=32, head_dim=64, dtype=dtype,
+                                               max_pages=48)
+    q = jnp.asarray(rng.standard_normal((3, 3 * NUM_KV_HEADS, 64)), dtype)
+    kw = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+    want = dense_attention(q[:, None], k, v, np.maximum(lengths - 1, 0), np.minimum(lengths, 1),
+                           **kw)[:, 0]
+    out = paged_attention(q, k_pages, v_pages, jnp.asarray(lengths), table, backend="cpu", **kw)
+    check(out, want, dtype)
+    assert not np.asarray(out[2].astype(jnp.float32)).any()
+
+
 def test_native_kernel_stays_inside_the_table_and_the_pool():
     # Out-of-contract inputs (a length past the table, page ids outside the pool) must not make
     # the C++ kernel read out of bounds: it stops at the table's end and reads page 0 instead.

@@ -3,7 +3,16 @@
 // Why: in Pallas interpret mode every op of the kernel becomes an XLA:CPU op; the page gathers,
 // small batched dots and reductions ran at 5-10 GB/s and dominated the decode step at realistic
 // contexts. This kernel reads each live K/V row once, straight from the pool, with an online
-// softmax, and splits the (row, KV head) pairs over XLA's intra-op thread pool.
+// softmax, and splits (row, KV head) pairs over XLA's intra-op thread pool: decode (Decode, rows
+// with long contexts split further), prefill chunks in tiles (AttendTile), other head sizes one
+// token at a time (AttendOne).
+//
+// Decode reads K/V from wherever the page table points, so it runs at the machine's bandwidth
+// for scattered chunks of page_size * head_dim floats, not its streaming bandwidth: 16 rows x
+// 365 cached tokens x 30 layers, pages scattered over a pool twice the size, ~10 GB/s with
+// 4 KB pages (16 tokens), ~13 GB/s with 16 KB pages (64 tokens); a plain read of random 4 KB
+// chunks reaches 9-13 GB/s on this machine, of 16 KB chunks 20 GB/s, of a contiguous buffer
+// 18-23 GB/s. Hence the CPU engine's page size of 64 and huge pages for the pool (runner.py).
 //
 // Layouts (DESIGN §4; the same contract as the Pallas kernels):
 //   q        f32 [batch, num_kv_heads, tokens * groups, head_dim]   queries packed per KV head:
@@ -61,15 +70,14 @@ struct Shape {
 
 constexpr int64_t kTokensPerTask = 32;  // a prefill row's chunk is split into tasks this long
 
-// One (row, KV head, token): the token's `groups` queries against its keys, page by page.
-// HD > 0 fixes head_dim at compile time so the inner loops vectorize; HD == 0 is generic.
-template <typename T, int HD>
+// One (row, KV head, token): the token's `groups` queries against its keys, page by page, for
+// head sizes that are not a multiple of 8 (Decode and AttendTile take the others).
+template <typename T>
 void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float* q,
                const T* k_pages, const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
                const int32_t* page_indices, float* out, float sm_scale, float soft_cap,
                int32_t window) {
-  const int64_t D = HD > 0 ? HD : s.head_dim;
-  const int64_t G = s.groups, P = s.page_size;
+  const int64_t D = s.head_dim, G = s.groups, P = s.page_size;
   const int64_t first_row = ((b * s.kv_heads + k) * s.tokens + token) * G;
   const float* qb = q + first_row * D;
   float* ob = out + first_row * D;
@@ -106,9 +114,7 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
     const T* vp = v_head + (page * P + off) * D;
     if (t0 + n < end) {
       // The next block's rows live on another page, somewhere else in the pool: start fetching
-      // them now, the hardware prefetcher only follows this page. 30 SmolLM2 layers, interleaved:
-      // 16 rows x 365 cached 13.5-14.7 -> 13.0-13.9 ms, x 1024 49-68 -> 45-59 ms; but one row x
-      // 4096 cached (3 tasks) 8.0-8.6 -> 8.6-9.7 ms.
+      // them now, the hardware prefetcher only follows this page.
       const int64_t t1 = t0 + n;
       int64_t next = table[t1 / P];
       if (next < 0 || next >= s.num_pages) next = 0;
@@ -211,10 +217,11 @@ inline void ScoresRows(const float* const* krow, const float* qt, float* st, int
   }
 }
 
-// acc[r] = acc[r] * alpha[r] + sum_j Pt[j][r] * vrow[j] for NR rows from r, 32 dims at a time.
+// acc[r] = acc[r] * alpha[r] + sum_j P(j, r) * vrow[j] for NR rows from r, 32 dims at a time;
+// P(j, r) = pt[j * js + r * rs] (tiles hold St [keys][rows], decode P [rows][keys]).
 template <int NR>
-inline void Accumulate(const float* pt, const float* alpha, const float* const* vrow, float* acc,
-                       int64_t n, int64_t D, int64_t r) {
+inline void Accumulate(const float* pt, int64_t js, int64_t rs, const float* alpha,
+                       const float* const* vrow, float* acc, int64_t n, int64_t D, int64_t r) {
   int64_t dc = 0;
   for (; dc + 32 <= D; dc += 32) {
     v8 a[NR][4];
@@ -225,7 +232,7 @@ inline void Accumulate(const float* pt, const float* alpha, const float* const* 
     for (int64_t j = 0; j < n; ++j) {
       const float* vj = vrow[j] + dc;
       for (int i = 0; i < NR; ++i) {
-        const v8 p = Splat(pt[j * kTileRows + r + i]);
+        const v8 p = Splat(pt[j * js + (r + i) * rs]);
         for (int v = 0; v < 4; ++v) a[i][v] += p * Ld(vj + 8 * v);
       }
     }
@@ -237,9 +244,57 @@ inline void Accumulate(const float* pt, const float* alpha, const float* const* 
     for (int i = 0; i < NR; ++i) a[i] = Ld(acc + (r + i) * D + dc) * Splat(alpha[r + i]);
     for (int64_t j = 0; j < n; ++j) {
       const v8 v0 = Ld(vrow[j] + dc);
-      for (int i = 0; i < NR; ++i) a[i] += Splat(pt[j * kTileRows + r + i]) * v0;
+      for (int i = 0; i < NR; ++i) a[i] += Splat(pt[j * js + (r + i) * rs]) * v0;
     }
     for (int i = 0; i < NR; ++i) St(acc + (r + i) * D + dc, a[i]);
+  }
+}
+
+// Pointers to the K and V rows of keys j0 .. j0 + n - 1 (n <= kKeyBlock) of one KV head: into
+// the pages for f32, widened into `wide` (2 * kKeyBlock rows of D) for bf16. A page id outside
+// the pool reads page 0.
+template <typename T>
+inline void GatherRows(const T* k_head, const T* v_head, const int32_t* table, int64_t num_pages,
+                       int64_t P, int64_t D, int64_t j0, int64_t n, float* wide,
+                       const float** krow, const float** vrow) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t key = j0 + j;
+    int64_t page = table[key / P];
+    if (page < 0 || page >= num_pages) page = 0;
+    const T* kp = k_head + (page * P + key % P) * D;
+    const T* vp = v_head + (page * P + key % P) * D;
+    if constexpr (std::is_same<T, float>::value) {
+      krow[j] = kp;
+      vrow[j] = vp;
+    } else {
+      float* kw = wide + j * D;
+      float* vw = wide + (kKeyBlock + j) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kw[d] = Load(kp, static_cast<int>(d));
+        vw[d] = Load(vp, static_cast<int>(d));
+      }
+      krow[j] = kw;
+      vrow[j] = vw;
+    }
+  }
+}
+
+// Starts fetching the K and V rows of keys j0 .. j1 - 1: they sit on other pages, somewhere
+// else in the pool, and the hardware prefetcher only follows the current one.
+template <typename T>
+inline void PrefetchRows(const T* k_head, const T* v_head, const int32_t* table,
+                         int64_t num_pages, int64_t P, int64_t D, int64_t j0, int64_t j1) {
+  for (int64_t key = j0; key < j1;) {
+    int64_t page = table[key / P];
+    if (page < 0 || page >= num_pages) page = 0;
+    const int64_t n = std::min(P - key % P, j1 - key);
+    const char* kp = reinterpret_cast<const char*>(k_head + (page * P + key % P) * D);
+    const char* vp = reinterpret_cast<const char*>(v_head + (page * P + key % P) * D);
+    for (int64_t i = 0; i < n * D * static_cast<int64_t>(sizeof(T)); i += 64) {
+      __builtin_prefetch(kp + i);
+      __builtin_prefetch(vp + i);
+    }
+    key += n;
   }
 }
 
@@ -289,26 +344,7 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
   const float* vrow[kKeyBlock];
   for (int64_t j0 = begin; j0 < end; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - j0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t key = j0 + j;
-      int64_t page = table[key / P];
-      if (page < 0 || page >= s.num_pages) page = 0;
-      const T* kp = k_head + (page * P + key % P) * D;
-      const T* vp = v_head + (page * P + key % P) * D;
-      if constexpr (std::is_same<T, float>::value) {
-        krow[j] = kp;
-        vrow[j] = vp;
-      } else {
-        float* kw = wide + j * D;
-        float* vw = wide + (kKeyBlock + j) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          kw[d] = Load(kp, static_cast<int>(d));
-          vw[d] = Load(vp, static_cast<int>(d));
-        }
-        krow[j] = kw;
-        vrow[j] = vw;
-      }
-    }
+    GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide, krow, vrow);
     int64_t jp = 0;
     for (; jp + 3 <= n; jp += 3) ScoresRows<3>(krow + jp, qt, st + jp * kTileRows, D, rows8);
     if (n - jp == 2) ScoresRows<2>(krow + jp, qt, st + jp * kTileRows, D, rows8);
@@ -353,9 +389,9 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
       St(m + r, m_new);
     }
     int64_t rp = 0;
-    for (; rp + 3 <= R; rp += 3) Accumulate<3>(st, alpha, vrow, acc, n, D, rp);
-    if (R - rp == 2) Accumulate<2>(st, alpha, vrow, acc, n, D, rp);
-    if (R - rp == 1) Accumulate<1>(st, alpha, vrow, acc, n, D, rp);
+    for (; rp + 3 <= R; rp += 3) Accumulate<3>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
+    if (R - rp == 2) Accumulate<2>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
+    if (R - rp == 1) Accumulate<1>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
   }
   for (int64_t r = 0; r < R; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -389,6 +425,180 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
   }
   run();
   while (state->active.load() > 0) std::this_thread::yield();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: one token's `groups` queries (one KV head) against blocks of up to kKeyBlock keys
+// gathered across pages. Scores come 8 keys at a time from 8 independent dot products summed by
+// a transposition (no horizontal sum per key); the softmax runs over the block in 8-wide
+// vectors; V accumulates for 3 queries x 32 dims in registers (Accumulate). Each K and V row
+// comes from memory once per token and from L1 once per query head. Needs head_dim % 8 == 0.
+
+// Lane j = the sum of a[j]'s lanes: two rounds of pairwise adds, then the two halves.
+inline v8 SumLanes8(const v8* a) {
+  auto hadd = [](v8 x, v8 y) {
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+  };
+  const v8 lo = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));
+  const v8 hi = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// Lane j = q . krow[j] for 8 keys.
+template <int HD>
+inline v8 Dots8(const float* const* krow, const float* q, int64_t head_dim) {
+  const int64_t D = HD > 0 ? HD : head_dim;
+  v8 a[8] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    const v8 qv = Ld(q + d);
+    for (int j = 0; j < 8; ++j) a[j] += qv * Ld(krow[j] + d);
+  }
+  return SumLanes8(a);
+}
+
+// Keys begin .. end - 1 of row `table`'s KV head k for one token's G queries (qs [G][D], scaled
+// by sm_scale): leaves the running max m[g], sum l[g] and unnormalised acc[g][D].
+template <typename T, int HD>
+void DecodeRange(const Shape& s, int64_t k, const int32_t* table, int64_t begin, int64_t end,
+                 const float* qs, const T* k_pages, const T* v_pages, float soft_cap, float* m,
+                 float* l, float* acc) {
+  const int64_t D = s.head_dim, G = s.groups, P = s.page_size;
+  const T* k_head = k_pages + k * s.num_pages * P * D;
+  const T* v_head = v_pages + k * s.num_pages * P * D;
+  alignas(64) float p[kMaxGroups * kKeyBlock];  // P [query][key] of the block
+  float alpha[kMaxGroups];
+  const float* krow[kKeyBlock + 8];  // + padding lanes of the last 8 keys
+  const float* vrow[kKeyBlock];
+  thread_local std::vector<float> wide;
+  if (!std::is_same<T, float>::value) wide.resize(2 * kKeyBlock * D);
+  std::fill(m, m + G, kMinScore);
+  std::fill(l, l + G, 0.0f);
+  std::fill(acc, acc + G * D, 0.0f);
+  for (int64_t j0 = begin; j0 < end; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, end - j0), n8 = (n + 7) / 8 * 8;
+    GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide.data(), krow, vrow);
+    PrefetchRows(k_head, v_head, table, s.num_pages, P, D, j0 + n,
+                 std::min(end, j0 + n + kKeyBlock));
+    for (int64_t j = n; j < n8; ++j) krow[j] = krow[n - 1];  // scored, then masked
+    for (int64_t g = 0; g < G; ++g) {
+      float* pg = p + g * kKeyBlock;
+      for (int64_t j = 0; j < n; j += 8) St(pg + j, Dots8<HD>(krow + j, qs + g * D, D));
+      if (soft_cap > 0.0f) {
+        for (int64_t j = 0; j < n; ++j) pg[j] = soft_cap * std::tanh(pg[j] / soft_cap);
+      }
+      std::fill(pg + n, pg + n8, kMinScore);
+      v8 mv = Splat(kMinScore);
+      for (int64_t j = 0; j < n8; j += 8) mv = Max(mv, Ld(pg + j));
+      float block_max = mv[0];
+      for (int i = 1; i < 8; ++i) block_max = std::max(block_max, mv[i]);
+      const float m_new = std::max(m[g], block_max);
+      alpha[g] = std::exp(m[g] - m_new);  // 0 on the first block (m = kMinScore)
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n8; ++j) {
+        pg[j] = std::exp(pg[j] - m_new);
+        sum += pg[j];
+      }
+      l[g] = alpha[g] * l[g] + sum;
+      m[g] = m_new;
+    }
+    int64_t g = 0;
+    for (; g + 3 <= G; g += 3) Accumulate<3>(p, 1, kKeyBlock, alpha, vrow, acc, n, D, g);
+    if (G - g == 2) Accumulate<2>(p, 1, kKeyBlock, alpha, vrow, acc, n, D, g);
+    if (G - g == 1) Accumulate<1>(p, 1, kKeyBlock, alpha, vrow, acc, n, D, g);
+  }
+}
+
+// Keys per part when a decode row's keys are split over tasks (flash-decoding): at least this
+// many, so the parts' merge stays small next to the reading.
+constexpr int64_t kMinSplitKeys = 256;
+
+// Decode for the whole batch: tasks are (row, KV head, part of the keys). Rows x heads fewer
+// than 4 per thread split their keys into parts, each a DecodeRange of its own, merged after.
+template <typename T>
+void Decode(ffi::ThreadPool& pool, const Shape& s, const float* q, const T* k_pages,
+            const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
+            const int32_t* page_indices, float* out, float sm_scale, float soft_cap,
+            int32_t window) {
+  const int64_t D = s.head_dim, G = s.groups, pairs = s.batch * s.kv_heads;
+  // Key range of row b: never past the page table (see AttendOne); empty for padded rows.
+  auto range = [&s, q_start, q_lens, window](int64_t b) {
+    const int64_t pos = q_start[b];
+    const int64_t end = q_lens[b] < 1 ? 0 : std::min<int64_t>(pos + 1, s.max_pages * s.page_size);
+    const int64_t begin = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    return std::make_pair(begin, std::max(begin, end));
+  };
+  int64_t longest = 0;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const auto [begin, end] = range(b);
+    longest = std::max(longest, end - begin);
+  }
+  const int64_t want = 4 * static_cast<int64_t>(pool.num_threads());
+  const int64_t splits =
+      pairs >= want ? 1 : std::max<int64_t>(1, std::min((want + pairs - 1) / pairs, longest / kMinSplitKeys));
+  // Part results, [pair][part] x (m[G], l[G], acc[G][D]); unused with one part.
+  const int64_t stride = G * (D + 2);
+  std::vector<float> parts(splits > 1 ? pairs * splits * stride : 0);
+  auto task = [&](int64_t i) {
+    const int64_t part = i % splits, pair = i / splits, b = pair / s.kv_heads, k = pair % s.kv_heads;
+    alignas(64) float qs[kMaxGroups * kMaxHeadDim];
+    const float* qb = q + pair * G * D;
+    for (int64_t x = 0; x < G * D; ++x) qs[x] = qb[x] * sm_scale;
+    auto [begin, end] = range(b);
+    const int64_t chunk = ((end - begin + splits - 1) / splits + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    begin = std::min(end, begin + part * chunk);
+    end = std::min(end, begin + chunk);
+    alignas(64) float acc_local[kMaxGroups * kMaxHeadDim];
+    float m_local[kMaxGroups], l_local[kMaxGroups];
+    float *m = m_local, *l = l_local, *acc = acc_local;
+    if (splits > 1) {
+      m = parts.data() + i * stride;
+      l = m + G;
+      acc = l + G;
+    }
+    const int32_t* table = page_indices + b * s.max_pages;
+    if (D == 64) {
+      DecodeRange<T, 64>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc);
+    } else if (D == 128) {
+      DecodeRange<T, 128>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc);
+    } else {
+      DecodeRange<T, 0>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc);
+    }
+    if (splits == 1) {
+      float* ob = out + pair * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) ob[g * D + d] = acc[g * D + d] * inv;
+      }
+    }
+  };
+  ParallelFor(pool, pairs * splits, task);
+  if (splits == 1) return;
+  for (int64_t pair = 0; pair < pairs; ++pair) {  // merge the parts
+    const float* first = parts.data() + pair * splits * stride;
+    float* ob = out + pair * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float m_max = kMinScore, l_sum = 0.0f;
+      for (int64_t part = 0; part < splits; ++part) {
+        const float* pp = first + part * stride;
+        if (pp[G + g] > 0.0f) m_max = std::max(m_max, pp[g]);
+      }
+      float* og = ob + g * D;
+      std::fill(og, og + D, 0.0f);
+      for (int64_t part = 0; part < splits; ++part) {
+        const float* pp = first + part * stride;
+        if (pp[G + g] <= 0.0f) continue;
+        const float w = std::exp(pp[g] - m_max);
+        l_sum += w * pp[G + g];
+        const float* ag = pp + 2 * G + g * D;
+        for (int64_t d = 0; d < D; ++d) og[d] += w * ag[d];
+      }
+      const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
+      for (int64_t d = 0; d < D; ++d) og[d] *= inv;
+    }
+  }
 }
 
 template <typename T>
@@ -429,7 +639,11 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
     ParallelFor(pool, s.batch * s.kv_heads * tiles, tile_task);
     return ffi::Error::Success();
   }
-  // Decode (and head sizes the tiles do not take): tasks are (row, KV head, run of
+  if (s.tokens == 1 && s.head_dim % 8 == 0) {
+    Decode<T>(pool, s, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
+    return ffi::Error::Success();
+  }
+  // Head sizes the tiles do not take: tasks are (row, KV head, run of
   // kTokensPerTask tokens), each token walking its keys alone.
   const int64_t runs = (s.tokens + kTokensPerTask - 1) / kTokensPerTask;
   auto task = [=](int64_t i) {
@@ -437,13 +651,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
     const int64_t b = bk / s.kv_heads, k = bk % s.kv_heads;
     const int64_t stop = std::min(s.tokens, (run + 1) * kTokensPerTask);
     for (int64_t t = run * kTokensPerTask; t < stop; ++t) {
-      if (s.head_dim == 64) {
-        AttendOne<T, 64>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
-      } else if (s.head_dim == 128) {
-        AttendOne<T, 128>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
-      } else {
-        AttendOne<T, 0>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
-      }
+      AttendOne<T>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
     }
   };
   ParallelFor(pool, s.batch * s.kv_heads * runs, task);
