@@ -123,7 +123,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (default: 64 on the CPU backend, else 16)")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
     g.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="explicit KV budget, e.g. 1GiB")
     g.add_argument("--memory-fraction", type=float, default=0.9, help="of accelerator memory for the engine")

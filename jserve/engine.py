@@ -33,7 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
-    page_size: int = 16
+    page_size: int | None = None  # None: kv_cache.default_page_size(backend), 64 on CPU, else 16
     num_pages: int | None = None  # None: from kv_cache_bytes / memory_fraction
     kv_cache_bytes: int | None = None  # explicit KV budget per device (the default on CPU: 512 MiB)
     memory_fraction: float = 0.9  # of accelerator memory, when neither of the above is given
@@ -300,8 +300,9 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     """Size the page pool, build the runner (warming it up if asked) and the engine."""
     from jserve import buckets
     from jserve.dense_runner import DenseRunner
-    from jserve.kv_cache import device_memory_bytes, plan_memory
+    from jserve.kv_cache import default_page_size, device_memory_bytes, plan_memory
     from jserve.model import model_params
+    from jserve.model.paged_attention import default_backend
 
     mesh, dp, plan_config = None, 1, model_config
     if config.mesh is not None:
@@ -312,6 +313,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
     config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
     kv_dtype = params["embed"].dtype
+    page_size = config.page_size if config.page_size is not None else default_page_size(
+        config.backend or default_backend())
     num_pages = config.num_pages
     if num_pages is None:
         device = None if config.kv_cache_bytes is not None else device_memory_bytes()
@@ -321,7 +324,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
             params_per_device(model_config, tp) * kv_dtype.itemsize)
         # The budget (explicit, or the device's memory) is per device; each dp group has its own.
         plan = plan_memory(plan_config, weight_dtype_bytes=kv_dtype.itemsize, kv_dtype=kv_dtype.name,
-                           page_size=config.page_size, context=config.max_model_len, device_bytes=device,
+                           page_size=page_size, context=config.max_model_len, device_bytes=device,
                            memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
                            max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
         num_pages = plan.num_pages * dp
@@ -333,7 +336,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         per_layer = model_params(model_config, params)  # split once, shared by both runners
     seqs = config.max_num_seqs // dp
     batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < seqs] + [seqs]
-    runner = Runner(model_config, per_layer, num_pages=num_pages, page_size=config.page_size,
+    runner = Runner(model_config, per_layer, num_pages=num_pages, page_size=page_size,
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=config.backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
                     mesh=mesh)

@@ -48,7 +48,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, seed: int = 0, num_pages: int | None = None,
-                 page_size: int = 16, kv_cache_bytes: int | None = None, memory_fraction: float = 0.9,
+                 page_size: int | None = None, kv_cache_bytes: int | None = None, memory_fraction: float = 0.9,
                  backend: str | None = None, warmup: bool = True, shardings: Any = None,
                  mesh: Any = None, compilation_cache: str | os.PathLike | bool | None = None):
         from jserve.checkpoint import load_checkpoint, resolve_model

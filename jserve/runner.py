@@ -26,6 +26,7 @@ from flax import nnx
 
 from jserve import buckets, cpu_kernels
 from jserve.config import ModelConfig
+from jserve.huge_pages import advise as huge_pages_advise
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
@@ -59,12 +60,14 @@ class Runner:
                  page_size: int = 16, max_model_len: int, kv_dtype: Any = None, backend: str | None = None,
                  batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
-                 max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True):
+                 max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
+                 huge_pages: bool = True):
         """With a ('dp', 'tp') `mesh`, `params` must already be laid out and placed for it
         (`jserve.sharding.place_params`); buckets, `max_num_batched_tokens` and page ids are then
         per data-parallel group, and `num_pages` counts all groups' pages. `native_matmuls=False`
         keeps the layer matmuls and the LM head on XLA's dots even where the native CPU kernels
-        would run them (tests and benchmarks compare the two)."""
+        would run them (tests and benchmarks compare the two). `huge_pages` backs the weights and KV
+        pages of a CPU runner with transparent huge pages where the OS allows (`jserve.huge_pages`)."""
         self.config = config
         self.mesh = mesh
         self.dp = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape))["dp"]
@@ -108,6 +111,7 @@ class Runner:
         self.params, self.linear, self.tied_head = cpu_kernels.native_matmul_params(
             config, self.params, enabled=native_ok)
         self.native_matmuls, self.native_head = self.linear is not None, self.tied_head is not None
+        self.huge_page_bytes = huge_pages_advise((self.params, self.kv)) if huge_pages else 0
         step = functools.partial(_step, graphdef, attention, self.tied_head, self.linear)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:

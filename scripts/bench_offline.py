@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-jserve", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=None, help="jserve's KV page size (default: the engine's)")
     p.add_argument("--out", default=None, help="write all results to this JSON file")
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (32 if args.quick else 256)
@@ -193,8 +194,9 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
 
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
+    knobs = {} if args.page_size is None else {"page_size": args.page_size}
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=max_model_len, warmup=True)
+              max_model_len=max_model_len, warmup=True, **knobs)
     init_seconds = time.perf_counter() - t0
     runner = llm.runner
     out = llm.generate([golden["prompt_ids"]],

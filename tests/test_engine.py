@@ -167,3 +167,15 @@ def test_penalties_reach_the_sampler_through_the_engine(tiny):
     prompts, params = workload(n=6, seed=5)
     assert run(engine, prompts + [prompt], params + [strong])[-1] == penalised
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("backend,given,want", [("cpu", None, 64), ("cpu_pallas", None, 16), ("cpu", 8, 8)])
+def test_page_size_defaults_to_64_on_the_native_cpu_kernel(tiny, backend, given, want):
+    # Scattered 16 KiB chunks read at twice the bandwidth of 4 KiB ones (kv_cache.default_page_size).
+    engine = make_engine(tiny, backend=backend, page_size=given, warmup=False, num_pages=None,
+                         kv_cache_bytes=1 << 20)
+    assert engine.runner.page_size == want
+    assert engine.page_tables[0].page_size == want
+    prompt = list(range(3, 100))  # more than one 64-token page
+    assert run(engine, [prompt], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])[0]
+    assert_clean(engine)

@@ -205,10 +205,10 @@ def test_step_hlo_has_the_collectives_and_no_weight_gather():
     mesh = make_mesh("tp=4")
     cfg, per_layer = place_params(TINY, _stacked(TINY), mesh)
     engine = build_engine(TINY, _stacked(TINY), _Tok(), [],
-                          EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                          EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
                                        kv_cache_bytes=1 << 20, warmup=False, mesh="tp=4"))
     runner = engine.runner
-    rows = [(0, [1], [1, 2])] * 4
+    rows = [(0, [1], [1, 2])] * 4  # two 16-token pages
     arrays = runner._pack(rows, 4, 1)
     from jserve.runner import GREEDY
     from jserve.sampler import SamplingArrays, penalty_history

@@ -1,0 +1,55 @@
+"""Huge pages under the CPU runner's weights and KV pages: asked for, granted, contents kept."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jserve import huge_pages
+from jserve.checkpoint import read_params
+from jserve.runner import Runner
+
+from conftest import DATA
+
+needs_thp = pytest.mark.skipif(not huge_pages.supported(), reason="no transparent huge pages here")
+
+
+def huge_kib_at(address: int) -> int:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@needs_thp
+def test_advise_collapses_a_big_array_and_keeps_its_contents():
+    x = jnp.arange(3 << 20, dtype=jnp.float32) * 0.5  # 12 MiB
+    before = np.asarray(x).copy()
+    done = huge_pages.advise({"x": x, "small": jnp.ones(8)})
+    assert done >= 10 << 20  # at least the whole 2 MiB pages inside x; the small array skipped
+    assert huge_kib_at(x.unsafe_buffer_pointer() + (4 << 20)) >= 2048
+    np.testing.assert_array_equal(np.asarray(x), before)
+
+
+def test_advise_skips_small_arrays_and_non_arrays():
+    assert huge_pages.advise([jnp.ones(1024), np.ones(1 << 20), "text", None]) == 0
+
+
+@needs_thp
+def test_cpu_runner_puts_its_weights_and_pages_on_huge_pages():
+    config, params = read_params(DATA / "arch" / "smollm2")
+    params = {k: jnp.asarray(v) for k, v in params.items()}
+    kw = dict(num_pages=4096, page_size=16, max_model_len=64, kv_dtype=jnp.float32)
+    runner = Runner(config, params, **kw)
+    pool = runner.kv[0][0]
+    assert pool.nbytes >= 8 << 20
+    assert runner.huge_page_bytes >= pool.nbytes  # every layer's pages, and the weights
+    assert huge_kib_at(pool.unsafe_buffer_pointer() + (4 << 20)) >= 2048
+    assert Runner(config, params, huge_pages=False, **kw).huge_page_bytes == 0
