@@ -4,8 +4,10 @@ Why: the decode step streams every weight and, worse, reads K/V in page-sized ch
 over the pool. With 4 KiB memory pages every chunk needs its own TLB entry and the hardware
 prefetcher stops at each 4 KiB boundary. Measured on the 2-core development machine (a plain
 two-thread read, `docs/performance.md`): random 4 KiB chunks 9.3 -> 17.3 GB/s with huge pages,
-16 KiB chunks 20.4 -> 22.8, a contiguous buffer 18.3 -> 21.5. The whole SmolLM2 decode step,
-16 rows x 365 cached tokens, two engines interleaved in one process: 68.3 -> 63.3 ms (64-token pages).
+16 KiB chunks 20.4 -> 22.8, a contiguous buffer 18.3 -> 21.5. The whole SmolLM2 decode step at
+16 rows, pages scattered (`scripts/bench_page_layout.py`, runners interleaved in one process):
+365 cached tokens 59.4 -> 56.9 ms with 64-token pages (70.4 -> 61.8 with 16), 1000 cached tokens
+95.1 -> 91.0 (117.1 -> 105.7).
 
 How: `madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned range around each buffer, then
 `MADV_COLLAPSE` (Linux 6.1+), which rebuilds the pages already there as huge pages at once
@@ -13,13 +15,20 @@ How: `madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned range around each buffer, the
 fail (another OS, an older kernel, huge pages off, no free 2 MiB of physical memory) the memory
 stays as it was. XLA keeps a donated buffer's address from step to step (the KV pages are updated
 in place), so the advice outlives the steps.
+
+Collapsing copies every page: ~250 MB/s here (SmolLM2's weights and the default 512 MiB pool,
+1.3 GB: ~5 s), so the runner does it on a background thread (`Advice`), beside the
+warm-up's compilations; the kernel keeps the pages consistent while steps use them (khugepaged
+collapses live processes' memory the same way). `JSERVE_HUGE_PAGES=0` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +42,8 @@ _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def supported() -> bool:
-    """Linux with transparent huge pages not set to `never`."""
-    if not sys.platform.startswith("linux"):
+    """Linux with transparent huge pages not set to `never`, and JSERVE_HUGE_PAGES not 0."""
+    if not sys.platform.startswith("linux") or os.environ.get("JSERVE_HUGE_PAGES", "1") == "0":
         return False
     try:
         return "[never]" not in _THP_SETTING.read_text()
@@ -47,12 +56,16 @@ def advise(tree: Any) -> int:
 
     Returns the bytes that `MADV_COLLAPSE` turned into huge pages (0 where unsupported).
     """
-    if not supported():
+    return _advise(list(_buffers(tree)) if supported() else [])
+
+
+def _advise(buffers: list[tuple[int, int]]) -> int:
+    if not buffers:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done, failed = 0, 0
-    for ptr, nbytes in _buffers(tree):
+    for ptr, nbytes in buffers:
         # The 2 MiB pages around the buffer (small buffers share them with their neighbours); if
         # some of that is not mapped (a buffer of its own mapping), the whole pages inside it.
         outward = (ptr // HUGE_PAGE * HUGE_PAGE, -(-(ptr + nbytes) // HUGE_PAGE) * HUGE_PAGE)
@@ -70,14 +83,37 @@ def advise(tree: Any) -> int:
     return done
 
 
+class Advice:
+    """`advise(tree)` running on a daemon thread; `wait()` returns its result.
+
+    The buffers' addresses are taken now: a donated array is deleted by the step that reuses
+    its buffer (same address, see above), so the thread never touches the arrays themselves.
+    """
+
+    def __init__(self, tree: Any):
+        self._bytes = 0
+        buffers = list(_buffers(tree)) if supported() else []
+        self._thread = threading.Thread(target=self._run, args=(buffers,), name="jserve-huge-pages",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, buffers: list[tuple[int, int]]) -> None:
+        self._bytes = _advise(buffers)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Bytes turned into huge pages (0 while the thread still runs after `timeout`)."""
+        self._thread.join(timeout)
+        return self._bytes
+
+
 def _buffers(tree: Any):
     """(address, bytes) of each single-device CPU array's buffer of at least 1 MiB."""
     for x in jax.tree.leaves(tree):
-        if not isinstance(x, jax.Array) or x.nbytes < HUGE_PAGE // 2 or len(x.devices()) != 1:
-            continue
-        if next(iter(x.devices())).platform != "cpu":
+        if not isinstance(x, jax.Array) or x.nbytes < HUGE_PAGE // 2:
             continue
         try:
-            yield x.unsafe_buffer_pointer(), x.nbytes
-        except Exception:  # a deleted or not-yet-ready buffer: leave it alone
+            devices = x.devices()
+            if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+                yield x.unsafe_buffer_pointer(), x.nbytes
+        except RuntimeError:  # a deleted (donated) array: leave it alone
             continue

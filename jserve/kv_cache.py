@@ -62,9 +62,9 @@ def default_page_size(backend: str) -> int:
 
     On a CPU, decode attention reads each row's pages from wherever they sit in the pool, at the
     machine's bandwidth for scattered chunks of page_size * head_dim values, which grows with the
-    chunk: SmolLM2 (head_dim 64, float32), 16 rows x 365 cached tokens, the whole decode step 65
-    -> 58 ms from 16 to 64 tokens per page (with huge pages, see `jserve.huge_pages`; 99 -> 79 ms
-    at 1000 cached tokens). The price is prefix caching in steps of 64 tokens.
+    chunk. SmolLM2 (head_dim 64, float32), the whole decode step at 16 rows, pages scattered
+    (`scripts/bench_page_layout.py`): 365 cached tokens 70.4 ms with 16-token pages, 59.4 with 64;
+    1000 cached tokens 117.1 and 95.1 ms. The price is prefix caching in steps of 64 tokens.
     """
     return 64 if backend == "cpu" else 16
 

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jserve import buckets, cpu_kernels
 from jserve.config import ModelConfig
-from jserve.huge_pages import advise as huge_pages_advise
+from jserve.huge_pages import Advice as HugePagesAdvice
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
@@ -67,7 +67,8 @@ class Runner:
         per data-parallel group, and `num_pages` counts all groups' pages. `native_matmuls=False`
         keeps the layer matmuls and the LM head on XLA's dots even where the native CPU kernels
         would run them (tests and benchmarks compare the two). `huge_pages` backs the weights and KV
-        pages of a CPU runner with transparent huge pages where the OS allows (`jserve.huge_pages`)."""
+        pages of a CPU runner with transparent huge pages where the OS allows (`jserve.huge_pages`,
+        in the background)."""
         self.config = config
         self.mesh = mesh
         self.dp = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape))["dp"]
@@ -111,7 +112,8 @@ class Runner:
         self.params, self.linear, self.tied_head = cpu_kernels.native_matmul_params(
             config, self.params, enabled=native_ok)
         self.native_matmuls, self.native_head = self.linear is not None, self.tied_head is not None
-        self.huge_page_bytes = huge_pages_advise((self.params, self.kv)) if huge_pages else 0
+        # On a background thread (see jserve.huge_pages); huge_pages.wait() says what it did.
+        self.huge_pages = HugePagesAdvice((self.params, self.kv) if huge_pages else ())
         step = functools.partial(_step, graphdef, attention, self.tied_head, self.linear)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:

@@ -1,7 +1,9 @@
 """Decode (and prefill) step time against its floor, per shape, for each kernel/dot-library choice.
 
-One runner over the real model (default SmolLM2-135M); every row of a step has `context` cached
-tokens and feeds `tokens` new ones (1: decode; more: a prefill chunk). Each variant is the same
+One runner over the real model (default SmolLM2-135M, the CPU engine's 64-token pages); every
+row of a step has `context` cached tokens on consecutive pages (a best case: a busy engine's
+pages are scattered, see bench_page_layout.py) and feeds `tokens` new ones (1: decode; more: a
+prefill chunk). Each variant is the same
 step compiled with:
   - attention: "cpu" (the native kernel) or "cpu_pallas" (Pallas interpret mode);
   - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `cpu_kernels.EIGEN_DOTS`);
@@ -35,6 +37,7 @@ import jax  # noqa: E402
 
 from jserve.checkpoint import load_checkpoint, resolve_model  # noqa: E402
 from jserve.engine import EngineConfig, build_engine  # noqa: E402
+from jserve.kv_cache import default_page_size  # noqa: E402
 from jserve.llm import enable_compilation_cache  # noqa: E402
 from jserve.model import model_graphdef  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
@@ -141,11 +144,13 @@ def main(argv=None):
     enable_compilation_cache()
     config, params, _ = load_checkpoint(resolve_model(args.model))
     max_len = max(args.context) + max(args.tokens)
+    page_size = default_page_size("cpu")
     engine = build_engine(config, params, _NoTokenizer(), [], EngineConfig(
         max_model_len=2048 if max_len <= 2048 else max_len, max_num_seqs=max(args.batch),
-        max_num_batched_tokens=max(512, max(args.tokens)),
-        num_pages=max(args.batch) * math.ceil(max_len / 16) + 1, warmup=False))
+        max_num_batched_tokens=max(512, max(args.tokens)), page_size=page_size,
+        num_pages=max(args.batch) * math.ceil(max_len / page_size) + 1, warmup=False))
     runner = engine.runner
+    runner.huge_pages.wait()
     runner.batch_buckets = tuple(sorted(set(runner.batch_buckets) | set(args.batch)))
     natural = natural_params(runner, config)
     print(f"jax {jax.__version__}; median (min) of {args.runs} calls, variants interleaved; "

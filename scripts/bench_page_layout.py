@@ -31,9 +31,11 @@ from jserve.runner import GREEDY, Runner  # noqa: E402
 
 
 def build(config, params, page_size: int, huge: bool, batch: int, max_len: int) -> Runner:
-    return Runner(config, params, num_pages=2 * batch * max_len // page_size + 1, page_size=page_size,
-                  max_model_len=max_len, kv_dtype=params["embed"].dtype, batch_buckets=(batch,),
-                  huge_pages=huge)
+    runner = Runner(config, params, num_pages=2 * batch * max_len // page_size + 1, page_size=page_size,
+                    max_model_len=max_len, kv_dtype=params["embed"].dtype, batch_buckets=(batch,),
+                    huge_pages=huge)
+    runner.huge_pages.wait()
+    return runner
 
 
 def main(argv=None):

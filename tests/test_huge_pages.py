@@ -38,8 +38,10 @@ def test_advise_collapses_a_big_array_and_keeps_its_contents():
     np.testing.assert_array_equal(np.asarray(x), before)
 
 
-def test_advise_skips_small_arrays_and_non_arrays():
-    assert huge_pages.advise([jnp.ones(1024), np.ones(1 << 20), "text", None]) == 0
+def test_advise_skips_small_arrays_non_arrays_and_deleted_arrays():
+    deleted = jnp.zeros(1 << 20)
+    deleted.delete()
+    assert huge_pages.advise([jnp.ones(1024), np.ones(1 << 20), "text", None, deleted]) == 0
 
 
 @needs_thp
@@ -50,6 +52,12 @@ def test_cpu_runner_puts_its_weights_and_pages_on_huge_pages():
     runner = Runner(config, params, **kw)
     pool = runner.kv[0][0]
     assert pool.nbytes >= 8 << 20
-    assert runner.huge_page_bytes >= pool.nbytes  # every layer's pages, and the weights
+    assert runner.huge_pages.wait() >= pool.nbytes  # every layer's pages, and the weights
     assert huge_kib_at(pool.unsafe_buffer_pointer() + (4 << 20)) >= 2048
-    assert Runner(config, params, huge_pages=False, **kw).huge_page_bytes == 0
+    assert Runner(config, params, huge_pages=False, **kw).huge_pages.wait() == 0
+
+
+def test_jserve_huge_pages_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("JSERVE_HUGE_PAGES", "0")
+    assert not huge_pages.supported()
+    assert huge_pages.advise(jnp.zeros(1 << 20)) == 0
