@@ -12,7 +12,8 @@
 // 365 cached tokens x 30 layers, pages scattered over a pool twice the size, ~10 GB/s with
 // 4 KB pages (16 tokens), ~13 GB/s with 16 KB pages (64 tokens); a plain read of random 4 KB
 // chunks reaches 9-13 GB/s on this machine, of 16 KB chunks 20 GB/s, of a contiguous buffer
-// 18-23 GB/s. Hence the CPU engine's page size of 64 and huge pages for the pool (runner.py).
+// 18-23 GB/s. Hence the CPU engine's page size of 64 (kv_cache.default_page_size) and huge
+// pages under the pool (jserve/huge_pages.py).
 //
 // Layouts (DESIGN §4; the same contract as the Pallas kernels):
 //   q        f32 [batch, num_kv_heads, tokens * groups, head_dim]   queries packed per KV head:
