@@ -131,6 +131,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, choices=["cpu", "cpu_pallas", "tpu", "gpu", "reference"],
                    help="paged-attention kernel (default: from the platform)")
     g.add_argument("--mesh", default=None, help="device mesh, e.g. tp=4 or dp=2,tp=4 (default: one device)")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per device call while only decodes run (multi-step decode)")
     g = p.add_argument_group("multi-host (jax.distributed)")
     g.add_argument("--distributed", action="store_true",
                    help="join a multi-process run: jax.distributed.initialize() (auto-detected on a TPU "
@@ -145,7 +147,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, page_size=args.page_size,
                 num_pages=args.num_pages, kv_cache_bytes=args.kv_cache_bytes,
-                memory_fraction=args.memory_fraction, backend=args.attention_backend, mesh=args.mesh)
+                memory_fraction=args.memory_fraction, backend=args.attention_backend, mesh=args.mesh,
+                num_scheduler_steps=args.num_scheduler_steps)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,10 @@
 Each `step()` asks the scheduler for a plan, runs it on the runner, hands the sampled tokens back
 to the scheduler, and turns them into text: incremental detokenization, stop strings, stop ids,
 EOS, max_tokens. A request with `n > 1` runs as n sequences (their shared prompt pages come from
-the prefix cache) gathered into one `RequestOutput`.
+the prefix cache) gathered into one `RequestOutput`. With `num_scheduler_steps` K > 1, a step
+where only decodes run is one device call of up to K decode steps (see `jserve.scheduler`); the
+engine then takes its tokens one step at a time, with the same stop checks, so the outputs are
+those of K single steps.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class EngineConfig:
     seed: int = 0
     backend: str | None = None  # paged-attention kernel backend; None: from the platform
     warmup: bool = True
+    num_scheduler_steps: int = 1  # decode steps per device call when only decodes run (multi-step)
 
     mesh: Any = None  # "dp=2,tp=4", a dict or a jax.sharding.Mesh; None: one device
 
@@ -50,7 +54,8 @@ class EngineConfig:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of dp ({dp})")
         return SchedulerConfig(max_num_seqs=self.max_num_seqs // dp,
                                max_num_batched_tokens=self.max_num_batched_tokens // dp,
-                               max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching)
+                               max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+                               num_scheduler_steps=self.num_scheduler_steps)
 
 
 @dataclasses.dataclass(eq=False)
@@ -175,7 +180,9 @@ class LLMEngine:
         if plan.copies:
             raise RuntimeError("copy-on-write page copies are not supported by this engine")
         changed: dict[str, _Group] = {}
-        if plan.chunks:
+        if plan.num_steps > 1:
+            self._decode_steps(plan, changed)
+        elif plan.chunks:
             rows = [(c.start, c.token_ids, c.page_ids) for c in plan.chunks]
             sampling = [_sampling_row(c.request) for c in plan.chunks]
             penalties = [(c.request.prompt_token_ids, c.request.output_token_ids)
@@ -199,6 +206,42 @@ class LLMEngine:
                 for seq in group.sequences:
                     self._sequences.pop(seq.request.request_id, None)
         return outputs
+
+    def _decode_steps(self, plan, changed: dict[str, "_Group"]) -> None:
+        """Run a multi-step decode plan, then take its tokens step by step as single steps would."""
+        chunks = plan.chunks
+        rows = [(c.start, c.token_ids, c.page_ids) for c in chunks]
+        sampling = [_sampling_row(c.request) for c in chunks]
+        penalties = [(c.request.prompt_token_ids, c.request.output_token_ids)
+                     if c.request.params.has_penalties else None for c in chunks]
+        stops = [self._device_stops(c.request) for c in chunks]
+        out = self.runner.execute_decode_steps(rows, sampling, penalties, stops, [c.num_steps for c in chunks])
+        valid = out.pop("num_valid")
+        live = list(enumerate(chunks))
+        for j in range(int(valid.max())):
+            if j:  # the requests that took step j - 1's token and go on
+                live = [(i, nxt) for i, c in live if j < valid[i]
+                        and (nxt := self.scheduler.next_decode_step(c)) is not None]
+                if not live:
+                    break
+            step_out = {key: value[j] for key, value in out.items()}
+            sampled = {c.request.request_id: int(step_out["tokens"][i]) for i, c in live}
+            index = {c.request.request_id: i for i, c in live}
+            sub = dataclasses.replace(plan, chunks=[c for _, c in live], copies=[], num_batched_tokens=len(live))
+            self.num_steps += 1
+            for req in self.scheduler.update(sub, sampled):
+                seq = self._sequences.get(req.request_id)
+                if seq is None:
+                    continue
+                self._accept(seq, step_out, index[req.request_id])
+                changed[seq.group.request_id] = seq.group
+
+    def _device_stops(self, req: Request) -> tuple[list[int], int]:
+        """The stop ids a multi-step decode checks on the device, and the samples before they count
+        (the host's `_check_stop` decides; this only spares the steps after a stop)."""
+        p = req.params
+        ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        return ids, max(0, p.min_tokens - len(req.output_token_ids))
 
     def _accept(self, seq: _Sequence, out: dict, i: int) -> None:
         req = seq.request
@@ -339,7 +382,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     runner = Runner(model_config, per_layer, num_pages=num_pages, page_size=page_size,
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=config.backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
-                    mesh=mesh)
+                    mesh=mesh, decode_steps=config.num_scheduler_steps)
     if runner.multiprocess:
         import jax
 

@@ -26,6 +26,12 @@ The scheduler's contract:
 5. `fork(parent, child)` shares every page (parallel samples); `free(rid)` on finish, abort or
    preemption (re-admit with prompt + output as the prompt; the prefix cache saves the recompute).
 
+Lookahead (multi-step decode): `allocate_slots(rid, 1, num_lookahead=n - 1)` also takes the pages
+for the `n - 1` tokens the device will sample and feed back within one call, before they are
+known. The request then holds pages past its allocated slots; each later step's
+`allocate_slots(rid, 1)` (after `append_tokens`) finds its slot in them and takes no page. Pages
+held past the slots are released with the others by `free`.
+
 A request always computes at least its last prompt token, and writes never touch a cached page:
 so a prompt of `m` full pages, all cached, reuses `m - 1` of them and recomputes the last page
 (as vLLM does) rather than copying a cached page to rewrite one slot of it.
@@ -324,27 +330,38 @@ class PageTable:
         """Adds known tokens (sampled ones); they get slots with a later `allocate_slots`."""
         self._seq(request_id).token_ids.extend(_as_token_ids(token_ids))
 
-    def _plan_slots(self, seq: _Sequence, num_new_tokens: int) -> tuple[int, bool]:
-        """Fresh pages needed for `num_new_tokens` more slots, and whether the last page is copied first."""
+    def _plan_slots(self, seq: _Sequence, num_new_tokens: int, num_lookahead: int = 0) -> tuple[int, bool]:
+        """Fresh pages needed for `num_new_tokens` more slots (and `num_lookahead` after them), and
+        whether the last page is copied first."""
         _check_count("num_new_tokens", num_new_tokens)
+        _check_count("num_lookahead", num_lookahead)
         num_unallocated = len(seq.token_ids) - seq.num_allocated
         if num_new_tokens > num_unallocated:
             raise ValueError(f"num_new_tokens={num_new_tokens} exceeds the {num_unallocated} known "
                              "tokens without a slot (append_tokens first)")
-        if num_new_tokens == 0:
+        if num_new_tokens + num_lookahead == 0:
             return 0, False
         # The first new slot lands in the last page if that is partial; shared, it must be copied.
+        # (A request holding lookahead pages was never forked: its partial page is its own.)
         copy_last = seq.num_allocated % self.page_size != 0 and self.pool.refcount(seq.page_ids[-1]) > 1
-        num_pages = _cdiv(seq.num_allocated + num_new_tokens, self.page_size)
-        return num_pages - len(seq.page_ids) + copy_last, copy_last
+        num_pages = _cdiv(seq.num_allocated + num_new_tokens + num_lookahead, self.page_size)
+        return max(0, num_pages - len(seq.page_ids)) + copy_last, copy_last
 
-    def can_allocate_slots(self, request_id: Hashable, num_new_tokens: int) -> bool:
+    def can_allocate_slots(self, request_id: Hashable, num_new_tokens: int, *, num_lookahead: int = 0) -> bool:
         """Whether `allocate_slots` with these arguments would succeed now."""
-        num_fresh, _ = self._plan_slots(self._seq(request_id), num_new_tokens)
-        return num_fresh <= self.pool.num_available_pages
+        return self.num_fresh_pages(request_id, num_new_tokens, num_lookahead=num_lookahead) <= (
+            self.pool.num_available_pages)
 
-    def allocate_slots(self, request_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def num_fresh_pages(self, request_id: Hashable, num_new_tokens: int, *, num_lookahead: int = 0) -> int:
+        """Pages `allocate_slots` with these arguments would take from the pool."""
+        return self._plan_slots(self._seq(request_id), num_new_tokens, num_lookahead)[0]
+
+    def allocate_slots(self, request_id: Hashable, num_new_tokens: int, *,
+                       num_lookahead: int = 0) -> list[tuple[int, int]] | None:
         """Gives slots to the next `num_new_tokens` known tokens, adding pages as needed.
+
+        `num_lookahead` more slots' pages are taken too, for tokens not known yet (multi-step
+        decode): they become slots with later `allocate_slots` calls, after `append_tokens`.
 
         Returns:
           The `(src_page, dst_page)` copies the device must do before writing K/V (copy-on-write;
@@ -352,7 +369,7 @@ class PageTable:
           changed.
         """
         seq = self._seq(request_id)
-        num_fresh, copy_last = self._plan_slots(seq, num_new_tokens)
+        num_fresh, copy_last = self._plan_slots(seq, num_new_tokens, num_lookahead)
         fresh = self.pool.allocate(num_fresh)
         if fresh is None:
             return None
@@ -402,6 +419,9 @@ class PageTable:
         if parent.num_computed != parent.num_allocated:
             raise ValueError(f"request {parent_id!r} has {parent.num_allocated - parent.num_computed} "
                              "allocated tokens not yet computed: fork after mark_computed")
+        if len(parent.page_ids) != _cdiv(parent.num_allocated, self.page_size):
+            raise ValueError(f"request {parent_id!r} holds lookahead pages past its slots: fork "
+                             "before a multi-step decode, not during one")
         for page in parent.page_ids:
             self.pool.share(page)
         self._seqs[child_id] = dataclasses.replace(
@@ -420,7 +440,8 @@ class PageTable:
         owners = collections.Counter()
         for request_id, seq in self._seqs.items():
             assert 0 <= seq.num_computed <= seq.num_allocated <= len(seq.token_ids), request_id
-            assert len(seq.page_ids) == _cdiv(seq.num_allocated, self.page_size), request_id
+            # Pages past the slots are lookahead pages (multi-step decode): never indexed.
+            assert len(seq.page_ids) >= _cdiv(seq.num_allocated, self.page_size), request_id
             assert len(set(seq.page_ids)) == len(seq.page_ids), f"{request_id!r} holds a page twice"
             owners.update(seq.page_ids)
             expected = (list(iter_page_hashes(seq.token_ids[:seq.num_computed], self.page_size,

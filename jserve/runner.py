@@ -3,8 +3,10 @@
 A step takes rows of `(start, token_ids, page_ids)`: decode rows (one token) go to the decode step
 (batch bucket), longer chunks to the prefill step (rows x token buckets); the page table has a
 fixed width. Each step embeds, writes K/V into pages, runs paged attention, and samples, all in
-one jit with the pages donated. Shapes come from `buckets.py`; compilations are counted so that a
-server can prove none happens after warm-up. Over a mesh, rows of data-parallel group g sit in
+one jit with the pages donated. With `decode_steps` K > 1, `execute_decode_steps` runs up to K
+decode steps in one call (multi-step decode): a device loop feeds each row's sampled token back
+and stops a row at its stop ids or its step count. Shapes come from `buckets.py`; compilations are
+counted so that a server can prove none happens after warm-up. Over a mesh, rows of data-parallel group g sit in
 the g-th block of each batch, and in a multi-process run process 0 broadcasts each step's inputs
 to the others (`follow`).
 """
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
 GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
+MAX_STOP_IDS = 16  # stop ids per row a multi-step decode checks on the device (the host checks all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,7 @@ class StepRecord:
     seconds: float
     bytes_needed: int  # weights once + K/V read and written for the real tokens
     flops_needed: int  # matmuls and attention for the real tokens (padding excluded)
+    steps: int = 1  # model steps the call ran (> 1: a multi-step decode; `seconds` covers them all)
 
 
 class Runner:
@@ -61,14 +65,15 @@ class Runner:
                  batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
-                 huge_pages: bool = True):
+                 huge_pages: bool = True, decode_steps: int = 1):
         """With a ('dp', 'tp') `mesh`, `params` must already be laid out and placed for it
         (`jserve.sharding.place_params`); buckets, `max_num_batched_tokens` and page ids are then
         per data-parallel group, and `num_pages` counts all groups' pages. `native_matmuls=False`
         keeps the layer matmuls and the LM head on XLA's dots even where the native CPU kernels
         would run them (tests and benchmarks compare the two). `huge_pages` backs the weights and KV
         pages of a CPU runner with transparent huge pages where the OS allows (`jserve.huge_pages`,
-        in the background)."""
+        in the background). `decode_steps` > 1 compiles `execute_decode_steps` for every decode
+        batch bucket too (one device mesh group, one process only)."""
         self.config = config
         self.mesh = mesh
         self.dp = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape))["dp"]
@@ -124,6 +129,16 @@ class Runner:
         self._step = jax.jit(step, **jit_kwargs)
         # Some CPU step shapes compile with XLA's Eigen dots instead of YNNPACK's (step_fn).
         self._step_eigen = jax.jit(step, compiler_options=cpu_kernels.EIGEN_DOTS, **jit_kwargs)
+        if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
+            raise ValueError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
+        if decode_steps > 1 and (self.dp > 1 or jax.process_count() > 1):
+            raise ValueError(f"multi-step decode (decode_steps={decode_steps}) runs on one data-parallel "
+                             f"group in one process; this runner has dp={self.dp} over "
+                             f"{jax.process_count()} processes")
+        self.decode_steps = decode_steps
+        self._decode_steps = jax.jit(functools.partial(
+            _decode_steps, graphdef, attention, self.tied_head, self.linear, page_size, config.vocab_size,
+            decode_steps), donate_argnames=("kv",))
         self._seen: set[tuple] = set()
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
@@ -180,6 +195,77 @@ class Runner:
                                   results, "prefill", penalties)
         keys = results[0].keys() if results else ()
         return {key: np.stack([results[i][key] for i in range(len(rows))]) for key in keys}
+
+    def execute_decode_steps(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+                             sampling: Sequence[tuple], penalties: Sequence[tuple | None] | None,
+                             stops: Sequence[tuple[Sequence[int], int]],
+                             num_steps: Sequence[int]) -> dict[str, np.ndarray]:
+        """Run up to `decode_steps` decode steps in one call, each row's sample fed back as its
+        next token on the device (multi-step decode).
+
+        Args:
+          rows: per row `(start, [token], page_ids)`, one token each; `page_ids` cover positions
+            `start .. start + num_steps[i] - 1` (the scheduler's lookahead pages).
+          sampling: per row a sampling tuple, whose step is that of the row's first sample.
+          penalties: as for `execute` (the device appends each sample to the history).
+          stops: per row `(stop_ids, min_new)`: the row stops after sampling one of `stop_ids`
+            once it has sampled at least `min_new` tokens in this call (its EOS and stop ids,
+            `min_tokens` counted down). Only the first MAX_STOP_IDS are checked here: the host
+            checks all, and drops what follows a stop.
+          num_steps: per row, 1 .. `decode_steps`: the row stops after that many.
+        Returns:
+          numpy arrays as from `execute` with a leading axis of `decode_steps` (entry j of row i is
+          the row's (j+1)-th sample), and `num_valid` [rows]: the samples before the row stopped
+          (entries past them are meaningless).
+        """
+        K = self.decode_steps
+        if not rows:
+            raise ValueError("no rows")
+        if len(rows) > self.batch_buckets[-1]:
+            raise ValueError(f"{len(rows)} rows exceed the largest decode bucket {self.batch_buckets[-1]}")
+        if any(len(r[1]) != 1 for r in rows):
+            raise ValueError("a multi-step decode takes exactly one token per row")
+        if any(not 1 <= n <= K for n in num_steps):
+            raise ValueError(f"num_steps must be in [1, {K}], got {list(num_steps)}")
+        for (start, _, pages), n in zip(rows, num_steps):
+            if start + n > len(pages) * self.page_size:
+                raise ValueError(f"a row at position {start} running {n} steps needs "
+                                 f"{-(-(start + n) // self.page_size)} pages, got {len(pages)}")
+        B = buckets.pick(self.batch_buckets, len(rows))
+        placed = list(rows) + [None] * (B - len(rows))
+        tokens, positions, meta, _ = self._pack(placed, B, 1)
+        steps = np.zeros((B,), np.int32)
+        steps[:len(rows)] = num_steps
+        stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
+        min_new = np.zeros((B,), np.int32)
+        for i, (ids, at_least) in enumerate(stops):
+            ids = list(ids)[:MAX_STOP_IDS]
+            stop_ids[i, :len(ids)] = ids
+            min_new[i] = at_least
+        sampling_arrays = SamplingArrays.build(sampling, B).as_tuple()
+        history = penalty_history(list(penalties or [None] * len(rows)) + [None] * (B - len(rows)), B,
+                                  self.max_model_len, self.config.vocab_size)
+        inputs = (tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new,
+                  sampling_arrays, history)
+        cached = _cache_size(self._decode_steps)
+        t0 = time.perf_counter()
+        out, self.kv = self._decode_steps(self.params, self.kv, *inputs)
+        out = jax.device_get(out)
+        seconds = time.perf_counter() - t0
+        self._count(("decode_steps", B, K), None if cached is None else _cache_size(self._decode_steps) > cached)
+        valid = out.pop("num_valid")[:len(rows)]
+        ran = int(valid.max())
+        # Per step, the rows still running: their real tokens, bytes and FLOPs.
+        live = [[(start + j, [0]) for (start, _, _), n in zip(rows, valid) if j < n] for j in range(ran)]
+        cost = [self._cost(step_rows) for step_rows in live]
+        real = int(valid.sum())
+        self.records.append(StepRecord("decode", (B, 1), real, B * ran, seconds, sum(c[0] for c in cost),
+                                       sum(c[1] for c in cost), steps=ran))
+        self.total_real_tokens += real
+        self.total_padded_tokens += B * ran
+        result = {key: value[:, :len(rows)] for key, value in out.items()}
+        result["num_valid"] = valid
+        return result
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(rows per group, tokens) buckets of the prefill step: within the largest token bucket."""
@@ -269,7 +355,7 @@ class Runner:
         return self._step_eigen if eigen else self._step
 
     def _compiled_count(self) -> int | None:
-        sizes = [_cache_size(f) for f in (self._step, self._step_eigen)]
+        sizes = [_cache_size(f) for f in (self._step, self._step_eigen, self._decode_steps)]
         return None if None in sizes else sum(sizes)
 
     def follow(self) -> int:
@@ -366,6 +452,11 @@ class Runner:
             rows = [(0, [0] * T, [0] * self.max_pages)] * (B * self.dp)
             parts = [list(range(g * B, (g + 1) * B)) for g in range(self.dp)]
             self._run(rows, [GREEDY] * len(rows), parts, {}, kind)
+        if self.decode_steps > 1:
+            for B in tqdm(self.batch_buckets, desc="warm-up (multi-step decode)", unit="shape",
+                          disable=not progress):
+                rows = [(0, [0], [0] * self.max_pages)] * B
+                self.execute_decode_steps(rows, [GREEDY] * B, None, [((), 0)] * B, [self.decode_steps] * B)
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
         self.warmed_up = True
@@ -409,3 +500,49 @@ def _step(graphdef, attention, tied_head, linear, params, kv, tokens, positions,
     logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None],
                        tied_head=tied_head, linear=linear)
     return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv
+
+
+def _decode_steps(graphdef, attention, tied_head, linear, page_size, vocab_size, max_steps, params, kv,
+                  tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
+    """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
+    early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
+    padded row: no query, its K/V write into the null page."""
+    model = nnx.merge(graphdef, params)
+    B = tokens.shape[0]
+    rows = jnp.arange(B)
+    ids, num_prompt = history
+    filled = jnp.sum(ids != vocab_size, axis=1)  # where the next sample goes in the penalty history
+    zeros = jnp.zeros((B, 1), jnp.int32)
+
+    def sample_step(logits, j, ids):
+        step_sampling = list(sampling)
+        step_sampling[5] = sampling[5] + j  # the index of the token sampled, for per-row seeds
+        return sample(logits, *step_sampling, penalties=(ids, num_prompt), num_logprobs=MAX_LOGPROBS)
+
+    shapes = jax.eval_shape(sample_step, jax.ShapeDtypeStruct((B, vocab_size), jnp.float32), 0, ids)
+    buffers = jax.tree.map(lambda x: jnp.zeros((max_steps,) + x.shape, x.dtype), shapes)
+
+    def body(state):
+        j, kv, token, done, ids, buffers, valid = state
+        live = ~done
+        pos = jnp.where(live, start + j, 0)
+        page = jnp.take_along_axis(pages, (pos // page_size)[:, None], axis=1)[:, 0]
+        slots = jnp.where(live, page * page_size + pos % page_size, 0)
+        meta = PagedMeta(slots, pos, live.astype(jnp.int32), pages)
+        logits, kv = model(token[:, None], pos[:, None], kv, meta, attention, logits_index=zeros,
+                           tied_head=tied_head, linear=linear)
+        out = sample_step(logits[:, 0], j, ids)
+        new = out["tokens"]
+        buffers = jax.tree.map(lambda buf, x: buf.at[j].set(x), buffers, out)
+        stopped = jnp.any(new[:, None] == stop_ids, axis=1) & (j + 1 >= min_new)
+        done = done | (live & (stopped | (j + 1 >= num_steps)))
+        ids = ids.at[rows, filled + j].set(jnp.where(live, new, vocab_size), mode="drop")
+        return j + 1, kv, jnp.where(live, new, token), done, ids, buffers, valid + live
+
+    def cond(state):
+        j, done = state[0], state[3]
+        return (j < max_steps) & jnp.any(~done)
+
+    state = (jnp.int32(0), kv, tokens, num_steps <= 0, ids, buffers, jnp.zeros((B,), jnp.int32))
+    _, kv, _, _, _, buffers, valid = jax.lax.while_loop(cond, body, state)
+    return {**buffers, "num_valid": valid}, kv

@@ -29,6 +29,19 @@ Capacity. A request never holds more than `max_len = min(max_model_len, pool tok
 never fit in the pool would otherwise preempt itself forever), and `update()` finishes a request
 with FINISHED_LENGTH when it reaches `max_len`, since its last token could never be computed.
 
+Multi-step decode (`num_scheduler_steps` = K > 1). When every running request is decoding (one
+uncomputed token) and no waiting request could be admitted now (none waits, or every seat is
+taken), `schedule()` plans up to K decode steps per request for one device call: each chunk's
+`num_steps` is min(K, tokens left to `max_tokens`, room left to `max_len`), and the request's
+pages for those steps are taken at once (lookahead, see `PageTable.allocate_slots`). If they do
+not all fit without preempting, the step is planned as a single step instead. The engine then
+feeds the device's tokens back one step at a time: `next_decode_step(chunk)` for the chunk of
+step j > 0, `update()` as usual. A request that stops inside the call (EOS, a stop, or its
+length) ends there; the device's later tokens for it are dropped, and its lookahead pages go
+back with the rest. The price is the usual one of multi-step scheduling: a waiting request is
+admitted after the call (up to K - 1 steps later than single-step scheduling would, when a seat
+frees inside it), and a request that stops early wastes the rest of its steps.
+
 Aborts free pages at once, even between `schedule()` and `update()`: the in-flight step may still
 write K/V into those pages, but the pages were neither indexed by the prefix cache (only full,
 computed pages are) nor can they be handed out before the next `schedule()`, whose step runs after
@@ -58,9 +71,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens computed per step (decode tokens + prefill chunks)
     max_model_len: int = 2048  # prompt + output tokens of one request
     enable_prefix_caching: bool = False
+    num_scheduler_steps: int = 1  # decode steps per device call when only decodes run (vLLM's name)
 
     def __post_init__(self):
-        for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2)):
+        for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2),
+                              ("num_scheduler_steps", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -138,6 +153,7 @@ class ScheduledChunk:
     token_ids: list[int]  # the tokens fed this step: all_token_ids[start:start + n]
     page_ids: list[int]  # the request's pages after allocation (enough for start + n tokens)
     samples: bool  # the chunk reaches the last known token: its last logit's sample is kept
+    num_steps: int = 1  # decode steps this call runs for the request (> 1: multi-step decode)
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +166,11 @@ class StepPlan:
     copies: list[tuple[int, int]]  # (src_page, dst_page) copy-on-write copies to do before the step
     preempted: list[Request]
     num_batched_tokens: int
+
+    @property
+    def num_steps(self) -> int:
+        """Decode steps of the device call: > 1 for a multi-step decode."""
+        return max((c.num_steps for c in self.chunks), default=1)
 
 
 class Scheduler:
@@ -248,7 +269,12 @@ class Scheduler:
     # The step.
 
     def schedule(self) -> StepPlan:
-        """Plans one step: chunks for running requests, then for newly admitted ones."""
+        """Plans one step: chunks for running requests, then for newly admitted ones (or several
+        decode steps, see the module's notes on multi-step decode)."""
+        if self.config.num_scheduler_steps > 1:
+            plan = self._schedule_decode_steps()
+            if plan is not None:
+                return plan
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
@@ -278,6 +304,45 @@ class Scheduler:
             budget = self._admit(budget, chunks, copies)
         return StepPlan(chunks=chunks, copies=copies, preempted=preempted,
                         num_batched_tokens=self.config.max_num_batched_tokens - budget)
+
+    def _schedule_decode_steps(self) -> StepPlan | None:
+        """A multi-step decode plan, or None where a single step must run (see the module doc)."""
+        running = self._running
+        if not running or (self._waiting and len(running) < self.config.max_num_seqs):
+            return None
+        if any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
+            return None  # a prompt (or a preempted request's recompute) is still in chunks
+        steps = [self._num_decode_steps(r) for r in running]
+        table = self.page_table
+        need = sum(table.num_fresh_pages(r.request_id, 1, num_lookahead=n - 1) for r, n in zip(running, steps))
+        if need > table.pool.num_available_pages:
+            return None  # the single step preempts as it must
+        chunks, copies = [], []
+        for request, n in zip(running, steps):
+            new_copies = table.allocate_slots(request.request_id, 1, num_lookahead=n - 1)
+            assert new_copies is not None, "counted above"
+            copies.extend(new_copies)
+            chunk = self._chunk(request, 1)
+            chunk.num_steps = n
+            chunks.append(chunk)
+        return StepPlan(chunks=chunks, copies=copies, preempted=[], num_batched_tokens=len(chunks))
+
+    def _num_decode_steps(self, request: Request) -> int:
+        """Steps a multi-step decode may run for `request`: K, fewer near max_tokens or max_len."""
+        n = min(self.config.num_scheduler_steps, self.max_len - request.num_tokens)
+        if request.params.max_tokens is not None:
+            n = min(n, request.params.max_tokens - len(request.output_token_ids))
+        return max(n, 1)
+
+    def next_decode_step(self, chunk: ScheduledChunk) -> ScheduledChunk | None:
+        """The chunk of a multi-step decode's next step for `chunk`'s request: its newest token, in
+        a slot its lookahead pages hold. None if the request ended meanwhile."""
+        request = chunk.request
+        if self._requests.get(request.request_id) is not request:
+            return None
+        copies = self.page_table.allocate_slots(request.request_id, 1)
+        assert copies == [], "the lookahead pages hold every step of a multi-step decode"
+        return self._chunk(request, 1)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], copies: list[tuple[int, int]]) -> int:
         """Admits waiting requests in order while seats, budget and pages allow; returns the budget left."""

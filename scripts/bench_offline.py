@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--page-size", type=int, default=None, help="jserve's KV page size (default: the engine's)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="jserve's decode steps per call while only decodes run (multi-step decode)")
     p.add_argument("--out", default=None, help="write all results to this JSON file")
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (32 if args.quick else 256)
@@ -196,7 +198,7 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
     t0 = time.perf_counter()
     knobs = {} if args.page_size is None else {"page_size": args.page_size}
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=max_model_len, warmup=True, **knobs)
+              max_model_len=max_model_len, warmup=True, num_scheduler_steps=args.num_scheduler_steps, **knobs)
     init_seconds = time.perf_counter() - t0
     runner = llm.runner
     out = llm.generate([golden["prompt_ids"]],
@@ -205,18 +207,27 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
     if got != golden["greedy_ids"]:
         raise SystemExit(f"jserve does not reproduce golden case 0: got {got}, want {golden['greedy_ids']}")
 
-    # Keep every compiled call's record with its live context (the runner keeps only recent
-    # records, and a StepRecord does not say how many keys its rows attend to).
+    # Keep every compiled call's record with, per model step in it, its live rows and the keys
+    # they attend to (the runner keeps only recent records, and a StepRecord does not say how many
+    # keys its rows attend to).
     log: list[tuple] = []
-    original = runner._run
+    original, original_steps = runner._run, runner.execute_decode_steps
 
     def run_and_log(*a, **kw):
         original(*a, **kw)
         all_rows, parts = (a[0], a[2]) if len(a) >= 3 else (kw["all_rows"], kw["parts"])
         index = [i for part in parts for i in part]  # parts: the row indices of each dp group
-        log.append((runner.records[-1], sum(all_rows[i][0] + len(all_rows[i][1]) for i in index)))
+        log.append((runner.records[-1], [(len(index), sum(all_rows[i][0] + len(all_rows[i][1]) for i in index))]))
 
-    runner._run = run_and_log
+    def decode_steps_and_log(rows, *a, **kw):
+        out = original_steps(rows, *a, **kw)
+        valid = out["num_valid"]
+        per_step = [(int((valid > j).sum()), sum(r[0] + 1 + j for r, n in zip(rows, valid) if n > j))
+                    for j in range(int(valid.max()))]
+        log.append((runner.records[-1], per_step))
+        return out
+
+    runner._run, runner.execute_decode_steps = run_and_log, decode_steps_and_log
     steps0 = llm.stats()["num_steps"]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     load_gen = os.getloadavg()[0]
@@ -224,7 +235,7 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
     try:
         outs = llm.generate(prompts, params)
     finally:
-        runner._run = original
+        runner._run, runner.execute_decode_steps = original, original_steps
     gen = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     ids = [list(o.outputs[0].token_ids) for o in outs]
@@ -247,6 +258,7 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
         "prefill_seconds": sum(r.seconds for r in by_kind["prefill"]),
         "host_seconds": gen - sum(r.seconds for r in records),
         "padded_token_fraction": 1 - sum(r.real_tokens for r in records) / sum(r.padded_tokens for r in records),
+        "num_scheduler_steps": args.num_scheduler_steps, "multi_step_calls": sum(r.steps > 1 for r in records),
         "stats": stats, "model": model, "max_model_len": max_model_len,
         "decode_floor": decode_floor(log, model, args.max_num_seqs),
         "ids": ids,
@@ -254,17 +266,20 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
 
 
 def decode_floor(log, model: dict, batch: int) -> dict:
-    """Median decode step at `batch` vs max(bytes / bandwidth, FLOPs / peak) of the same steps."""
-    steps = [(r, n) for r, n in log if r.kind == "decode" and r.bucket[0] == batch]
-    if not steps:
+    """Median decode step at `batch` vs max(bytes / bandwidth, FLOPs / peak) of the same steps.
+
+    A multi-step call counts as its model steps, each with an equal share of the call's time."""
+    calls = [(r, per_step) for r, per_step in log if r.kind == "decode" and r.bucket[0] == batch]
+    if not calls:
         return {"batch": batch, "num_steps": 0}
     rows = []
-    for r, n in steps:
-        nbytes = model["weight_bytes"] + n * model["kv_bytes_per_token"]
-        attention = 4 * model["num_layers"] * model["num_heads"] * model["head_dim"] * n  # q.k and p.v
-        flops = 2 * model["params"] * r.real_tokens + attention
-        floor = max(nbytes / BANDWIDTH, flops / FLOPS)
-        rows.append((r.seconds, nbytes, flops, floor, r.real_tokens, n))
+    for r, per_step in calls:
+        for live_rows, n in per_step:
+            nbytes = model["weight_bytes"] + n * model["kv_bytes_per_token"]
+            attention = 4 * model["num_layers"] * model["num_heads"] * model["head_dim"] * n  # q.k and p.v
+            flops = 2 * model["params"] * live_rows + attention
+            floor = max(nbytes / BANDWIDTH, flops / FLOPS)
+            rows.append((r.seconds / len(per_step), nbytes, flops, floor, live_rows, n))
     med = lambda j: statistics.median(x[j] for x in rows)  # noqa: E731
     return {
         "batch": batch, "num_steps": len(rows), "num_full_steps": sum(x[4] == batch for x in rows),
@@ -279,7 +294,7 @@ def decode_floor(log, model: dict, batch: int) -> dict:
                    if len({x[5] for x in rows}) > 1 else (None, None))),
         "steps": [[round(x[0], 5), x[4], x[5]] for x in rows],  # [seconds, live rows, live tokens]
         # The runner's own floor (weights + K/V read and written), where its StepRecord has one.
-        "runner_median_bytes_needed": statistics.median(getattr(r, "bytes_needed", 0) for r, _ in steps) or None,
+        "runner_median_bytes_needed": statistics.median(r.bytes_needed / r.steps for r, _ in calls) or None,
     }
 
 
@@ -315,6 +330,9 @@ def report(res: dict) -> None:
     elif h.get("skipped"):
         print(h["skipped"])
     if js_ok:
+        if j.get("num_scheduler_steps", 1) > 1:
+            print(f"jserve multi-step decode: up to {j['num_scheduler_steps']} steps per call, "
+                  f"{j['multi_step_calls']} of {j['num_compiled_calls']} calls ran several")
         print(f"jserve: {j['num_steps']} steps, decode {j['decode_seconds']:.1f}s, "
               f"prefill {j['prefill_seconds']:.1f}s, "
               f"host {j['host_seconds']:.1f}s; padded-token fraction {j['padded_token_fraction']:.3f}; "
