@@ -32,15 +32,18 @@ with FINISHED_LENGTH when it reaches `max_len`, since its last token could never
 Multi-step decode (`num_scheduler_steps` = K > 1). When every running request is decoding (one
 uncomputed token) and no waiting request could be admitted now (none waits, or every seat is
 taken), `schedule()` plans up to K decode steps per request for one device call: each chunk's
-`num_steps` is min(K, tokens left to `max_tokens`, room left to `max_len`), and the request's
-pages for those steps are taken at once (lookahead, see `PageTable.allocate_slots`). If they do
+`num_steps` is min(K, tokens left to `max_tokens`, room left to `max_len`), or, while a request
+waits for a seat, the smallest of those over the running requests (the call ends when the first
+seat frees, so the waiting request is admitted then). The request's pages for those steps are
+taken at once (lookahead, see `PageTable.allocate_slots`). If they do
 not all fit without preempting, the step is planned as a single step instead. The engine then
 feeds the device's tokens back one step at a time: `next_decode_step(chunk)` for the chunk of
 step j > 0, `update()` as usual. A request that stops inside the call (EOS, a stop, or its
 length) ends there; the device's later tokens for it are dropped, and its lookahead pages go
-back with the rest. The price is the usual one of multi-step scheduling: a waiting request is
-admitted after the call (up to K - 1 steps later than single-step scheduling would, when a seat
-frees inside it), and a request that stops early wastes the rest of its steps.
+back with the rest. The price is the usual one of multi-step scheduling: a seat freed inside
+the call by a stop (EOS, a stop id or string) stays empty until the call ends, so a waiting
+request may be admitted up to K - 1 steps later than with single steps, and the stopped request's
+row computes for nothing until then.
 
 Aborts free pages at once, even between `schedule()` and `update()`: the in-flight step may still
 write K/V into those pages, but the pages were neither indexed by the prefix cache (only full,
@@ -313,6 +316,12 @@ class Scheduler:
         if any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
             return None  # a prompt (or a preempted request's recompute) is still in chunks
         steps = [self._num_decode_steps(r) for r in running]
+        if self._waiting:
+            # Someone waits for a seat: end the call when the first seat frees by max_tokens or
+            # max_len, rather than leave it empty for the rest of the call.
+            steps = [min(steps)] * len(steps)
+            if steps[0] == 1:
+                return None
         table = self.page_table
         need = sum(table.num_fresh_pages(r.request_id, 1, num_lookahead=n - 1) for r, n in zip(running, steps))
         if need > table.pool.num_available_pages:

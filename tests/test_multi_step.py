@@ -198,13 +198,22 @@ def test_when_a_multi_step_plan_is_made():
     assert [c.num_steps for c in plan.chunks] == [1, 4]  # a has 1 token left to sample, b 19
     assert plan.num_steps == 4 and plan.num_batched_tokens == 2
 
-    # Seats all taken: a waiting request does not stop a multi-step plan.
-    sched = make_scheduler(num_pages=64, page_size=4, max_num_seqs=1, max_num_batched_tokens=16,
+    # Seats all taken: a waiting request does not stop a multi-step plan, but the call ends when
+    # the first seat frees by max_tokens (x: 2 more tokens), so that it is admitted then.
+    sched = make_scheduler(num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
                            num_scheduler_steps=4)
-    sched.add_request(make_request("x", range(1, 6), max_tokens=10))
+    sched.add_request(make_request("x", range(1, 6), max_tokens=3))
+    sched.add_request(make_request("v", range(1, 6), max_tokens=10))
+    step(sched)
+    assert [c.num_steps for c in sched.schedule().chunks] == [2, 4]  # nobody waits
+    sched = make_scheduler(num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                           num_scheduler_steps=4)
+    sched.add_request(make_request("x", range(1, 6), max_tokens=3))
+    sched.add_request(make_request("v", range(1, 6), max_tokens=10))
     step(sched)
     sched.add_request(make_request("y", range(1, 6), max_tokens=10))
-    assert sched.schedule().num_steps == 4
+    plan = sched.schedule()
+    assert [c.num_steps for c in plan.chunks] == [2, 2] and plan.num_steps == 2
 
     # The pool cannot hold the lookahead: one step (nobody is preempted for lookahead).
     sched = make_scheduler(num_pages=5, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
@@ -353,3 +362,43 @@ def test_runner_loop_ends_when_every_row_stopped(engines):
 def test_bad_num_scheduler_steps_is_refused(tiny):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         make_engine(tiny, num_scheduler_steps=0, warmup=False)
+
+
+def test_streams_from_a_multi_step_engine_equal_single_steps(engines):
+    import asyncio
+
+    from jserve.async_engine import AsyncLLMEngine
+
+    single, multi = engines
+    prompts = [list(range(20, 45)), list(range(50, 60))]
+    params = [SamplingParams(temperature=0, max_tokens=13, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=11, ignore_eos=True)]
+    want = run_all(single, prompts, params)
+    aengine = AsyncLLMEngine(multi)
+
+    async def stream(rid, prompt, sp):
+        return [out async for out in aengine.generate(rid, prompt, sp)]
+
+    async def main():
+        streams = await asyncio.gather(*(stream(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))))
+        # A consumer that leaves after its first delta: its request is aborted, its pages freed.
+        gen = aengine.generate("gone", list(range(3, 30)), SamplingParams(max_tokens=100, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()
+        return streams, await aengine.stats()
+
+    try:
+        streams, stats = asyncio.run(main())
+    finally:
+        assert aengine.shutdown(timeout=30)
+    for outs, ref in zip(streams, want):
+        deltas = [c for o in outs for c in o.outputs]
+        assert "".join(c.text for c in deltas) == ref.text
+        assert [t for c in deltas for t in c.token_ids] == ref.token_ids
+        assert deltas[-1].finish_reason == "length" and outs[-1].finished
+        # Several tokens arrive per delta: one delta per device call, not per token.
+        assert len(outs) < len(ref.token_ids)
+    got_logprobs = [lp for c in (c for o in streams[0] for c in o.outputs) for lp in c.logprobs]
+    assert [sorted(e) for e in got_logprobs] == [sorted(e) for e in want[0].logprobs]
+    assert stats["pages_in_use"] == 0 and stats["num_running"] == 0
+    assert_clean(multi)
