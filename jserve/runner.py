@@ -5,10 +5,10 @@ A step takes rows of `(start, token_ids, page_ids)`: decode rows (one token) go 
 fixed width. Each step embeds, writes K/V into pages, runs paged attention, and samples, all in
 one jit with the pages donated. With `decode_steps` K > 1, `execute_decode_steps` runs up to K
 decode steps in one call (multi-step decode): a device loop feeds each row's sampled token back
-and stops a row at its stop ids or its step count. Shapes come from `buckets.py`; compilations are
-counted so that a server can prove none happens after warm-up. Over a mesh, rows of data-parallel group g sit in
-the g-th block of each batch, and in a multi-process run process 0 broadcasts each step's inputs
-to the others (`follow`).
+and stops a row at its stop ids or its step count. Shapes come from `buckets.py`; compilations
+are counted so that a server can prove none happens after warm-up. Over a mesh, rows of
+data-parallel group g sit in the g-th block of each batch, and in a multi-process run process 0
+broadcasts each step's inputs to the others (`follow`).
 """
 
 from __future__ import annotations
