@@ -42,6 +42,10 @@ class GroupedPlan:
     def num_batched_tokens(self) -> int:
         return sum(p.num_batched_tokens for p in self.plans)
 
+    @property
+    def num_steps(self) -> int:
+        return max((p.num_steps for p in self.plans), default=1)
+
 
 class DataParallelScheduler:
     """Routes requests to per-group `Scheduler`s and merges their plans (the Scheduler interface)."""
@@ -114,6 +118,12 @@ class DataParallelScheduler:
 
     def schedule(self) -> GroupedPlan:
         return GroupedPlan([s.schedule() for s in self.schedulers])
+
+    def next_decode_step(self, chunk: ScheduledChunk) -> ScheduledChunk | None:
+        """The group's `Scheduler.next_decode_step` (the runner runs multi-step decode for one
+        group only, so the group schedulers plan single steps when dp > 1)."""
+        g = self._group.get(chunk.request.request_id)
+        return None if g is None else self.schedulers[g].next_decode_step(chunk)
 
     def update(self, plan: GroupedPlan, sampled: Mapping[str, int]) -> list[Request]:
         changed = []

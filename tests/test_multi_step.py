@@ -362,6 +362,8 @@ def test_runner_loop_ends_when_every_row_stopped(engines):
 def test_bad_num_scheduler_steps_is_refused(tiny):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         make_engine(tiny, num_scheduler_steps=0, warmup=False)
+    with pytest.raises(ValueError, match="one data-parallel group"):
+        make_engine(tiny, num_scheduler_steps=2, mesh="dp=2", warmup=False)
 
 
 def test_streams_from_a_multi_step_engine_equal_single_steps(engines):
