@@ -34,16 +34,15 @@ uncomputed token) and no waiting request could be admitted now (none waits, or e
 taken), `schedule()` plans up to K decode steps per request for one device call: each chunk's
 `num_steps` is min(K, tokens left to `max_tokens`, room left to `max_len`), or, while a request
 waits for a seat, the smallest of those over the running requests (the call ends when the first
-seat frees, so the waiting request is admitted then). The request's pages for those steps are
-taken at once (lookahead, see `PageTable.allocate_slots`). If they do
-not all fit without preempting, the step is planned as a single step instead. The engine then
-feeds the device's tokens back one step at a time: `next_decode_step(chunk)` for the chunk of
-step j > 0, `update()` as usual. A request that stops inside the call (EOS, a stop, or its
-length) ends there; the device's later tokens for it are dropped, and its lookahead pages go
-back with the rest. The price is the usual one of multi-step scheduling: a seat freed inside
-the call by a stop (EOS, a stop id or string) stays empty until the call ends, so a waiting
-request may be admitted up to K - 1 steps later than with single steps, and the stopped request's
-row computes for nothing until then.
+seat frees, and the waiting request is admitted then). The pages for those steps are taken at
+once (lookahead, see `PageTable.allocate_slots`); if they do not all fit without preempting, a
+single step is planned instead. The engine then hands the device's tokens back one step at a
+time: `next_decode_step(chunk)` gives the chunk of step j > 0, `update()` takes its token as
+usual. A request that stops inside the call ends there; the device's later tokens for it are
+dropped and its lookahead pages go back with the rest. The price is the usual one of multi-step
+scheduling: a seat freed inside the call by a stop (EOS, a stop id or string) stays empty until
+the call ends, so a waiting request may be admitted up to K - 1 steps later than with single
+steps, and the stopped request's row computes for nothing until then.
 
 Aborts free pages at once, even between `schedule()` and `update()`: the in-flight step may still
 write K/V into those pages, but the pages were neither indexed by the prefix cache (only full,

@@ -404,3 +404,12 @@ def test_streams_from_a_multi_step_engine_equal_single_steps(engines):
     assert [sorted(e) for e in got_logprobs] == [sorted(e) for e in want[0].logprobs]
     assert stats["pages_in_use"] == 0 and stats["num_running"] == 0
     assert_clean(multi)
+
+
+def test_the_cli_flag_reaches_the_engine_config():
+    from jserve.cli import build_parser, engine_kwargs
+
+    for command in (["serve"], ["generate", "--prompt", "hi"]):
+        assert engine_kwargs(build_parser().parse_args(command))["num_scheduler_steps"] == 1
+        args = build_parser().parse_args(command + ["--num-scheduler-steps", "4"])
+        assert engine_kwargs(args)["num_scheduler_steps"] == 4
