@@ -183,20 +183,9 @@ class LLMEngine:
         if plan.num_steps > 1:
             self._decode_steps(plan, changed)
         elif plan.chunks:
-            rows = [(c.start, c.token_ids, c.page_ids) for c in plan.chunks]
-            sampling = [_sampling_row(c.request) for c in plan.chunks]
-            penalties = [(c.request.prompt_token_ids, c.request.output_token_ids)
-                         if c.samples and c.request.params.has_penalties else None for c in plan.chunks]
-            out = self.runner.execute(rows, sampling, penalties, getattr(plan, "groups", None))
+            out = self.runner.execute(*_runner_inputs(plan.chunks), getattr(plan, "groups", None))
             self.num_steps += 1
-            sampled = {c.request.request_id: int(out["tokens"][i]) for i, c in enumerate(plan.chunks) if c.samples}
-            index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
-            for req in self.scheduler.update(plan, sampled):
-                seq = self._sequences.get(req.request_id)
-                if seq is None:
-                    continue
-                self._accept(seq, out, index[req.request_id])
-                changed[seq.group.request_id] = seq.group
+            self._take(plan, out, changed)
         outputs = []
         for rid, group in changed.items():
             output = group.output()
@@ -207,15 +196,23 @@ class LLMEngine:
                     self._sequences.pop(seq.request.request_id, None)
         return outputs
 
+    def _take(self, plan, out: dict, changed: dict[str, "_Group"]) -> None:
+        """Hand a step's samples (`out`: arrays with a row per chunk of `plan`) to the scheduler and
+        accept each new token (logprobs, text, stop checks)."""
+        sampled = {c.request.request_id: int(out["tokens"][i]) for i, c in enumerate(plan.chunks) if c.samples}
+        index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
+        for req in self.scheduler.update(plan, sampled):
+            seq = self._sequences.get(req.request_id)
+            if seq is None:
+                continue
+            self._accept(seq, out, index[req.request_id])
+            changed[seq.group.request_id] = seq.group
+
     def _decode_steps(self, plan, changed: dict[str, "_Group"]) -> None:
         """Run a multi-step decode plan, then take its tokens step by step as single steps would."""
         chunks = plan.chunks
-        rows = [(c.start, c.token_ids, c.page_ids) for c in chunks]
-        sampling = [_sampling_row(c.request) for c in chunks]
-        penalties = [(c.request.prompt_token_ids, c.request.output_token_ids)
-                     if c.request.params.has_penalties else None for c in chunks]
         stops = [self._device_stops(c.request) for c in chunks]
-        out = self.runner.execute_decode_steps(rows, sampling, penalties, stops, [c.num_steps for c in chunks])
+        out = self.runner.execute_decode_steps(*_runner_inputs(chunks), stops, [c.num_steps for c in chunks])
         valid = out.pop("num_valid")
         live = list(enumerate(chunks))
         for j in range(int(valid.max())):
@@ -224,17 +221,10 @@ class LLMEngine:
                         and (nxt := self.scheduler.next_decode_step(c)) is not None]
                 if not live:
                     break
-            step_out = {key: value[j] for key, value in out.items()}
-            sampled = {c.request.request_id: int(step_out["tokens"][i]) for i, c in live}
-            index = {c.request.request_id: i for i, c in live}
+            rows = [i for i, _ in live]
             sub = dataclasses.replace(plan, chunks=[c for _, c in live], copies=[], num_batched_tokens=len(live))
             self.num_steps += 1
-            for req in self.scheduler.update(sub, sampled):
-                seq = self._sequences.get(req.request_id)
-                if seq is None:
-                    continue
-                self._accept(seq, step_out, index[req.request_id])
-                changed[seq.group.request_id] = seq.group
+            self._take(sub, {key: value[j][rows] for key, value in out.items()}, changed)
 
     def _device_stops(self, req: Request) -> tuple[list[int], int]:
         """The stop ids a multi-step decode checks on the device, and the samples before they count
@@ -327,6 +317,15 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
         }
+
+
+def _runner_inputs(chunks) -> tuple[list, list, list]:
+    """The runner's rows, sampling rows and penalty histories for a plan's chunks."""
+    rows = [(c.start, c.token_ids, c.page_ids) for c in chunks]
+    sampling = [_sampling_row(c.request) for c in chunks]
+    penalties = [(c.request.prompt_token_ids, c.request.output_token_ids)
+                 if c.samples and c.request.params.has_penalties else None for c in chunks]
+    return rows, sampling, penalties
 
 
 def _sampling_row(req: Request) -> tuple:

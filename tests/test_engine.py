@@ -25,11 +25,11 @@ def tiny(smollm2_checkpoint):
     return config, {k: jnp.asarray(v) for k, v in params.items()}, tokenizer
 
 
-def make_engine(tiny, **kw):
+def make_engine(tiny, eos=(), **kw):
     config, params, tokenizer = tiny
     defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, page_size=4, num_pages=200,
                     backend="cpu", warmup=True)
-    return build_engine(config, params, tokenizer, [], EngineConfig(**{**defaults, **kw}))
+    return build_engine(config, params, tokenizer, list(eos), EngineConfig(**{**defaults, **kw}))
 
 
 def run(engine, prompts, params):

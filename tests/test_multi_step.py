@@ -9,19 +9,15 @@ scheduling one step at a time (stops, penalties, seeds and logprobs included).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.checkpoint import read_params
-from jserve.engine import EngineConfig, build_engine
 from jserve.page_table import PageTable
 from jserve.request import SamplingParams
 from jserve.runner import GREEDY
 from jserve.scheduler import RequestStatus, SchedulerConfig, StepPlan
-from jserve.tokenizer import Tokenizer
 
-from conftest import DATA
+from test_engine import make_engine, tiny  # noqa: F401 (tiny: the module-scoped fixture)
 from test_scheduler import (FakeDevice, assert_reference_outputs, check_plan, fake_next_token, make_request,
                             make_scheduler, mixed_requests)
 
@@ -228,20 +224,6 @@ def test_when_a_multi_step_plan_is_made():
 
 
 # ------------------------------------------------------------------------------ engine
-
-@pytest.fixture(scope="module")
-def tiny(smollm2_checkpoint):
-    config, params = read_params(DATA / "arch" / "smollm2")
-    tokenizer = Tokenizer.load(smollm2_checkpoint)
-    return config, {k: jnp.asarray(v) for k, v in params.items()}, tokenizer
-
-
-def make_engine(tiny, eos=(), **kw):
-    config, params, tokenizer = tiny
-    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, page_size=4, num_pages=200,
-                    backend="cpu", warmup=True)
-    return build_engine(config, params, tokenizer, list(eos), EngineConfig(**{**defaults, **kw}))
-
 
 def run_all(engine, prompts, params):
     for i, (p, sp) in enumerate(zip(prompts, params)):
