@@ -22,18 +22,15 @@ import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jserve import buckets, cpu_kernels
+from jserve import buckets, cpu_kernels, device_steps
 from jserve.config import ModelConfig
 from jserve.huge_pages import Advice as HugePagesAdvice
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
 from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
-from jserve.request import MAX_LOGPROBS
-from jserve.sampler import SamplingArrays, penalty_history, sample
+from jserve.sampler import SamplingArrays, penalty_history
 from pallas_kernels.paged_attention import native
 
 logger = logging.getLogger(__name__)
@@ -119,7 +116,7 @@ class Runner:
         self.native_matmuls, self.native_head = self.linear is not None, self.tied_head is not None
         # On a background thread (see jserve.huge_pages); huge_pages.wait() says what it did.
         self.huge_pages = HugePagesAdvice((self.params, self.kv) if huge_pages else ())
-        step = functools.partial(_step, graphdef, attention, self.tied_head, self.linear)
+        step = functools.partial(device_steps.step, graphdef, attention, self.tied_head, self.linear)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
@@ -137,7 +134,7 @@ class Runner:
                              f"{jax.process_count()} processes")
         self.decode_steps = decode_steps
         self._decode_steps = jax.jit(functools.partial(
-            _decode_steps, graphdef, attention, self.tied_head, self.linear, page_size, config.vocab_size,
+            device_steps.decode_steps, graphdef, attention, self.tied_head, self.linear, page_size, config.vocab_size,
             decode_steps), donate_argnames=("kv",))
         self._seen: set[tuple] = set()
         self.num_compilations = 0
@@ -167,7 +164,7 @@ class Runner:
             default all 0.
         Returns:
           numpy arrays per row, in `rows` order, for the sample after each row's last token:
-          `tokens`, `logprob`, `rank`, `top_ids` and `top_logprobs` (MAX_LOGPROBS of them).
+          `tokens`, `logprob`, `rank`, `top_ids` and `top_logprobs` (`MAX_LOGPROBS` of them).
         """
         groups = list(groups) if groups is not None else [0] * len(rows)
         if any(not 0 <= g < self.dp for g in groups):
@@ -492,57 +489,3 @@ def _broadcast(header, tree=None):
     if header is not None:  # process 0: first the header, then the inputs
         multihost_utils.broadcast_one_to_all(header)
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
-
-
-def _step(graphdef, attention, tied_head, linear, params, kv, tokens, positions, meta, last, sampling,
-          history):
-    model = nnx.merge(graphdef, params)
-    logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None],
-                       tied_head=tied_head, linear=linear)
-    return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv
-
-
-def _decode_steps(graphdef, attention, tied_head, linear, page_size, vocab_size, max_steps, params, kv,
-                  tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
-    """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
-    early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
-    padded row: no query, its K/V write into the null page."""
-    model = nnx.merge(graphdef, params)
-    B = tokens.shape[0]
-    rows = jnp.arange(B)
-    ids, num_prompt = history
-    filled = jnp.sum(ids != vocab_size, axis=1)  # where the next sample goes in the penalty history
-    zeros = jnp.zeros((B, 1), jnp.int32)
-
-    def sample_step(logits, j, ids):
-        step_sampling = list(sampling)
-        step_sampling[5] = sampling[5] + j  # the index of the token sampled, for per-row seeds
-        return sample(logits, *step_sampling, penalties=(ids, num_prompt), num_logprobs=MAX_LOGPROBS)
-
-    shapes = jax.eval_shape(sample_step, jax.ShapeDtypeStruct((B, vocab_size), jnp.float32), 0, ids)
-    buffers = jax.tree.map(lambda x: jnp.zeros((max_steps,) + x.shape, x.dtype), shapes)
-
-    def body(state):
-        j, kv, token, done, ids, buffers, valid = state
-        live = ~done
-        pos = jnp.where(live, start + j, 0)
-        page = jnp.take_along_axis(pages, (pos // page_size)[:, None], axis=1)[:, 0]
-        slots = jnp.where(live, page * page_size + pos % page_size, 0)
-        meta = PagedMeta(slots, pos, live.astype(jnp.int32), pages)
-        logits, kv = model(token[:, None], pos[:, None], kv, meta, attention, logits_index=zeros,
-                           tied_head=tied_head, linear=linear)
-        out = sample_step(logits[:, 0], j, ids)
-        new = out["tokens"]
-        buffers = jax.tree.map(lambda buf, x: buf.at[j].set(x), buffers, out)
-        stopped = jnp.any(new[:, None] == stop_ids, axis=1) & (j + 1 >= min_new)
-        done = done | (live & (stopped | (j + 1 >= num_steps)))
-        ids = ids.at[rows, filled + j].set(jnp.where(live, new, vocab_size), mode="drop")
-        return j + 1, kv, jnp.where(live, new, token), done, ids, buffers, valid + live
-
-    def cond(state):
-        j, done = state[0], state[3]
-        return (j < max_steps) & jnp.any(~done)
-
-    state = (jnp.int32(0), kv, tokens, num_steps <= 0, ids, buffers, jnp.zeros((B,), jnp.int32))
-    _, kv, _, _, _, buffers, valid = jax.lax.while_loop(cond, body, state)
-    return {**buffers, "num_valid": valid}, kv

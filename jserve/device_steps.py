@@ -1,0 +1,70 @@
+"""The functions the paged runner jits (`jserve.runner`): one step, and several decode steps.
+
+Pure device code: they take the params, the KV pages (donated) and the step's arrays, and return
+the sampler's outputs and the new pages. The runner binds the model's graph, the attention
+backend and the matmul kernels with `functools.partial` and compiles one shape per bucket.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jserve.model.paged_attention import PagedMeta
+from jserve.request import MAX_LOGPROBS
+from jserve.sampler import sample
+
+
+def step(graphdef, attention, tied_head, linear, params, kv, tokens, positions, meta, last, sampling,
+          history):
+    model = nnx.merge(graphdef, params)
+    logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None],
+                       tied_head=tied_head, linear=linear)
+    return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv
+
+
+def decode_steps(graphdef, attention, tied_head, linear, page_size, vocab_size, max_steps, params, kv,
+                  tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
+    """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
+    early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
+    padded row: no query, its K/V write into the null page."""
+    model = nnx.merge(graphdef, params)
+    B = tokens.shape[0]
+    rows = jnp.arange(B)
+    ids, num_prompt = history
+    filled = jnp.sum(ids != vocab_size, axis=1)  # where the next sample goes in the penalty history
+    zeros = jnp.zeros((B, 1), jnp.int32)
+
+    def sample_step(logits, j, ids):
+        step_sampling = list(sampling)
+        step_sampling[5] = sampling[5] + j  # the index of the token sampled, for per-row seeds
+        return sample(logits, *step_sampling, penalties=(ids, num_prompt), num_logprobs=MAX_LOGPROBS)
+
+    shapes = jax.eval_shape(sample_step, jax.ShapeDtypeStruct((B, vocab_size), jnp.float32), 0, ids)
+    buffers = jax.tree.map(lambda x: jnp.zeros((max_steps,) + x.shape, x.dtype), shapes)
+
+    def body(state):
+        j, kv, token, done, ids, buffers, valid = state
+        live = ~done
+        pos = jnp.where(live, start + j, 0)
+        page = jnp.take_along_axis(pages, (pos // page_size)[:, None], axis=1)[:, 0]
+        slots = jnp.where(live, page * page_size + pos % page_size, 0)
+        meta = PagedMeta(slots, pos, live.astype(jnp.int32), pages)
+        logits, kv = model(token[:, None], pos[:, None], kv, meta, attention, logits_index=zeros,
+                           tied_head=tied_head, linear=linear)
+        out = sample_step(logits[:, 0], j, ids)
+        new = out["tokens"]
+        buffers = jax.tree.map(lambda buf, x: buf.at[j].set(x), buffers, out)
+        stopped = jnp.any(new[:, None] == stop_ids, axis=1) & (j + 1 >= min_new)
+        done = done | (live & (stopped | (j + 1 >= num_steps)))
+        ids = ids.at[rows, filled + j].set(jnp.where(live, new, vocab_size), mode="drop")
+        return j + 1, kv, jnp.where(live, new, token), done, ids, buffers, valid + live
+
+    def cond(state):
+        j, done = state[0], state[3]
+        return (j < max_steps) & jnp.any(~done)
+
+    state = (jnp.int32(0), kv, tokens, num_steps <= 0, ids, buffers, jnp.zeros((B,), jnp.int32))
+    _, kv, _, _, _, buffers, valid = jax.lax.while_loop(cond, body, state)
+    return {**buffers, "num_valid": valid}, kv
