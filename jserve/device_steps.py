@@ -17,7 +17,8 @@ from jserve.sampler import sample
 
 
 def step(graphdef, attention, tied_head, linear, params, kv, tokens, positions, meta, last, sampling,
-          history):
+         history):
+    """One step: the model over each row's tokens, then the sampler at each row's `last` token."""
     model = nnx.merge(graphdef, params)
     logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None],
                        tied_head=tied_head, linear=linear)
@@ -25,7 +26,7 @@ def step(graphdef, attention, tied_head, linear, params, kv, tokens, positions, 
 
 
 def decode_steps(graphdef, attention, tied_head, linear, page_size, vocab_size, max_steps, params, kv,
-                  tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
+                 tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
     """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
     early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
     padded row: no query, its K/V write into the null page."""
