@@ -32,7 +32,8 @@ def make_engine(tiny, eos=(), **kw):
     return build_engine(config, params, tokenizer, list(eos), EngineConfig(**{**defaults, **kw}))
 
 
-def run(engine, prompts, params):
+def run_outputs(engine, prompts, params):
+    """Each request's final (first) CompletionOutput, in prompt order."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)
     done = {}
@@ -40,7 +41,11 @@ def run(engine, prompts, params):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+    return [done[str(i)].outputs[0] for i in range(len(prompts))]
+
+
+def run(engine, prompts, params):
+    return [o.token_ids for o in run_outputs(engine, prompts, params)]
 
 
 def workload(n=64, seed=0, shared_prefix=()):

@@ -17,7 +17,7 @@ from jserve.request import SamplingParams
 from jserve.runner import GREEDY
 from jserve.scheduler import RequestStatus, SchedulerConfig, StepPlan
 
-from test_engine import make_engine, tiny  # noqa: F401 (tiny: the module-scoped fixture)
+from test_engine import make_engine, run_outputs as run_all, tiny  # noqa: F401 (tiny: the module-scoped fixture)
 from test_scheduler import (FakeDevice, assert_reference_outputs, check_plan, fake_next_token, make_request,
                             make_scheduler, mixed_requests)
 
@@ -224,17 +224,6 @@ def test_when_a_multi_step_plan_is_made():
 
 
 # ------------------------------------------------------------------------------ engine
-
-def run_all(engine, prompts, params):
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)].outputs[0] for i in range(len(prompts))]
-
 
 def summary(output):
     logprob_ids = None if output.logprobs is None else [sorted(entry) for entry in output.logprobs]
