@@ -355,8 +355,16 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
     config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
     kv_dtype = params["embed"].dtype
-    page_size = config.page_size if config.page_size is not None else default_page_size(
-        config.backend or default_backend())
+    backend = config.backend or default_backend()
+    page_size = config.page_size if config.page_size is not None else default_page_size(backend)
+    if backend == "gpu":
+        from pallas_kernels.paged_attention import gpu as gpu_kernel
+
+        if not gpu_kernel.supports(kv_dtype, model_config.head_dim, page_size):
+            logger.warning("the Mosaic GPU attention kernel needs bfloat16 or float16 weights, "
+                           "head_dim a multiple of 64 and page_size a multiple of 8 (got %s, %d, "
+                           "%d): attention runs the slower XLA gather path; try dtype='bfloat16'",
+                           kv_dtype, model_config.head_dim, page_size)
     num_pages = config.num_pages
     if num_pages is None:
         device = None if config.kv_cache_bytes is not None else device_memory_bytes()

@@ -3,7 +3,8 @@
 `paged_attention` (decode: one query per row) and `paged_prefill_attention` (a causal chunk of
 queries per row) dispatch to a backend: "cpu" (a native C++ kernel called through XLA's FFI,
 built on first use; Pallas interpret mode without a compiler), "cpu_pallas" (interpret mode only),
-"tpu" (Mosaic TPU kernel), "gpu" (XLA gather fallback for now) or "reference" (pure jnp).
+"tpu" (Mosaic TPU kernel), "gpu" (Mosaic GPU kernel for Hopper; the XLA gather for float32 K/V
+or head sizes it does not take) or "reference" (pure jnp).
 """
 
 from pallas_kernels.paged_attention.ops import BACKENDS, paged_attention, paged_prefill_attention

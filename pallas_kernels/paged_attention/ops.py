@@ -3,10 +3,9 @@
 Backends: "cpu" (the native kernel of `native.py`, decode and prefill chunks of any length,
 when it builds; without a compiler, or past `native.MAX_GROUPS` query heads per KV head, Pallas
 interpret mode, coarse grid), "cpu_pallas" (Pallas interpret mode always), "tpu" (Mosaic TPU
-kernel), "gpu" and "reference". There is no Mosaic GPU kernel yet: "gpu" runs the reference's
-XLA path (gather every slot of the page table, dense masked softmax in float32), which is
-correct but reads `max_pages_per_seq` pages per row whatever the lengths. All backends share
-one layout contract (DESIGN §4).
+kernel), "gpu" (Mosaic GPU kernel for Hopper, `gpu.py`, with bfloat16/float16 K/V and head_dim
+a multiple of 64; other dtypes and sizes run the reference's XLA path, which gathers every slot
+of the page table) and "reference". All backends share one layout contract (DESIGN §4).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import cpu, native, reference, tpu
+from pallas_kernels.paged_attention import cpu, gpu, native, reference, tpu
 from pallas_kernels.paged_attention.common import pack_rows, unpack_rows
 
 BACKENDS = ("cpu", "cpu_pallas", "tpu", "gpu", "reference")
@@ -82,12 +81,24 @@ def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_s
 def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_scale, soft_cap,
             sliding_window, pages_per_block):
     """q [batch, tokens, num_q_heads, head_dim] -> same shape, in q's dtype."""
+    num_kv_heads, _, page_size, head_dim = k_pages.shape
+    groups = q.shape[2] // num_kv_heads
+    if backend == "gpu" and gpu.supports(k_pages.dtype, head_dim, page_size):
+        # Keys per pipeline stage: a multiple of 64 (wgmma), at least 64, at most what fits
+        # in shared memory.
+        if pages_per_block is None:
+            pages_per_block = max(1, gpu.DEFAULT_BLOCK_KEYS // page_size)
+        pages_per_block = gpu.fit_pages_per_block(pages_per_block, page_size, head_dim,
+                                                  page_indices.shape[1], k_pages.dtype)
+        out = gpu.paged_attention_rows(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start,
+                                       q_lens, page_indices, sm_scale=float(sm_scale),
+                                       soft_cap=soft_cap, sliding_window=sliding_window,
+                                       groups=groups, pages_per_block=pages_per_block)
+        return unpack_rows(out, q.shape[1]).astype(q.dtype)
     if backend in ("reference", "gpu"):
         return reference.paged_prefill_attention_reference(
             q, k_pages, v_pages, q_start, q_lens, page_indices,
             sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    num_kv_heads, _, page_size, _ = k_pages.shape
-    groups = q.shape[2] // num_kv_heads
     if backend == "cpu" and native.supports(groups, q.shape[3]) and native.available():
         out = native.paged_attention_rows(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start,
                                           q_lens, page_indices, groups=groups, sm_scale=sm_scale,

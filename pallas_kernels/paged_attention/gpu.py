@@ -1,0 +1,287 @@
+"""GPU paged-attention kernel (Mosaic GPU, Hopper): TMA page copies into a multi-stage
+shared-memory pipeline, wgmma for both matmuls, online softmax in registers.
+
+Grid `(batch, num_kv_heads, row_blocks)`: each CUDA block (one warpgroup) owns 64 packed
+query rows (`common.pack_rows`: decode rows are the `groups` query heads of one KV head,
+padded to 64 for wgmma) of one KV head. It first copies its row of the page table (with the
+row's `q_start` and `q_len` in front) into shared memory, then walks its live key blocks
+(`pages_per_block` pages, 64 or more keys) with `stages` blocks of K and V in flight: each
+page is one TMA copy straight from the pool `[num_kv_heads, num_pages, page_size, head_dim]`,
+each stage's copies arrive on one barrier per tensor. Blocks outside the causal (and
+sliding-window) range of the row block are never read; keys past a row's length inside the
+last block are masked. Decode is the one-token case, so memory traffic is the live K/V bytes
+plus 64 query rows per (row, KV head).
+
+Supports bfloat16 and float16 K/V with head_dim a multiple of 64 (`supports`); `ops.py`
+sends anything else to the XLA reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_ROWS = 64          # wgmma's M: packed query rows per CUDA block
+DEFAULT_BLOCK_KEYS = 64  # keys per pipeline stage (pages_per_block * page_size)
+_META = 4                # int32 columns in front of each page-table row: q_start, q_len, 0, 0
+_MASK = -1e30            # finite: exp2(MASK - m) underflows to 0 without inf - inf
+_LOG2E = math.log2(math.e)
+_SMEM_PER_CORE = 233472  # bytes of shared memory per multiprocessor on Hopper (228 KiB)
+MAX_SMEM = 232448        # the most one CUDA block may use (227 KiB)
+
+
+def supports(dtype, head_dim: int, page_size: int) -> bool:
+    """Whether the Mosaic kernel handles K/V of this dtype, head size and page size (pages are
+    copied into 8-row shared-memory tiles of 64 columns)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim % 64 == 0 and page_size % 8 == 0)
+
+
+def fit_pages_per_block(pages_per_block: int, page_size: int, head_dim: int, max_pages: int,
+                        dtype, stages: int = 2) -> int:
+    """`pages_per_block` rounded up to whole 64-key tiles (wgmma's K for P.V), then lowered
+    a tile at a time until `stages` blocks of K and V fit in shared memory."""
+    step = 64 // math.gcd(64, page_size)
+    pages = -(-pages_per_block // step) * step
+    itemsize, width = jnp.dtype(dtype).itemsize, _meta_width(max_pages)
+    while pages > step and smem_bytes(head_dim, pages * page_size, stages, width,
+                                      itemsize) > MAX_SMEM:
+        pages -= step
+    return pages
+
+
+def _meta_width(max_pages: int) -> int:
+    """int32 columns per page-table row: q_start, q_len, 0, 0, then the pages, padded to a
+    multiple of 32 (a copy moves a multiple of 128 bytes: one 4-byte share per thread)."""
+    return -(-(_META + max_pages) // 32) * 32
+
+
+def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, meta_smem,
+            lse_smem, q_bar, meta_bar, k_bars, v_bars, *, sm_scale: float,
+            soft_cap: float | None, sliding_window: int | None, groups: int,
+            pages_per_block: int, max_pages: int, stages: int, splits: int, interpret: bool):
+    b, h = lax.axis_index("b"), lax.axis_index("h")
+    rb, split = lax.div(lax.axis_index("r"), splits), lax.rem(lax.axis_index("r"), splits)
+    page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
+    block_len = pages_per_block * page_size
+    row0 = rb * BLOCK_ROWS
+
+    # A plain bulk copy (no tensor map), so the row may be longer than TMA's 256-element box.
+    plgpu.copy_gmem_to_smem(meta_ref.at[b], meta_smem, meta_bar,
+                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, BLOCK_ROWS)], q_smem, q_bar)
+    plgpu.barrier_wait(meta_bar)
+    q_start, q_len = meta_smem[0], meta_smem[1]
+
+    # Key range [begin, end) of this row block's real tokens (common.key_range, in scalars).
+    first_token = lax.div(row0, groups)
+    last_token = jnp.minimum(lax.div(row0 + BLOCK_ROWS - 1, groups), q_len - 1)
+    end = jnp.where(first_token <= last_token, q_start + last_token + 1, 0)
+    begin = jnp.int32(0)
+    if sliding_window is not None:
+        begin = jnp.maximum(q_start + first_token - sliding_window + 1, 0)
+    first = lax.div(begin, block_len)
+    stop = jnp.maximum(lax.div(end + block_len - 1, block_len), first)
+    if splits > 1:  # this CUDA block's share: a contiguous run of the key blocks
+        share = lax.div(stop - first + splits - 1, splits)
+        first = first + split * share
+        stop = jnp.maximum(jnp.minimum(stop, first + share), first)
+
+    def fetch(j, slot):
+        for i in range(pages_per_block):
+            # Slots past the table's end only hold positions >= every length: clamp, then mask.
+            page = meta_smem[_META + jnp.minimum(j * pages_per_block + i, max_pages - 1)]
+            rows = pl.ds(i * page_size, page_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, rows], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, rows], v_bars.at[slot])
+
+    for s in range(stages):
+        @pl.when(first + s < stop)
+        def _():
+            fetch(first + s, s)
+
+    plgpu.barrier_wait(q_bar)
+    row = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_len), 0,
+                                        layout=plgpu.Layout.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_len), 1,
+                                 layout=plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _MASK, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA)
+
+    def body(j, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(j - first, jnp.int32(stages))
+        plgpu.barrier_wait(k_bars.at[slot])
+
+        if interpret:  # the GPU interpreter has no wgmma: the same products with jnp
+            s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        else:
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_len), jnp.float32))
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s * (sm_scale / soft_cap)) * _LOG2E
+        else:
+            s = s * (sm_scale * _LOG2E)  # logits in log2 units
+        rel = j * block_len + col - q_start  # key position relative to the row's first token
+        mask = (rel * groups <= row) & (row < q_len * groups)
+        if sliding_window is not None:
+            mask &= row < (rel + sliding_window) * groups
+        s = jnp.where(mask, s, _MASK)
+        m_next = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_next)
+        p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0])), 0.0)
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_wait(v_bars.at[slot])
+
+        if interpret:
+            acc = acc + jnp.dot(p.astype(v_smem.dtype), v_smem[slot],
+                                preferred_element_type=jnp.float32)
+        else:
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+
+        # Both matmuls are done with this slot: refill it with block j + stages.
+        @pl.when(j + stages < stop)
+        def _():
+            fetch(j + stages, slot)
+        return acc, m_next, l_i
+
+    acc, m_i, l_i = lax.fori_loop(first, stop, body, (acc, m_i, l_i))
+    l_safe = jnp.where(l_i > 0.0, l_i, 1.0)  # rows with no key output zeros (acc is 0)
+    out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    q_smem[...] = out.astype(q_smem.dtype)
+    # log2 of the softmax denominator in max-shifted log2 units: what `_combine` weighs by.
+    lse_smem[...] = jnp.where(l_i > 0.0, m_i + jnp.log(l_safe) * _LOG2E, _MASK)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, split, pl.ds(row0, BLOCK_ROWS)])
+    if splits > 1:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, split, pl.ds(row0, BLOCK_ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _combine(out, lse):
+    """Merge key splits: out [batch, kv_heads, splits, rows, head_dim], lse [..., splits, rows]
+    -> [batch, kv_heads, rows, head_dim] (float32 arithmetic; all-empty rows stay zeros)."""
+    weight = jnp.exp2(lse - lse.max(axis=2, keepdims=True))
+    weight = jnp.where(lse > _MASK / 2, weight, 0.0)
+    total = weight.sum(axis=2)
+    merged = (out.astype(jnp.float32) * weight[..., None]).sum(axis=2)
+    return (merged / jnp.where(total > 0, total, 1.0)[..., None]).astype(out.dtype)
+
+
+def smem_bytes(head_dim: int, block_len: int, stages: int, width: int, itemsize: int) -> int:
+    """Shared memory one CUDA block allocates: q, `stages` K and V blocks, page table, lse."""
+    return ((BLOCK_ROWS + 2 * stages * block_len) * head_dim * itemsize + 4 * width
+            + 4 * BLOCK_ROWS)
+
+
+def default_splits(ctas: int, max_blocks: int, smem: int) -> int:
+    """Key splits: the most that keep the grid within one wave of resident CUDA blocks.
+
+    Measured on an H200 (docs/performance.md, seventh session): decode at batch 1-32, 2k
+    context, was fastest when `ctas * splits` came closest to, without passing, the blocks
+    the multiprocessors hold at once (two per SM at 80 KiB of shared memory, head_dim 128;
+    a second, partial wave cost 15-25%). Each split keeps at least two key blocks.
+    """
+    cores = getattr(jax.devices()[0], "core_count", None) or 132
+    per_core = max(1, min(4, _SMEM_PER_CORE // (smem + 1024)))  # 1 KiB reserved per block
+    return max(1, min((cores * per_core) // ctas, max_blocks // 2, 16))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "groups",
+                                             "pages_per_block", "stages", "splits", "interpret"))
+def paged_attention_rows(
+    q: jax.Array,             # [batch, num_kv_heads, rows, head_dim] (common.pack_rows)
+    k_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
+    q_start: jax.Array,       # int32[batch]
+    q_lens: jax.Array,        # int32[batch]
+    page_indices: jax.Array,  # int32[batch, max_pages_per_seq]
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    groups: int,
+    pages_per_block: int,
+    stages: int = 2,
+    splits: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Runs the Mosaic GPU kernel; returns [batch, num_kv_heads, rows, head_dim] in q's dtype.
+
+    `pages_per_block * page_size` keys per pipeline stage must be a multiple of 64 (wgmma's
+    K for the P.V product); `stages` blocks are in flight per CUDA block (2 measured fastest
+    on an H200: at 80 KiB of shared memory per block, two blocks share a multiprocessor).
+    `splits` divides each row's keys among that many CUDA blocks, merged afterwards
+    (flash-decoding; default `default_splits`: only when batch x KV heads is too small to
+    fill the GPU). Raises ValueError when the blocks do not fit in shared memory.
+    """
+    batch, num_kv_heads, rows, head_dim = q.shape
+    _, _, page_size, _ = k_pages.shape
+    max_pages = page_indices.shape[1]
+    if (pages_per_block * page_size) % 64:
+        raise ValueError(f"pages_per_block * page_size = {pages_per_block} * {page_size} "
+                         "must be a multiple of 64")
+    dtype = k_pages.dtype
+    padded_rows = pl.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS
+    q = jnp.pad(q.astype(dtype), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    width = _meta_width(max_pages)  # one int32 row per batch row: q_start, q_len, 0, 0, pages
+    meta = jnp.zeros((batch, width), jnp.int32)
+    meta = meta.at[:, 0].set(q_start).at[:, 1].set(q_lens)
+    meta = meta.at[:, _META:_META + max_pages].set(page_indices)
+
+    swizzle = 128  # bytes: one 64-element row of a 16-bit tile
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(swizzle))
+    block_len = pages_per_block * page_size
+    row_blocks = padded_rows // BLOCK_ROWS
+    smem = smem_bytes(head_dim, block_len, stages, width, jnp.dtype(dtype).itemsize)
+    if smem > MAX_SMEM:
+        raise ValueError(f"pages_per_block={pages_per_block} x page_size={page_size} keys with "
+                         f"stages={stages} and head_dim={head_dim} need {smem} bytes of shared "
+                         f"memory, over the {MAX_SMEM} a CUDA block may use")
+    if splits is None:
+        splits = default_splits(batch * num_kv_heads * row_blocks,
+                                pl.cdiv(max_pages * page_size, block_len), smem)
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        groups=groups, pages_per_block=pages_per_block, max_pages=max_pages, stages=stages,
+        splits=splits, interpret=interpret)
+    out, lse = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, splits, padded_rows, head_dim),
+                                       dtype),
+                  jax.ShapeDtypeStruct((batch, num_kv_heads, splits, padded_rows),
+                                       jnp.float32)),
+        grid=(batch, num_kv_heads, row_blocks * splits),
+        grid_names=("b", "h", "r"),
+        scratch_types=[
+            plgpu.SMEM((BLOCK_ROWS, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((stages, block_len, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((stages, block_len, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((width,), jnp.int32),
+            plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
+            plgpu.Barrier(),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        ],
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(meta, q, k_pages, v_pages)
+    out = out[:, :, 0] if splits == 1 else _combine(out, lse)
+    return out[:, :, :rows]
