@@ -313,7 +313,7 @@ def main(argv=None):
         report["copy_bandwidth"] = copy_bw
         print(f"copy bandwidth (x + 1, bf16, 4 GiB moved): {copy_bw / 1e12:.2f} TB/s ({method})",
               flush=True)
-        variants = [tuple(map(int, v.split("x"))) for v in args.variants.split(",")]
+        variants = [tuple(map(int, v.split("x"))) for v in args.variants.split(",") if v]
         rows = []
         for shape in args.shapes:
             for page_size in args.page_sizes:
