@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weight dtype if the model must be converted first")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     p.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
     add_engine_args(p)
     p.set_defaults(func=_generate)

@@ -27,13 +27,28 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path
     return path
 
 
+def _cast_weights(params: dict, dtype: str) -> dict:
+    """Floating-point weights in `dtype` (shardings kept); logs when the checkpoint differed."""
+    import jax.numpy as jnp
+
+    target = jnp.dtype(dtype)
+    stored = {str(v.dtype) for v in params.values() if jnp.issubdtype(v.dtype, jnp.floating)}
+    if stored - {target.name}:
+        logger.info("casting the checkpoint's %s weights to %s", "/".join(sorted(stored)), dtype)
+    return {k: v.astype(target) if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != target
+            else v for k, v in params.items()}
+
+
 class LLM:
     """A model loaded for offline generation on the continuous-batching engine.
 
     Args:
       model: a jserve checkpoint folder, a Hugging Face folder, a `.gguf` file, or a converted
         model's name; None for the default SmolLM2-135M-Instruct (converted on first use).
-      dtype: weight dtype used when a conversion is needed ("float32" or "bfloat16").
+      dtype: weight (and KV cache) dtype, "float32" or "bfloat16": a model converted on first
+        use is written in it, and a checkpoint stored in the other one is cast on load. None
+        (default) keeps the checkpoint's; a conversion then writes float32. On an NVIDIA GPU
+        the paged-attention kernel needs bfloat16.
       max_model_len: context length (prompt + output); default the model's, capped at 8192.
       max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed: as in vLLM.
       num_pages, page_size, kv_cache_bytes, memory_fraction: the KV page pool (see EngineConfig).
@@ -47,7 +62,7 @@ class LLM:
       compilation_cache: directory for JAX's persistent compilation cache; False turns it off.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, seed: int = 0, num_pages: int | None = None,
                  page_size: int | None = None, kv_cache_bytes: int | None = None, memory_fraction: float = 0.9,
@@ -59,7 +74,9 @@ class LLM:
 
         if compilation_cache is not False:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
-        self.path = resolve_model(model, dtype=dtype)
+        if dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
+        self.path = resolve_model(model, dtype=dtype or "float32")
         if mesh is not None:
             from jserve.checkpoint import read_model_config
             from jserve.sharding import head_layout, make_mesh, mesh_sizes, restore_sharding
@@ -71,6 +88,8 @@ class LLM:
             shardings = lambda name, shape: restore_sharding(mesh, name, shape, layout)  # noqa: E731
         self.mesh = mesh
         self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings)
+        if dtype is not None:
+            params = _cast_weights(params, dtype)
         self.tokenizer = Tokenizer.load(self.path)
         limit = self.config.max_position_embeddings
         if max_model_len is None:

@@ -45,6 +45,23 @@ def test_convert_restore_and_generate_from_hf_folder(tiny_hf_folder, tmp_path):
     assert got.outputs[0].token_ids == ref["greedy_ids"][0].tolist()
 
 
+def test_llm_dtype_casts_a_stored_checkpoint(tiny_hf_folder, tmp_path):
+    """`LLM(dtype=)` applies to a checkpoint converted earlier in another dtype (it used to
+    apply to conversions only): bfloat16 weights and KV pages; None keeps the stored float32."""
+    from jserve import LLM, SamplingParams
+
+    convert(tiny_hf_folder, tmp_path / "ckpt", progress=False)  # float32
+    kw = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, warmup=False)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for dtype, want in ((None, "float32"), ("bfloat16", "bfloat16"), ("float32", "float32")):
+        llm = LLM(str(tmp_path / "ckpt"), dtype=dtype, **kw)
+        assert {str(p.dtype) for p in jax.tree.leaves(llm.runner.params)} == {want}
+        assert {str(k.dtype) for pair in llm.runner.kv for k in pair} == {want}
+        assert len(llm.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="dtype must be 'float32', 'bfloat16' or None, got 'fp16'"):
+        LLM(str(tmp_path / "ckpt"), dtype="fp16", **kw)
+
+
 def test_restore_into_given_shardings(tiny_hf_folder, tmp_path):
     convert(tiny_hf_folder, tmp_path / "ckpt", progress=False)
     device = jax.devices()[-1]

@@ -38,8 +38,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=parse_bytes, default="4MiB", help="larger bodies get 413")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weight dtype if the model must be converted first")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
     p.set_defaults(func=serve_command)
