@@ -9,6 +9,9 @@ The page table is `--table-width` slots wide, as the engine passes it (max_model
 page_size; padding slots -> the null page); `--table-width 0` gives every row a table of exactly
 its live pages, the best case for the reference's gather.
 
+On an NVIDIA GPU use `scripts/bench_gpu_attention.py` instead: it checks the Mosaic GPU kernel
+and times it with CUPTI (kernel time, not host dispatch), against the datasheet's bandwidth.
+
     python scripts/bench_kernels.py [--out bench.json] [--runs 10] [--dtype float32]
     python scripts/bench_kernels.py --heads smollm2 --batch 1 4 16 --context 256 1024 --table-width 0
 """
