@@ -1,10 +1,12 @@
 """GPU paged-attention kernel (Mosaic GPU, Hopper): TMA page copies into a multi-stage
 shared-memory pipeline, wgmma for both matmuls, online softmax in registers.
 
-Grid `(batch, num_kv_heads, row_blocks)`: each CUDA block (one warpgroup) owns 64 packed
-query rows (`common.pack_rows`: decode rows are the `groups` query heads of one KV head,
-padded to 64 for wgmma) of one KV head. It first copies its row of the page table (with the
-row's `q_start` and `q_len` in front) into shared memory, then walks its live key blocks
+Grid `(batch, num_kv_heads, row_blocks x splits)`: each CUDA block (one warpgroup) owns 64
+packed query rows (`common.pack_rows`: decode rows are the `groups` query heads of one KV head,
+padded to 64 for wgmma) of one KV head, and one of `splits` contiguous shares of their key
+blocks (flash-decoding: splits fill the GPU when batch x KV heads cannot; each writes its
+normalised output and log-sum-exp, merged by `_combine`). It first copies its row of the page
+table (with the row's `q_start` and `q_len` in front) into shared memory, then walks its key blocks
 (`pages_per_block` pages, 64 or more keys) with `stages` blocks of K and V in flight: each
 page is one TMA copy straight from the pool `[num_kv_heads, num_pages, page_size, head_dim]`,
 each stage's copies arrive on one barrier per tensor. Blocks outside the causal (and
@@ -165,7 +167,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_sme
     l_safe = jnp.where(l_i > 0.0, l_i, 1.0)  # rows with no key output zeros (acc is 0)
     out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
     q_smem[...] = out.astype(q_smem.dtype)
-    # log2 of the softmax denominator in max-shifted log2 units: what `_combine` weighs by.
+    # The row's log-sum-exp in base 2 (m is in log2 units): what `_combine` weighs splits by.
     lse_smem[...] = jnp.where(l_i > 0.0, m_i + jnp.log(l_safe) * _LOG2E, _MASK)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, split, pl.ds(row0, BLOCK_ROWS)])
@@ -222,7 +224,8 @@ def paged_attention_rows(
     splits: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Runs the Mosaic GPU kernel; returns [batch, num_kv_heads, rows, head_dim] in q's dtype.
+    """Runs the Mosaic GPU kernel; returns [batch, num_kv_heads, rows, head_dim] in the K/V
+    dtype (q is cast to it).
 
     `pages_per_block * page_size` keys per pipeline stage must be a multiple of 64 (wgmma's
     K for the P.V product); `stages` blocks are in flight per CUDA block (2 measured fastest
