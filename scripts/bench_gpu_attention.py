@@ -127,13 +127,18 @@ def run_checks(interpret: bool, only=None):
                        ok=bool(np.allclose(got, want, atol=2e-2, rtol=2e-2)
                                and not got[q_lens == 0].any() and np.isfinite(got).all()))
         except Exception as e:  # report and go on: one failure should not hide the others
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:800]}")
-            traceback.print_exc()
+            failed(row, e)
         print(f"check {name:34s} {'ok' if row['ok'] else 'FAIL'} "
               f"{row.get('max_abs_err', '')} {row.get('rel_err', '')} {row.get('error', '')}",
               flush=True)
         results.append(row)
     return results
+
+
+def failed(row: dict, error: Exception) -> None:
+    """Record an error in a result row (and print its traceback) so the run goes on."""
+    row.update(ok=False, error=f"{type(error).__name__}: {str(error)[:800]}")
+    traceback.print_exc()
 
 
 def timer():
@@ -229,8 +234,7 @@ def bench_decode(measure, iters, shape, batch, context, page_size, dtype, varian
                        frac_copy_bw=min_bytes / seconds / copy_bw,
                        frac_datasheet=min_bytes / seconds / DATASHEET_BW)
         except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:800]}"
-            traceback.print_exc()
+            failed(row, e)
         rows.append(row)
         print_row(row)
     return rows
@@ -262,8 +266,7 @@ def bench_prefill(measure, iters, shape, batch, tokens, context, page_size, dtyp
             seconds = measure(fn, (q, k_pages, v_pages, q_start, q_lens, table), iters)
             row.update(us=seconds * 1e6, tflops=flops / seconds / 1e12)
         except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:800]}"
-            traceback.print_exc()
+            failed(row, e)
         rows.append(row)
         print_row(row)
     return rows
@@ -327,9 +330,9 @@ def main(argv=None):
         report["rows"] = rows
     if args.out:
         args.out.write_text(json.dumps(report, indent=1, default=str))
-    failed = [c["name"] for c in report["checks"] if not c["ok"]]
-    print(f"checks: {len(report['checks']) - len(failed)} ok, {len(failed)} failed {failed}")
-    return 1 if failed else 0
+    bad = [c["name"] for c in report["checks"] if not c["ok"]]
+    print(f"checks: {len(report['checks']) - len(bad)} ok, {len(bad)} failed {bad}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -322,14 +322,19 @@ def test_tpu_kernel_in_tpu_interpret_mode():
 ])
 def test_tpu_kernel_lowers_for_tpu(head_dim, groups, page_size, dtype, tokens):
     """Pallas -> Mosaic lowering runs without a TPU; it catches unsupported ops and block shapes."""
+    lowered = _lower("tpu", "tpu", head_dim, groups, page_size, dtype, tokens, table_width=8)
+    assert "tpu_custom_call" in lowered
+
+
+def _lower(backend, platform, head_dim, groups, page_size, dtype, tokens, table_width):
+    """The text of `paged_prefill_attention` lowered for `platform` (soft cap and window on)."""
     sds = jax.ShapeDtypeStruct
     pages = sds((NUM_KV_HEADS, 33, page_size, head_dim), dtype)
-    per_row, table = sds((4,), jnp.int32), sds((4, 8), jnp.int32)
+    per_row, table = sds((4,), jnp.int32), sds((4, table_width), jnp.int32)
     q = sds((4, tokens, NUM_KV_HEADS * groups, head_dim), dtype)
-    lowered = paged_prefill_attention.trace(
-        q, pages, pages, per_row, per_row, table, backend="tpu", sm_scale=0.1, soft_cap=30.0,
-        sliding_window=40).lower(lowering_platforms=("tpu",))
-    assert "tpu_custom_call" in lowered.as_text()
+    return paged_prefill_attention.trace(
+        q, pages, pages, per_row, per_row, table, backend=backend, sm_scale=0.1, soft_cap=30.0,
+        sliding_window=40).lower(lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -396,14 +401,8 @@ def test_gpu_kernel_lowers_for_cuda(head_dim, groups, page_size, dtype, tokens):
     copy shapes (a 600-slot table: longer than one TMA box)."""
     from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
 
-    sds = jax.ShapeDtypeStruct
-    pages = sds((NUM_KV_HEADS, 33, page_size, head_dim), dtype)
-    per_row, table = sds((4,), jnp.int32), sds((4, 600), jnp.int32)
-    q = sds((4, tokens, NUM_KV_HEADS * groups, head_dim), dtype)
-    lowered = paged_prefill_attention.trace(
-        q, pages, pages, per_row, per_row, table, backend="gpu", sm_scale=0.1, soft_cap=30.0,
-        sliding_window=40).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    lowered = _lower("gpu", "cuda", head_dim, groups, page_size, dtype, tokens, table_width=600)
+    assert "mosaic_gpu" in lowered
 
 
 @pytest.mark.gpu
