@@ -256,10 +256,8 @@ class Runner:
         live = [[(start + j, [0]) for (start, _, _), n in zip(rows, valid) if j < n] for j in range(ran)]
         cost = [self._cost(step_rows) for step_rows in live]
         real = int(valid.sum())
-        self.records.append(StepRecord("decode", (B, 1), real, B * ran, seconds, sum(c[0] for c in cost),
-                                       sum(c[1] for c in cost), steps=ran))
-        self.total_real_tokens += real
-        self.total_padded_tokens += B * ran
+        self._record(StepRecord("decode", (B, 1), real, B * ran, seconds, sum(c[0] for c in cost),
+                                sum(c[1] for c in cost), steps=ran))
         result = {key: value[:, :len(rows)] for key, value in out.items()}
         result["num_valid"] = valid
         return result
@@ -321,11 +319,14 @@ class Runner:
         seconds = time.perf_counter() - t0
         self._count((kind, B, T), None if cached is None else self._compiled_count() > cached)
         real = sum(len(r[1]) for r in rows)
-        self.records.append(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
-        self.total_real_tokens += real
-        self.total_padded_tokens += B * T
+        self._record(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
         for i, slot in slot_of.items():
             results[i] = {key: value[slot] for key, value in out.items()}
+
+    def _record(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self.total_real_tokens += record.real_tokens
+        self.total_padded_tokens += record.padded_tokens
 
     def _call(self, kind: str, B: int, T: int, inputs):
         """Run the compiled step on host inputs (on every process, when there are several)."""
