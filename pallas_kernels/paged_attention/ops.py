@@ -3,9 +3,9 @@
 Backends: "cpu" (the native kernel of `native.py`, decode and prefill chunks of any length,
 when it builds; without a compiler, or past `native.MAX_GROUPS` query heads per KV head, Pallas
 interpret mode, coarse grid), "cpu_pallas" (Pallas interpret mode always), "tpu" (Mosaic TPU
-kernel), "gpu" (Mosaic GPU kernel for Hopper, `gpu.py`, with bfloat16/float16 K/V and head_dim
-a multiple of 64; other dtypes and sizes run the reference's XLA path, which gathers every slot
-of the page table) and "reference". All backends share one layout contract (DESIGN §4).
+kernel), "gpu" (Mosaic GPU kernel for Hopper, `gpu.py`, with bfloat16/float16 K/V, head_dim a
+multiple of 64 and page_size a multiple of 8; anything else runs the reference's XLA path,
+which gathers every slot of the page table) and "reference". All backends share one layout contract (DESIGN §4).
 """
 
 from __future__ import annotations
