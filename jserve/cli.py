@@ -131,6 +131,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, choices=["cpu", "cpu_pallas", "tpu", "gpu", "reference"],
                    help="paged-attention kernel (default: from the platform)")
     g.add_argument("--mesh", default=None, help="device mesh, e.g. tp=4 or dp=2,tp=4 (default: one device)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="KV page dtype (auto: the weights'); bfloat16 halves the KV bytes")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per device call while only decodes run (multi-step decode)")
     g = p.add_argument_group("multi-host (jax.distributed)")
@@ -148,7 +150,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, page_size=args.page_size,
                 num_pages=args.num_pages, kv_cache_bytes=args.kv_cache_bytes,
                 memory_fraction=args.memory_fraction, backend=args.attention_backend, mesh=args.mesh,
-                num_scheduler_steps=args.num_scheduler_steps)
+                num_scheduler_steps=args.num_scheduler_steps, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from jserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # vLLM's --kv-cache-dtype; "auto": the weights'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ class EngineConfig:
     memory_fraction: float = 0.9  # of accelerator memory, when neither of the above is given
     seed: int = 0
     backend: str | None = None  # paged-attention kernel backend; None: from the platform
+    kv_cache_dtype: str = "auto"  # KV page dtype: "auto" (the weights'), "float32" or "bfloat16"
     warmup: bool = True
     num_scheduler_steps: int = 1  # decode steps per device call when only decodes run (multi-step)
 
@@ -340,6 +342,8 @@ DEFAULT_CPU_KV_BYTES = 512 * 2**20
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  config: EngineConfig) -> LLMEngine:
     """Size the page pool, build the runner (warming it up if asked) and the engine."""
+    import jax.numpy as jnp
+
     from jserve import buckets
     from jserve.dense_runner import DenseRunner
     from jserve.kv_cache import default_page_size, device_memory_bytes, plan_memory
@@ -354,26 +358,29 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         dp, tp = mesh_sizes(mesh)["dp"], mesh_sizes(mesh)["tp"]
         plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
     config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
-    kv_dtype = params["embed"].dtype
+    weight_dtype = params["embed"].dtype
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {config.kv_cache_dtype!r}")
+    kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
     backend = config.backend or default_backend()
     page_size = config.page_size if config.page_size is not None else default_page_size(backend)
     if backend == "gpu":
         from pallas_kernels.paged_attention import gpu as gpu_kernel
 
         if not gpu_kernel.supports(kv_dtype, model_config.head_dim, page_size):
-            logger.warning("the Mosaic GPU attention kernel needs bfloat16 or float16 weights, "
+            logger.warning("the Mosaic GPU attention kernel needs a bfloat16 or float16 KV cache, "
                            "head_dim a multiple of 64 and page_size a multiple of 8 (got %s, %d, "
-                           "%d): attention runs the slower XLA gather path; try dtype='bfloat16'",
-                           kv_dtype, model_config.head_dim, page_size)
+                           "%d): attention runs the slower XLA gather path; try "
+                           "kv_cache_dtype='bfloat16'", kv_dtype, model_config.head_dim, page_size)
     num_pages = config.num_pages
     if num_pages is None:
         device = None if config.kv_cache_bytes is not None else device_memory_bytes()
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
             None if device is not None else DEFAULT_CPU_KV_BYTES)
         weight_bytes = sum(int(p.size) * p.dtype.itemsize for p in params.values()) if mesh is None else (
-            params_per_device(model_config, tp) * kv_dtype.itemsize)
+            params_per_device(model_config, tp) * weight_dtype.itemsize)
         # The budget (explicit, or the device's memory) is per device; each dp group has its own.
-        plan = plan_memory(plan_config, weight_dtype_bytes=kv_dtype.itemsize, kv_dtype=kv_dtype.name,
+        plan = plan_memory(plan_config, weight_dtype_bytes=weight_dtype.itemsize, kv_dtype=kv_dtype.name,
                            page_size=page_size, context=config.max_model_len, device_bytes=device,
                            memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
                            max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)

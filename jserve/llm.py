@@ -48,13 +48,15 @@ class LLM:
       dtype: weight (and KV cache) dtype, "float32" or "bfloat16": a model converted on first
         use is written in it, and a checkpoint stored in the other one is cast on load. None
         (default) keeps the checkpoint's; a conversion then writes float32. On an NVIDIA GPU
-        the paged-attention kernel needs bfloat16.
+        the paged-attention kernel needs a bfloat16 KV cache (this, or `kv_cache_dtype`).
       max_model_len: context length (prompt + output); default the model's, capped at 8192.
       max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed: as in vLLM.
       num_pages, page_size, kv_cache_bytes, memory_fraction: the KV page pool (see EngineConfig).
       backend: paged-attention kernel backend (default: from the platform).
       num_scheduler_steps: decode steps per device call while only decodes run (multi-step
         decode, vLLM's name; see `jserve.scheduler`); 1 schedules every step.
+      kv_cache_dtype: KV page dtype, vLLM's name: "auto" (the weights'), "float32" or
+        "bfloat16" (half the KV bytes, so twice the pages in the same budget).
       warmup: compile every bucket now (default) instead of on first use.
       shardings: optional weight shardings, passed to `checkpoint.load_checkpoint` (without a mesh).
       mesh: run over a device mesh: "dp=2,tp=4", a dict, or a `jax.sharding.Mesh` with axes
@@ -66,7 +68,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, seed: int = 0, num_pages: int | None = None,
                  page_size: int | None = None, kv_cache_bytes: int | None = None, memory_fraction: float = 0.9,
-                 backend: str | None = None, num_scheduler_steps: int = 1, warmup: bool = True, shardings: Any = None,
+                 backend: str | None = None, num_scheduler_steps: int = 1, kv_cache_dtype: str = "auto",
+                 warmup: bool = True, shardings: Any = None,
                  mesh: Any = None, compilation_cache: str | os.PathLike | bool | None = None):
         from jserve.checkpoint import load_checkpoint, resolve_model
         from jserve.engine import EngineConfig, build_engine
@@ -101,7 +104,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, page_size=page_size, num_pages=num_pages,
             kv_cache_bytes=kv_cache_bytes, memory_fraction=memory_fraction, seed=seed, backend=backend,
-            warmup=warmup, mesh=mesh, num_scheduler_steps=num_scheduler_steps)
+            warmup=warmup, mesh=mesh, num_scheduler_steps=num_scheduler_steps, kv_cache_dtype=kv_cache_dtype)
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
         self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config)
         self.runner = self.engine.runner
