@@ -37,9 +37,11 @@ def decode_run(llm, prompts, out_len: int, tag: str) -> tuple[float, list]:
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
+    done = {}
     while any(not s.request.output_token_ids for s in engine._sequences.values()):
-        engine.step()
-    done, t0 = {}, time.perf_counter()
+        # Requests that wait for pages can still be prefilling when the first ones finish.
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
     seconds = time.perf_counter() - t0
