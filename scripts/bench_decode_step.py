@@ -10,13 +10,18 @@ step compiled with:
   - the layer matmuls and the tied LM head: the native kernel over packed weights on "native"
     (the runner's default on CPU, where no dot library is then left to choose), XLA's dots over
     unpacked weights otherwise ("cpu/..." keep the native attention kernel).
-Variants take turns call by call (a busy machine slows them alike). The floor is the runner's
+Variants take turns call by call (a busy machine slows them alike). `--breakdown` adds, for the
+"native" variant, the same step with one part replaced by a stand-in that costs next to nothing
+but keeps the data flow (attention: K/V still written, the query passed through; layer matmuls:
+one input column broadcast to the output width; LM head: the same), so the step's time splits
+into attention, layer matmuls, head and the rest (all three replaced). The floor is the runner's
 own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (DESIGN §6:
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
 batches in `cpu_kernels.EIGEN_DECODE_BATCHES` and `EIGEN_PREFILL_BATCHES`; this script measures them.
 
     python scripts/bench_decode_step.py [--batch 1 2 4 8 16 32] [--context 256 1024] [--out step.json]
     python scripts/bench_decode_step.py --batch 1 2 --context 0 --tokens 16 128 512
+    python scripts/bench_decode_step.py --batch 16 --context 384 --variants native --breakdown
 """
 
 from __future__ import annotations
@@ -34,17 +39,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from jserve.checkpoint import load_checkpoint, resolve_model  # noqa: E402
 from jserve.engine import EngineConfig, build_engine  # noqa: E402
-from jserve.kv_cache import default_page_size  # noqa: E402
+from jserve.kv_cache import default_page_size, write_kv  # noqa: E402
 from jserve.llm import enable_compilation_cache  # noqa: E402
 from jserve.model import model_graphdef  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
 from jserve import buckets  # noqa: E402
 from jserve.model.llama import LAYER_MATMULS  # noqa: E402
 from jserve.cpu_kernels import EIGEN_DOTS, native_linear  # noqa: E402
-from jserve.runner import GREEDY, PREFILL_BATCH_BUCKETS, _step  # noqa: E402
+from jserve.device_steps import step as device_step  # noqa: E402
+from jserve.runner import GREEDY, PREFILL_BATCH_BUCKETS  # noqa: E402
 from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
 from pallas_kernels.matmul import native as native_matmul  # noqa: E402
 
@@ -52,6 +59,26 @@ from pallas_kernels.matmul import native as native_matmul  # noqa: E402
 VARIANTS = {"native": ("cpu", None, True), "native/eigen": ("cpu", EIGEN_DOTS, True),
             "cpu/ynn": ("cpu", None, False), "cpu/eigen": ("cpu", EIGEN_DOTS, False),
             "cpu_pallas/ynn": ("cpu_pallas", None, False), "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS, False)}
+
+
+# --breakdown: the parts a stand-in replaces, per extra variant of "native".
+PARTS = {"-attention": {"attention"}, "-layer matmuls": {"linear"}, "-head": {"head"},
+         "-all three": {"attention", "linear", "head"}}
+
+
+class _NoAttention(PagedAttention):
+    """Writes the new K/V as the real backend does, then returns the queries as the output."""
+
+    def _local(self, q, k, v, k_pages, v_pages, meta):
+        B, T, H, D = q.shape
+        K = k_pages.shape[0]
+        k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D),
+                                    meta.slots)
+        return q, k_pages, v_pages
+
+
+def _no_linear(x, w, out_features):
+    return jnp.broadcast_to(x[..., :1], (*x.shape[:-1], out_features))
 
 
 class _NoTokenizer:
@@ -74,15 +101,21 @@ def natural_params(runner, config):
         "embed": native_matmul.unpack(embed, c.vocab_size).T if embed.ndim == 3 else embed}
 
 
-def compile_variant(runner, config, params, backend, options, native_matmuls, rows):
+def compile_variant(runner, config, params, backend, options, native_matmuls, rows, stripped=frozenset()):
     """The step for these rows (padded to the runner's buckets), with this attention backend,
     these XLA options, and the native matmuls over the runner's packed params or XLA's dots over
-    unpacked ones (`params`)."""
+    unpacked ones (`params`); the parts in `stripped` replaced by stand-ins (see --breakdown)."""
     packed = native_matmuls and runner.native_matmuls
     head = runner.tied_head if packed else None
     linear = native_linear if packed else None
-    step = functools.partial(_step, model_graphdef(config), PagedAttention(backend, config.sliding_window),
-                             head, linear)
+    attention = PagedAttention(backend, config.sliding_window)
+    if "attention" in stripped:
+        attention = _NoAttention(backend, config.sliding_window)
+    if "linear" in stripped:
+        linear = _no_linear
+    if "head" in stripped:
+        head = functools.partial(_no_linear, out_features=config.vocab_size)
+    step = functools.partial(device_step, model_graphdef(config), attention, head, linear)
     new = max(len(r[1]) for r in rows)
     if new == 1:
         batch, width = buckets.pick(runner.batch_buckets, len(rows)), 1
@@ -99,17 +132,20 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, ro
     return lambda _runner_params, *args: compiled(params, *args)
 
 
-def bench(runner, config, natural, variants, batch, context, new, runs, bandwidth, peak):
+def bench(runner, config, natural, variants, batch, context, new, runs, bandwidth, peak, breakdown=False):
     pages = math.ceil((context + new) / runner.page_size)
     rows = [(context, [1] * new, list(range(1 + j * pages, 1 + (j + 1) * pages)))
             for j in range(batch)]
     compiled, compile_s = {}, {}
-    for name in variants:
+    parts = {"native" + suffix: frozenset(p) for suffix, p in PARTS.items()} if breakdown else {}
+    for name in [*variants, *parts]:
         start = time.perf_counter()
-        packed = VARIANTS[name][2] and runner.native_matmuls
+        base = VARIANTS[name if name in VARIANTS else "native"]
+        packed = base[2] and runner.native_matmuls
         compiled[name] = compile_variant(runner, config, runner.params if packed else natural,
-                                         *VARIANTS[name], rows)
+                                         *base, rows, parts.get(name, frozenset()))
         compile_s[name] = time.perf_counter() - start
+    variants = list(compiled)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(runs + 1):  # the first round is a warm-up call
         for name in variants:
@@ -127,6 +163,15 @@ def bench(runner, config, natural, variants, batch, context, new, runs, bandwidt
             for name, t in times.items()]
 
 
+def breakdown_of(median_ms: dict[str, float]) -> dict[str, float]:
+    """Each part's cost as the full step's median minus the median without it; "rest" is the
+    step with all three replaced (norms, rotary, K/V writes, sampler, the host's share)."""
+    full = median_ms["native"]
+    return {"step": full, "attention": full - median_ms["native-attention"],
+            "layer matmuls": full - median_ms["native-layer matmuls"],
+            "head": full - median_ms["native-head"], "rest": median_ms["native-all three"]}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -139,6 +184,8 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--bandwidth", type=float, default=27.0, help="GB/s (DESIGN §6)")
     parser.add_argument("--peak", type=float, default=190.0, help="fp32 GFLOP/s (DESIGN §6)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the native step without attention / layer matmuls / head")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     enable_compilation_cache()
@@ -155,16 +202,21 @@ def main(argv=None):
     natural = natural_params(runner, config)
     print(f"jax {jax.__version__}; median (min) of {args.runs} calls, variants interleaved; "
           f"floor = max(bytes / {args.bandwidth:g} GB/s, FLOPs / {args.peak:g} GFLOP/s)")
-    print(f"{'batch':>5}{'context':>8}{'tokens':>7}  {'variant':<17}{'median ms':>10}{'min ms':>8}"
+    print(f"{'batch':>5}{'context':>8}{'tokens':>7}  {'variant':<22}{'median ms':>10}{'min ms':>8}"
           f"{'floor ms':>9}{'x floor':>8}{'tok/s':>7}")
     results = []
     for batch, context, new in itertools.product(args.batch, args.context, args.tokens):
-        for r in bench(runner, config, natural, args.variants, batch, context, new, args.runs,
-                       args.bandwidth * 1e9, args.peak * 1e9):
+        rows = bench(runner, config, natural, args.variants, batch, context, new, args.runs,
+                     args.bandwidth * 1e9, args.peak * 1e9, args.breakdown)
+        for r in rows:
             results.append(r)
-            print(f"{batch:>5}{context:>8}{new:>7}  {r['variant']:<17}{r['median_ms']:>10.1f}"
+            print(f"{batch:>5}{context:>8}{new:>7}  {r['variant']:<22}{r['median_ms']:>10.1f}"
                   f"{r['min_ms']:>8.1f}{r['floor_ms']:>9.1f}{r['over_floor']:>8.2f}"
                   f"{r['tokens_per_s']:>7.0f}", flush=True)
+        if args.breakdown:
+            parts = breakdown_of({r["variant"]: r["median_ms"] for r in rows})
+            results.append(dict(batch=batch, context=context, tokens=new, breakdown_ms=parts))
+            print("    native step, medians (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
     if args.out:
         args.out.write_text(json.dumps(dict(jax=jax.__version__, runs=args.runs,
                                             bandwidth_gbps=args.bandwidth, peak_gflops=args.peak,
