@@ -12,6 +12,7 @@ import dataclasses
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -434,6 +435,9 @@ def test_sigterm_drains_and_exits_zero(smollm2_checkpoint):
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
         assert chunks[-1]["usage"]["completion_tokens"] == 600  # finished within the grace period
         assert proc.wait(60) == 0
+        # The loaded engine's objects were frozen out of the garbage collector (freeze_startup_heap).
+        frozen = re.search(r"\((\d+) startup objects frozen", proc.stderr.read())
+        assert frozen and int(frozen.group(1)) > 10_000, frozen
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -71,6 +72,21 @@ def _load(args: argparse.Namespace) -> Any:
     return LLM(args.model, dtype=args.dtype, seed=args.seed, warmup=True, **engine_kwargs(args))
 
 
+def freeze_startup_heap() -> int:
+    """Collect, then move every object alive now (JAX, Flax, the loaded engine) into the garbage
+    collector's permanent generation; returns how many.
+
+    Why: a loaded SmolLM2 engine leaves ~670k tracked objects, and a full collection walks all of
+    them: 320-370 ms (*measured*, 2-core development machine), with the GIL held, so every stream
+    stalls that long whenever enough survivors pile up to trigger one. Frozen, they are never
+    walked again (0.0 ms); what the server allocates later is collected as usual. vLLM freezes its
+    startup heap the same way. Only for a long-lived process: cyclic garbage among frozen objects
+    is never reclaimed."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
@@ -103,8 +119,10 @@ async def serve(args: argparse.Namespace) -> None:
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
     if loaded.done():
         llm = loaded.result()  # a load error propagates: exit non-zero
+        frozen = freeze_startup_heap()
         state.attach(AsyncLLMEngine(llm.engine))
-        logger.warning("ready: serving %s on http://%s:%d", name, args.host, args.port)
+        logger.warning("ready: serving %s on http://%s:%d (%d startup objects frozen out of the garbage "
+                       "collector)", name, args.host, args.port, frozen)
         await stopping
     logger.warning("shutting down (grace period %.0f s)", args.grace_period)
     await state.drain(args.grace_period)
