@@ -78,6 +78,8 @@ class _NoAttention(PagedAttention):
 
 
 def _no_linear(x, w, out_features):
+    if isinstance(w, tuple):
+        return tuple(_no_linear(x, wi, n) for wi, n in zip(w, out_features))
     return jnp.broadcast_to(x[..., :1], (*x.shape[:-1], out_features))
 
 

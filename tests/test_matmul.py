@@ -30,6 +30,39 @@ def test_packed_matches_numpy(lead, k, n):
                                atol=1e-5 * max(k, 1) ** 0.5)
 
 
+@pytest.mark.parametrize("lead,k,ns", [((16,), 576, (576, 192, 192)), ((2, 3), 64, (70, 24, 1)),
+                                       ((5,), 0, (30, 48)), ((130,), 100, (1536, 1536))])
+def test_packed_many_matches_numpy(lead, k, ns):
+    # Several weights read one x in one call (q/k/v, gate/up): each product as if alone.
+    rng = np.random.default_rng(k + sum(ns))
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    ws = [rng.standard_normal((k, n)).astype(np.float32) for n in ns]
+    packed = tuple(native.pack(jnp.asarray(w)) for w in ws)
+    outs = jax.jit(native.matmul_packed_many, static_argnums=2)(x, packed, ns)
+    assert len(outs) == len(ns)
+    for out, w, n in zip(outs, ws, ns):
+        assert out.shape == (*lead, n) and out.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5,
+                                   atol=1e-5 * max(k, 1) ** 0.5)
+
+
+def test_native_linear_takes_a_tuple_of_weights():
+    # The model's hook: a tuple of packed weights is one call, a tuple with a plain weight is not.
+    from jserve.cpu_kernels import native_linear
+    from jserve.model.llama import xla_linear
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((32, n)), jnp.float32) for n in (40, 8)]
+    want = [np.asarray(x) @ np.asarray(w) for w in ws]
+    for hook, params in ((native_linear, tuple(native.pack(w) for w in ws)),
+                         (native_linear, (native.pack(ws[0]), ws[1])), (xla_linear, tuple(ws))):
+        outs = hook(x, params, (40, 8))
+        assert isinstance(outs, tuple) and len(outs) == 2
+        for out, w in zip(outs, want):
+            np.testing.assert_allclose(np.asarray(out), w, rtol=1e-5, atol=1e-4)
+
+
 def test_embedding_rows_from_the_packed_transpose():
     # The runner's native head packs the embedding's transpose; the model's lookup reads the panels.
     from jserve.model.llama import embed_rows
@@ -49,6 +82,10 @@ def test_packed_refuses_bad_shapes():
         native.matmul_packed(jnp.ones((2, 8)), packed, 49)
     with pytest.raises(ValueError, match="2-D"):
         native.pack(jnp.ones((2, 3, 4)))
+    with pytest.raises(ValueError, match="n=49"):
+        native.matmul_packed_many(jnp.ones((2, 8)), (packed, packed), (30, 49))
+    with pytest.raises(ValueError, match="one width per weight"):
+        native.matmul_packed_many(jnp.ones((2, 8)), (packed, packed), (30,))
 
 
 def test_without_a_compiler_it_says_why_once(tmp_path):

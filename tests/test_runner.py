@@ -95,12 +95,14 @@ def test_cpu_steps_use_native_matmuls_or_eigen_dots_and_match_the_reference(nati
     assert not ref.native_matmuls and not ref.native_head
     if native_matmuls:
         # Layer weights and the tied embedding packed once; every layer matmul and the LM head on
-        # the packed kernel; one jit (no XLA dot left to pick a library for).
+        # the packed kernel, q/k/v and gate/up as one call each; one jit (no XLA dot left to pick a
+        # library for).
         assert runner.params["layers"][0]["wq"].ndim == 3 and ref.params["layers"][0]["wq"].ndim == 2
         assert runner.params["embed"].ndim == 3 and ref.params["embed"].ndim == 2
         for batch, tokens in ((1, 1), (2, 1), (8, 1), (1, 8)):
             hlo = _step_hlo(runner, batch, tokens)
-            assert hlo.count(f"@{native_matmul.TARGET}(") == 7 * config.num_layers + 1, (batch, tokens)
+            assert hlo.count(f"@{native_matmul.TARGET}(") == 2 * config.num_layers + 1, (batch, tokens)
+            assert hlo.count(f"@{native_matmul.TARGET_MANY}(") == 2 * config.num_layers, (batch, tokens)
             assert runner.step_fn(batch, tokens) is runner._step
         _check_batch_8_matches_the_reference(runner, ref)
         return

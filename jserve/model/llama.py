@@ -102,9 +102,10 @@ class DecoderLayer(nnx.Module):
 LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def xla_linear(x: jax.Array, w: jax.Array, out_features: int) -> jax.Array:
-    """x [..., in] @ w [in, out]: the layer matmuls' default (an XLA dot)."""
-    return x @ w
+def xla_linear(x: jax.Array, w, out_features):
+    """x [..., in] @ w [in, out]: the layer matmuls' default (an XLA dot); a tuple of weights (and
+    of widths) gives the tuple of products."""
+    return tuple(x @ wi for wi in w) if isinstance(w, tuple) else x @ w
 
 
 def embed_rows(embed: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -165,9 +166,10 @@ class LlamaModel(nnx.Module):
             `xla_tied_head`, for [vocab, hidden]; the runner's native CPU head reads it packed,
             see `embed_rows`).
           linear: computes `x @ w` for the layer weights named in `LAYER_MATMULS`, given x
-            [..., in], the weight as the params hold it and the output width (default
-            `xla_linear`; the runner's native CPU path holds them packed, see
-            `pallas_kernels.matmul.native.pack`).
+            [..., in], the weight as the params hold it and the output width; given a tuple of
+            weights and one of widths (q/k/v, gate/up: the products of one x), the tuple of
+            products (default `xla_linear`; the runner's native CPU path holds them packed and
+            runs a tuple as one call, see `pallas_kernels.matmul.native`).
         Returns:
           float32 logits [batch, tokens or n, vocab] and the new cache.
         """
@@ -180,7 +182,7 @@ class LlamaModel(nnx.Module):
         cos, sin = rotary_tables(positions, jnp.asarray(np.asarray(rope_inv_freq(c), np.float32)))
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm[...], c.rms_norm_eps)
-            q, k, v = lin(h, w.wq[...], qd), lin(h, w.wk[...], kvd), lin(h, w.wv[...], kvd)
+            q, k, v = lin(h, (w.wq[...], w.wk[...], w.wv[...]), (qd, kvd, kvd))
             if c.qkv_bias:
                 q, k, v = q + w.bq[...], k + w.bk[...], v + w.bv[...]
             q = q.reshape(B, T, c.num_heads, c.head_dim)
@@ -197,7 +199,7 @@ class LlamaModel(nnx.Module):
                 out = out + w.bo[...]
             x = x + out
             h = rms_norm(x, w.mlp_norm[...], c.rms_norm_eps)
-            gate, up = lin(h, w.w_gate[...], F), lin(h, w.w_up[...], F)
+            gate, up = lin(h, (w.w_gate[...], w.w_up[...]), (F, F))
             if c.mlp_bias:
                 gate, up = gate + w.b_gate[...], up + w.b_up[...]
             down = lin(jax.nn.silu(gate) * up, w.w_down[...], D)

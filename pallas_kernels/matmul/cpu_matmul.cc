@@ -1,5 +1,6 @@
 // Native CPU matmul over weights packed once at load, called from JAX as an XLA FFI custom call:
 //   JserveMatmulPacked  out[M, N] = x[M, K] @ w[K, N] in float32, w packed as [N / 24, K, 24]
+//   JserveMatmulPackedMany  the same for several weights that read one x (q/k/v, gate/up), one call
 // The paged runner's layer matmuls and tied LM head (w = the embedding's transpose) on CPU.
 
 #include <algorithm>
@@ -7,6 +8,8 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -155,32 +158,86 @@ void PackedPanel(int64_t M, int64_t K, const float* x, const float* panel, float
 }
 #endif  // __AVX2__
 
-ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1]) {
-    return ffi::Error::InvalidArgument("matmul_packed: x must be [M, K] and w [N / 24, K, 24]");
-  }
-  const int64_t M = xd[0], K = xd[1], P = wd[0], N = P * kPanel;
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* op = out->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(op, op + M * N, 0.0f);
-    return ffi::Error::Success();
-  }
+// One weight of a call: its packed panels, how many, and where its [M, P * 24] output goes.
+struct Job {
+  const float* w;
+  int64_t panels;
+  float* out;
+};
+
+// Every panel of every job, split into runs of panels over the caller and XLA's pool: the
+// matmuls that read the same x (q/k/v, gate/up) run as one call, one wait.
+void RunPanels(ffi::ThreadPool& pool, int64_t M, int64_t K, const float* x, const std::vector<Job>& jobs) {
+  std::vector<std::pair<int, int64_t>> panels;  // (job, panel)
+  for (int j = 0; j < static_cast<int>(jobs.size()); ++j)
+    for (int64_t p = 0; p < jobs[j].panels; ++p) panels.emplace_back(j, p);
+  const int64_t P = static_cast<int64_t>(panels.size());
+  if (P == 0) return;
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const int64_t tasks = std::min(P, workers * kTasksPerWorker);
   const int64_t per_task = (P + tasks - 1) / tasks;
-  auto task = [=](int64_t i) {
-    for (int64_t p = i * per_task; p < std::min(P, (i + 1) * per_task); ++p) {
-      PackedPanel(M, K, xp, wp + p * K * kPanel, op + p * kPanel, N);
+  auto task = [&](int64_t i) {
+    for (int64_t t = i * per_task; t < std::min(P, (i + 1) * per_task); ++t) {
+      const Job& job = jobs[panels[t].first];
+      const int64_t p = panels[t].second;
+      PackedPanel(M, K, x, job.w + p * K * kPanel, job.out + p * kPanel, job.panels * kPanel);
     }
   };
   ParallelFor(pool, (P + per_task - 1) / per_task, task);
+}
+
+// Checks one packed weight and its output against x [M, K]; the job, or an error naming the shapes.
+ffi::ErrorOr<Job> MakeJob(int64_t M, int64_t K, const ffi::Buffer<ffi::F32>& w, ffi::Buffer<ffi::F32>& out) {
+  auto wd = w.dimensions();
+  auto od = out.dimensions();
+  if (wd.size() != 3 || wd[2] != kPanel || wd[1] != K || od.size() != 2 || od[0] != M ||
+      od[1] != wd[0] * kPanel) {
+    return ffi::Error::InvalidArgument("matmul_packed: x must be [M, K], each w [N / 24, K, 24] and its out [M, N]");
+  }
+  return Job{w.typed_data(), wd[0], out.typed_data()};
+}
+
+ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
+                  std::vector<std::pair<ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>>>& pairs) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("matmul_packed: x must be [M, K]");
+  const int64_t M = xd[0], K = xd[1];
+  std::vector<Job> jobs;
+  for (auto& [w, out] : pairs) {
+    auto job = MakeJob(M, K, w, out);
+    if (job.has_error()) return job.error();
+    if (M == 0) continue;
+    if (K == 0) {
+      std::fill(job->out, job->out + M * job->panels * kPanel, 0.0f);
+      continue;
+    }
+    jobs.push_back(*job);
+  }
+  RunPanels(pool, M, K, x.typed_data(), jobs);
   return ffi::Error::Success();
+}
+
+ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  std::vector<std::pair<ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>>> pairs{{w, *out}};
+  return Matmul(pool, x, pairs);
+}
+
+// x @ w_i for several packed weights at once: args (x, w_1 .. w_n), results (out_1 .. out_n).
+ffi::Error MatmulPackedMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                            ffi::RemainingRets outs) {
+  if (ws.size() == 0 || ws.size() != outs.size()) {
+    return ffi::Error::InvalidArgument("matmul_packed_many: needs as many results as weights (at least one)");
+  }
+  std::vector<std::pair<ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>>> pairs;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error()) return w.error();
+    if (out.has_error()) return out.error();
+    pairs.emplace_back(*w, **out);
+  }
+  return Matmul(pool, x, pairs);
 }
 
 }  // namespace
@@ -191,3 +248,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmulPacked, MatmulPacked,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [N / 24, K, 24]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmulPackedMany, MatmulPackedMany,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .RemainingArgs()                // w_i [N_i / 24, K, 24]
+                                  .RemainingRets());              // out_i [M, N_i]

@@ -1,7 +1,7 @@
 """The native CPU matmul (`cpu_matmul.cc`), built on first use (`pallas_kernels.native_build`).
 
 `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
-[N / 24, K, 24] panels: the paged runner's layer matmuls and tied LM head on CPU (see
+[N / 24, K, 24] panels (`matmul_packed_many` for several weights that read the same x, in one call): the paged runner's layer matmuls and tied LM head on CPU (see
 `jserve.cpu_kernels`). Without a compiler `available()` is False and the runner
 keeps XLA's dots and unpacked weights.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 from pallas_kernels.native_build import NativeLibrary
 
 TARGET = "jserve_matmul_packed"
+TARGET_MANY = "jserve_matmul_packed_many"
 PANEL = 24  # kPanel in cpu_matmul.cc
 _LIBRARY = NativeLibrary("matmul", Path(__file__).with_name("cpu_matmul.cc"),
-                         {TARGET: "JserveMatmulPacked"},
+                         {TARGET: "JserveMatmulPacked", TARGET_MANY: "JserveMatmulPackedMany"},
                          what="native CPU matmul", fallback="using XLA's dot")
 
 
@@ -50,17 +52,31 @@ def unpack(packed: jax.Array, n: int) -> jax.Array:
 
 def matmul_packed(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     """`x @ w` in float32 for x [..., K] and `packed = pack(w)`; returns [..., n]."""
-    if packed.ndim != 3 or packed.shape[2] != PANEL or x.shape[-1] != packed.shape[1]:
-        raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [P, K, {PANEL}], "
-                         f"got {x.shape} and {packed.shape}")
-    if not 0 < n <= packed.shape[0] * PANEL:
-        raise ValueError(f"n={n} must be in (0, {packed.shape[0] * PANEL}] for packed {packed.shape}")
+    return _call(TARGET, x, (packed,), (n,))[0]
+
+
+def matmul_packed_many(x: jax.Array, packed: Sequence[jax.Array], ns: Sequence[int]) -> tuple[jax.Array, ...]:
+    """`(x @ w_1, ..., x @ w_k)` for `packed[i] = pack(w_i)` as one call: the panels of all the
+    weights are shared out over the threads together (q/k/v, gate/up: one wait, not three)."""
+    if len(packed) != len(ns) or not packed:
+        raise ValueError(f"matmul_packed_many needs one width per weight, got {len(packed)} weights "
+                         f"and widths {tuple(ns)}")
+    return _call(TARGET_MANY, x, tuple(packed), tuple(ns))
+
+
+def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Array, ...]:
+    for w, n in zip(packed, ns):
+        if w.ndim != 3 or w.shape[2] != PANEL or x.shape[-1] != w.shape[1]:
+            raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [P, K, {PANEL}], "
+                             f"got {x.shape} and {w.shape}")
+        if not 0 < n <= w.shape[0] * PANEL:
+            raise ValueError(f"n={n} must be in (0, {w.shape[0] * PANEL}] for packed {w.shape}")
     if not available():
         raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
     lead = x.shape[:-1]
     flat = x.reshape(math.prod(lead), x.shape[-1]).astype(jnp.float32)
-    call = jax.ffi.ffi_call(TARGET,
-                            jax.ShapeDtypeStruct((flat.shape[0], packed.shape[0] * PANEL), jnp.float32),
-                            vmap_method="sequential")
-    out = call(flat, packed)
-    return (out if out.shape[1] == n else out[:, :n]).reshape(*lead, n)
+    shapes = [jax.ShapeDtypeStruct((flat.shape[0], w.shape[0] * PANEL), jnp.float32) for w in packed]
+    outs = jax.ffi.ffi_call(target, shapes if target == TARGET_MANY else shapes[0],
+                            vmap_method="sequential")(flat, *packed)
+    outs = outs if target == TARGET_MANY else (outs,)
+    return tuple((o if o.shape[1] == n else o[:, :n]).reshape(*lead, n) for o, n in zip(outs, ns))
