@@ -72,13 +72,15 @@ class LLM:
                  warmup: bool = True, shardings: Any = None,
                  mesh: Any = None, compilation_cache: str | os.PathLike | bool | None = None):
         from jserve.checkpoint import load_checkpoint, resolve_model
-        from jserve.engine import EngineConfig, build_engine
+        from jserve.engine import KV_CACHE_DTYPES, EngineConfig, build_engine
         from jserve.tokenizer import Tokenizer
 
         if compilation_cache is not False:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
         if dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:  # before loading (build_engine checks it too)
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.path = resolve_model(model, dtype=dtype or "float32")
         if mesh is not None:
             from jserve.checkpoint import read_model_config

@@ -258,6 +258,24 @@ inline void Accumulate(const float* pt, int64_t js, int64_t rs, const float* alp
   }
 }
 
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// dst[0..D) = the bfloat16 row src widened to float32, 8 at a time (a zero-extension and a
+// shift: vpmovzxwd + vpslld with AVX2). GCC left the element-by-element loop scalar: one thread's
+// decode over bfloat16 K/V took 13040 cycles per 64-key block from L2 and 18280 from DRAM that
+// way, 6190 and 7810 now (float32 pages: 3580 and ~9700; *measured*, a /tmp harness).
+inline void WidenRow(const uint16_t* src, float* dst, int64_t D) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    u16x8 h;
+    std::memcpy(&h, src + d, sizeof h);
+    const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    std::memcpy(dst + d, &w, sizeof w);
+  }
+  for (; d < D; ++d) dst[d] = Bf16ToF32(src[d]);
+}
+
 // Pointers to the K and V rows of keys j0 .. j0 + n - 1 (n <= kKeyBlock) of one KV head: into
 // the pages for f32, widened into `wide` (2 * kKeyBlock rows of D) for bf16. A page id outside
 // the pool reads page 0.
@@ -277,10 +295,8 @@ inline void GatherRows(const T* k_head, const T* v_head, const int32_t* table, i
     } else {
       float* kw = wide + j * D;
       float* vw = wide + (kKeyBlock + j) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        kw[d] = Load(kp, static_cast<int>(d));
-        vw[d] = Load(vp, static_cast<int>(d));
-      }
+      WidenRow(kp, kw, D);
+      WidenRow(vp, vw, D);
       krow[j] = kw;
       vrow[j] = vw;
     }
