@@ -140,6 +140,8 @@ def bench(runner, config, natural, variants, batch, context, new, runs, bandwidt
             for j in range(batch)]
     compiled, compile_s = {}, {}
     parts = {"native" + suffix: frozenset(p) for suffix, p in PARTS.items()} if breakdown else {}
+    if breakdown and "native" not in variants:
+        variants = ["native", *variants]
     for name in [*variants, *parts]:
         start = time.perf_counter()
         base = VARIANTS[name if name in VARIANTS else "native"]

@@ -55,8 +55,9 @@ def test_native_linear_takes_a_tuple_of_weights():
     x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
     ws = [jnp.asarray(rng.standard_normal((32, n)), jnp.float32) for n in (40, 8)]
     want = [np.asarray(x) @ np.asarray(w) for w in ws]
-    for hook, params in ((native_linear, tuple(native.pack(w) for w in ws)),
-                         (native_linear, (native.pack(ws[0]), ws[1])), (xla_linear, tuple(ws))):
+    cases = ((native_linear, tuple(native.pack(w) for w in ws)),
+             (native_linear, (native.pack(ws[0]), ws[1])), (xla_linear, tuple(ws)))
+    for hook, params in cases:
         outs = hook(x, params, (40, 8))
         assert isinstance(outs, tuple) and len(outs) == 2
         for out, w in zip(outs, want):

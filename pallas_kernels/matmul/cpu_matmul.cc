@@ -167,7 +167,8 @@ struct Job {
 
 // Every panel of every job, split into runs of panels over the caller and XLA's pool: the
 // matmuls that read the same x (q/k/v, gate/up) run as one call, one wait.
-void RunPanels(ffi::ThreadPool& pool, int64_t M, int64_t K, const float* x, const std::vector<Job>& jobs) {
+void RunPanels(ffi::ThreadPool& pool, int64_t M, int64_t K, const float* x,
+               const std::vector<Job>& jobs) {
   std::vector<std::pair<int, int64_t>> panels;  // (job, panel)
   for (int j = 0; j < static_cast<int>(jobs.size()); ++j)
     for (int64_t p = 0; p < jobs[j].panels; ++p) panels.emplace_back(j, p);
@@ -187,12 +188,14 @@ void RunPanels(ffi::ThreadPool& pool, int64_t M, int64_t K, const float* x, cons
 }
 
 // Checks one packed weight and its output against x [M, K]; the job, or an error naming the shapes.
-ffi::ErrorOr<Job> MakeJob(int64_t M, int64_t K, const ffi::Buffer<ffi::F32>& w, ffi::Buffer<ffi::F32>& out) {
+ffi::ErrorOr<Job> MakeJob(int64_t M, int64_t K, const ffi::Buffer<ffi::F32>& w,
+                          ffi::Buffer<ffi::F32>& out) {
   auto wd = w.dimensions();
   auto od = out.dimensions();
   if (wd.size() != 3 || wd[2] != kPanel || wd[1] != K || od.size() != 2 || od[0] != M ||
       od[1] != wd[0] * kPanel) {
-    return ffi::Error::InvalidArgument("matmul_packed: x must be [M, K], each w [N / 24, K, 24] and its out [M, N]");
+    return ffi::Error::InvalidArgument(
+        "matmul_packed: x must be [M, K], each w [N / 24, K, 24] and its out [M, N]");
   }
   return Job{w.typed_data(), wd[0], out.typed_data()};
 }

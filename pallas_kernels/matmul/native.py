@@ -1,9 +1,9 @@
 """The native CPU matmul (`cpu_matmul.cc`), built on first use (`pallas_kernels.native_build`).
 
 `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
-[N / 24, K, 24] panels (`matmul_packed_many` for several weights that read the same x, in one call): the paged runner's layer matmuls and tied LM head on CPU (see
-`jserve.cpu_kernels`). Without a compiler `available()` is False and the runner
-keeps XLA's dots and unpacked weights.
+[N / 24, K, 24] panels (`matmul_packed_many`: several weights that read the same x, one call):
+the paged runner's layer matmuls and tied LM head on CPU (see `jserve.cpu_kernels`). Without a
+compiler `available()` is False and the runner keeps XLA's dots and unpacked weights.
 """
 
 from __future__ import annotations
