@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jserve.checkpoint import load_checkpoint, resolve_model  # noqa: E402
 from jserve.engine import EngineConfig, build_engine  # noqa: E402
-from jserve.kv_cache import default_page_size, write_kv  # noqa: E402
+from jserve.kv_cache import default_page_size  # noqa: E402
 from jserve.llm import enable_compilation_cache  # noqa: E402
 from jserve.model import model_graphdef  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
@@ -70,11 +70,7 @@ class _NoAttention(PagedAttention):
     """Writes the new K/V as the real backend does, then returns the queries as the output."""
 
     def _local(self, q, k, v, k_pages, v_pages, meta):
-        B, T, H, D = q.shape
-        K = k_pages.shape[0]
-        k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D),
-                                    meta.slots)
-        return q, k_pages, v_pages
+        return (q, *self._write(k, v, k_pages, v_pages, meta))
 
 
 def _no_linear(x, w, out_features):

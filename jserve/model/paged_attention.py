@@ -61,11 +61,15 @@ class PagedAttention:
         cache = cache[:layer] + ((k_pages, v_pages),) + cache[layer + 1:]
         return out, cache
 
+    @staticmethod
+    def _write(k, v, k_pages, v_pages, meta: PagedMeta):
+        """The step's new K/V [batch, tokens, kv_heads, head_dim] into their page slots."""
+        B, T, K, D = k.shape
+        return write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D), meta.slots)
+
     def _local(self, q, k, v, k_pages, v_pages, meta: PagedMeta):
         B, T, H, D = q.shape
-        K = k_pages.shape[0]
-        k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D),
-                                    meta.slots)
+        k_pages, v_pages = self._write(k, v, k_pages, v_pages, meta)
         scale = D ** -0.5
         if T == 1:  # decode: the query sits at the last cached position
             lengths = (meta.q_start + meta.q_lens) * (meta.q_lens > 0)
