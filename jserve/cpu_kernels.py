@@ -7,13 +7,13 @@ import functools
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from jserve.config import ModelConfig
 from jserve.model.llama import LAYER_MATMULS
 from pallas_kernels.matmul import native as native_matmul
 
-# Without the native matmuls (no compiler, non-float32 weights, `native_matmuls=False`):
+# Without the native matmuls (no compiler, weights neither float32 nor bfloat16,
+# `native_matmuls=False`):
 # XLA:CPU sends dots to YNNPACK by default; some CPU steps run faster with its Eigen dots
 # (SmolLM2, 2-core AMD EPYC with AVX2, each pair interleaved in one process with
 # scripts/bench_decode_step.py or an uncommitted harness of the same kind; medians in ms, YNNPACK
@@ -44,15 +44,16 @@ EIGEN_PREFILL_BATCHES = (1,)
 
 def native_matmul_params(config: ModelConfig, params: dict[str, Any], *, enabled: bool
                          ) -> tuple[dict[str, Any], Callable | None, Callable | None]:
-    """`(params, linear, tied_head)` for a runner: with `enabled` and the kernel built, float32 layer
-    weights and a float32 tied embedding (transposed) packed once into the kernel's panels, and
-    the model hooks that read them (None where a weight stays plain, for XLA's dots). Whoever
-    merges the returned params into the model must pass the hooks."""
+    """`(params, linear, tied_head)` for a runner: with `enabled` and the kernel built, the layer
+    weights and a tied embedding (transposed), float32 or bfloat16 (kept as they are), packed
+    once into the kernel's panels, and the model hooks that read them (None where a weight stays
+    plain, for XLA's dots). Whoever merges the returned params into the model must pass the
+    hooks."""
     enabled = enabled and native_matmul.available()
     layers = params["layers"]
     packed_layers = enabled and all(
-        layer[name].dtype == jnp.float32 for layer in layers.values() for name in LAYER_MATMULS)
-    packed_head = enabled and config.tie_word_embeddings and params["embed"].dtype == jnp.float32
+        layer[name].dtype in native_matmul.WEIGHT_DTYPES for layer in layers.values() for name in LAYER_MATMULS)
+    packed_head = enabled and config.tie_word_embeddings and params["embed"].dtype in native_matmul.WEIGHT_DTYPES
     if packed_layers:
         params = {**params, "layers": {
             i: {name: native_matmul.pack(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
@@ -74,11 +75,13 @@ def native_linear(x: jax.Array, w, out_features):
     widths) runs as one call (`matmul_packed_many`), so q/k/v and gate/up are 2 calls a layer, not
     5: the SmolLM2 decode step at 16 rows x 384 cached tokens 59.6 / 69.0 / 59.7 -> 57.7 / 64.0 /
     57.7 ms in three interleaved runs of 30-60 steps; at 8 rows 37.2 -> 36.8, at 4 and at 16 x
-    1024 no difference beyond the noise (*measured*, an uncommitted harness)."""
+    1024 no difference beyond the noise (*measured*, an uncommitted harness). The products come
+    back in x's dtype, as an XLA dot of x and a weight of that dtype would give them (the kernel
+    computes in float32: bfloat16 activations are rounded once, at the end)."""
     if isinstance(w, tuple):
         if all(wi.ndim == 3 for wi in w):
-            return native_matmul.matmul_packed_many(x, w, out_features)
+            return tuple(o.astype(x.dtype) for o in native_matmul.matmul_packed_many(x, w, out_features))
         return tuple(native_linear(x, wi, n) for wi, n in zip(w, out_features))
     if w.ndim == 3:
-        return native_matmul.matmul_packed(x, w, out_features)
+        return native_matmul.matmul_packed(x, w, out_features).astype(x.dtype)
     return x @ w

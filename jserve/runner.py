@@ -109,7 +109,8 @@ class Runner:
             # Batch 1 pays off with the native kernel (SmolLM2, 256 context: 28 ms vs 38 ms at
             # batch 2); the Pallas interpret kernel took 1.5 s at batch 1 (bench_decode_step.py).
             self.batch_buckets = tuple(b for b in self.batch_buckets if b != 1)
-        # Native matmuls on the CPU backend, unsharded and float32 (built now, not while tracing).
+        # Native matmuls on the CPU backend, unsharded, float32 or bfloat16 weights (built now, not
+        # while tracing).
         native_ok = native_matmuls and self.backend == "cpu" and mesh is None
         self.params, self.linear, self.tied_head = cpu_kernels.native_matmul_params(
             config, self.params, enabled=native_ok)

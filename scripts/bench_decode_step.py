@@ -22,6 +22,11 @@ batches in `cpu_kernels.EIGEN_DECODE_BATCHES` and `EIGEN_PREFILL_BATCHES`; this 
     python scripts/bench_decode_step.py [--batch 1 2 4 8 16 32] [--context 256 1024] [--out step.json]
     python scripts/bench_decode_step.py --batch 1 2 --context 0 --tokens 16 128 512
     python scripts/bench_decode_step.py --batch 16 --context 384 --variants native --breakdown
+    python scripts/bench_decode_step.py --batch 1 4 16 --context 384 --variants native --dtype float32 bfloat16
+
+`--dtype` casts the weights (the KV pages follow them, as `kv_cache_dtype="auto"` does); with
+several, each dtype gets its own runner and all take turns call by call, the first dtype's
+variants named as usual and the others' suffixed `@dtype`.
 """
 
 from __future__ import annotations
@@ -130,37 +135,44 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, ro
     return lambda _runner_params, *args: compiled(params, *args)
 
 
-def bench(runner, config, natural, variants, batch, context, new, runs, bandwidth, peak, breakdown=False):
-    pages = math.ceil((context + new) / runner.page_size)
+def bench(runners, config, variants, batch, context, new, runs, bandwidth, peak, breakdown=False):
+    """`runners`: {dtype: (runner, its params unpacked for XLA's dots)}; the first dtype's variants
+    (and the --breakdown parts) keep their names, the others' get an `@dtype` suffix."""
+    first = next(iter(runners))
+    pages = math.ceil((context + new) / runners[first][0].page_size)
     rows = [(context, [1] * new, list(range(1 + j * pages, 1 + (j + 1) * pages)))
             for j in range(batch)]
-    compiled, compile_s = {}, {}
+    compiled, compile_s, owner = {}, {}, {}
     parts = {"native" + suffix: frozenset(p) for suffix, p in PARTS.items()} if breakdown else {}
     if breakdown and "native" not in variants:
         variants = ["native", *variants]
-    for name in [*variants, *parts]:
-        start = time.perf_counter()
-        base = VARIANTS[name if name in VARIANTS else "native"]
-        packed = base[2] and runner.native_matmuls
-        compiled[name] = compile_variant(runner, config, runner.params if packed else natural,
-                                         *base, rows, parts.get(name, frozenset()))
-        compile_s[name] = time.perf_counter() - start
-    variants = list(compiled)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    for dtype, (runner, natural) in runners.items():
+        for name in [*variants, *(parts if dtype == first else ())]:
+            start = time.perf_counter()
+            base = VARIANTS[name if name in VARIANTS else "native"]
+            packed = base[2] and runner.native_matmuls
+            label = name if dtype == first else f"{name}@{dtype}"
+            compiled[label] = compile_variant(runner, config, runner.params if packed else natural,
+                                              *base, rows, parts.get(name, frozenset()))
+            compile_s[label], owner[label] = time.perf_counter() - start, runner
+    times: dict[str, list[float]] = {label: [] for label in compiled}
     for i in range(runs + 1):  # the first round is a warm-up call
-        for name in variants:
-            runner.step_fn = lambda b, t, c=compiled[name]: c
+        for label, step in compiled.items():
+            runner = owner[label]
+            runner.step_fn = lambda b, t, c=step: c
             runner.execute(rows, [GREEDY] * batch)
             if i:
-                times[name].append(runner.records[-1].seconds)
-    record = runner.records[-1]
-    floor = max(record.bytes_needed / bandwidth, record.flops_needed / peak)
-    return [dict(variant=name, batch=batch, context=context, tokens=new, median_ms=1e3 * statistics.median(t),
-                 min_ms=1e3 * min(t), floor_ms=1e3 * floor, bytes=record.bytes_needed,
-                 flops=record.flops_needed, over_floor=statistics.median(t) / floor,
-                 tokens_per_s=batch * new / statistics.median(t),
-                 compile_s=compile_s[name])
-            for name, t in times.items()]
+                times[label].append(runner.records[-1].seconds)
+    out = []
+    for label, t in times.items():
+        record = owner[label].records[-1]
+        floor = max(record.bytes_needed / bandwidth, record.flops_needed / peak)
+        out.append(dict(variant=label, batch=batch, context=context, tokens=new,
+                        median_ms=1e3 * statistics.median(t), min_ms=1e3 * min(t), floor_ms=1e3 * floor,
+                        bytes=record.bytes_needed, flops=record.flops_needed,
+                        over_floor=statistics.median(t) / floor, tokens_per_s=batch * new / statistics.median(t),
+                        compile_s=compile_s[label]))
+    return out
 
 
 def breakdown_of(median_ms: dict[str, float]) -> dict[str, float]:
@@ -184,6 +196,8 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--bandwidth", type=float, default=27.0, help="GB/s (DESIGN §6)")
     parser.add_argument("--peak", type=float, default=190.0, help="fp32 GFLOP/s (DESIGN §6)")
+    parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="weight dtype(s), the KV pages alike; several take turns")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the native step without attention / layer matmuls / head")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -192,21 +206,24 @@ def main(argv=None):
     config, params, _ = load_checkpoint(resolve_model(args.model))
     max_len = max(args.context) + max(args.tokens)
     page_size = default_page_size("cpu")
-    engine = build_engine(config, params, _NoTokenizer(), [], EngineConfig(
-        max_model_len=2048 if max_len <= 2048 else max_len, max_num_seqs=max(args.batch),
-        max_num_batched_tokens=max(512, max(args.tokens)), page_size=page_size,
-        num_pages=max(args.batch) * math.ceil(max_len / page_size) + 1, warmup=False))
-    runner = engine.runner
-    runner.huge_pages.wait()
-    runner.batch_buckets = tuple(sorted(set(runner.batch_buckets) | set(args.batch)))
-    natural = natural_params(runner, config)
+    runners = {}
+    for dtype in dict.fromkeys(args.dtype):
+        engine = build_engine(config, {k: v.astype(dtype) for k, v in params.items()}, _NoTokenizer(), [],
+                              EngineConfig(max_model_len=2048 if max_len <= 2048 else max_len,
+                                           max_num_seqs=max(args.batch), max_num_batched_tokens=max(512, max(args.tokens)),
+                                           page_size=page_size, num_pages=max(args.batch) * math.ceil(max_len / page_size) + 1,
+                                           warmup=False))
+        runner = engine.runner
+        runner.huge_pages.wait()
+        runner.batch_buckets = tuple(sorted(set(runner.batch_buckets) | set(args.batch)))
+        runners[dtype] = (runner, natural_params(runner, config))
     print(f"jax {jax.__version__}; median (min) of {args.runs} calls, variants interleaved; "
           f"floor = max(bytes / {args.bandwidth:g} GB/s, FLOPs / {args.peak:g} GFLOP/s)")
     print(f"{'batch':>5}{'context':>8}{'tokens':>7}  {'variant':<22}{'median ms':>10}{'min ms':>8}"
           f"{'floor ms':>9}{'x floor':>8}{'tok/s':>7}")
     results = []
     for batch, context, new in itertools.product(args.batch, args.context, args.tokens):
-        rows = bench(runner, config, natural, args.variants, batch, context, new, args.runs,
+        rows = bench(runners, config, args.variants, batch, context, new, args.runs,
                      args.bandwidth * 1e9, args.peak * 1e9, args.breakdown)
         for r in rows:
             results.append(r)
@@ -218,7 +235,7 @@ def main(argv=None):
             results.append(dict(batch=batch, context=context, tokens=new, breakdown_ms=parts))
             print("    native step, medians (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
     if args.out:
-        args.out.write_text(json.dumps(dict(jax=jax.__version__, runs=args.runs,
+        args.out.write_text(json.dumps(dict(jax=jax.__version__, runs=args.runs, dtypes=args.dtype,
                                             bandwidth_gbps=args.bandwidth, peak_gflops=args.peak,
                                             results=results), indent=1))
         print(f"wrote {args.out}")

@@ -12,18 +12,21 @@ from conftest import run_python
 from pallas_kernels.matmul import native
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("lead,k,n", [
     ((1,), 576, 576), ((16,), 576, 1536), ((2, 8), 1536, 576), ((5,), 64, 70), ((130,), 100, 48),
     ((3,), 7, 5), ((4,), 0, 24), ((513,), 40, 30)])
-def test_packed_matches_numpy(lead, k, n):
+def test_packed_matches_numpy(lead, k, n, dtype):
     # Rows around the 4-row micro-kernel (tails of 1-3 rows), N around the 24-column panels
-    # (padded with zero columns), K across several 128-row blocks, leading batch dims.
+    # (padded with zero columns), K across several 128-row blocks, leading batch dims; a
+    # bfloat16 weight is packed as bfloat16 and multiplied as its float32 value.
     rng = np.random.default_rng(k * 7 + n)
     x = rng.standard_normal((*lead, k)).astype(np.float32)
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    packed = native.pack(jnp.asarray(w))
-    assert packed.shape == (-(-n // native.PANEL), k, native.PANEL)
-    np.testing.assert_array_equal(np.asarray(native.unpack(packed, n)), w)
+    w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    packed = native.pack(w)
+    assert packed.shape == (-(-n // native.PANEL), k, native.PANEL) and packed.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(native.unpack(packed, n)), np.asarray(w))
+    w = np.asarray(w, np.float32)
     out = jax.jit(native.matmul_packed, static_argnums=2)(x, packed, n)
     assert out.shape == (*lead, n) and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5,
@@ -33,11 +36,13 @@ def test_packed_matches_numpy(lead, k, n):
 @pytest.mark.parametrize("lead,k,ns", [((16,), 576, (576, 192, 192)), ((2, 3), 64, (70, 24, 1)),
                                        ((5,), 0, (30, 48)), ((130,), 100, (1536, 1536))])
 def test_packed_many_matches_numpy(lead, k, ns):
-    # Several weights read one x in one call (q/k/v, gate/up): each product as if alone.
+    # Several weights read one x in one call (q/k/v, gate/up): each product as if alone, the
+    # weights' dtypes mixed.
     rng = np.random.default_rng(k + sum(ns))
     x = rng.standard_normal((*lead, k)).astype(np.float32)
-    ws = [rng.standard_normal((k, n)).astype(np.float32) for n in ns]
-    packed = tuple(native.pack(jnp.asarray(w)) for w in ws)
+    dtypes = [(jnp.float32, jnp.bfloat16)[i % 2] for i in range(len(ns))]
+    ws = [np.asarray(jnp.asarray(rng.standard_normal((k, n)), dt), np.float32) for n, dt in zip(ns, dtypes)]
+    packed = tuple(native.pack(jnp.asarray(w, dt)) for w, dt in zip(ws, dtypes))
     outs = jax.jit(native.matmul_packed_many, static_argnums=2)(x, packed, ns)
     assert len(outs) == len(ns)
     for out, w, n in zip(outs, ws, ns):
@@ -83,6 +88,9 @@ def test_packed_refuses_bad_shapes():
         native.matmul_packed(jnp.ones((2, 8)), packed, 49)
     with pytest.raises(ValueError, match="2-D"):
         native.pack(jnp.ones((2, 3, 4)))
+    assert native.pack(jnp.ones((8, 30), jnp.float16)).dtype == jnp.float32  # only bf16 stays narrow
+    with pytest.raises(ValueError, match="float32 or bfloat16 packed weight, got float16"):
+        native.matmul_packed(jnp.ones((2, 8)), packed.astype(jnp.float16), 30)
     with pytest.raises(ValueError, match="n=49"):
         native.matmul_packed_many(jnp.ones((2, 8)), (packed, packed), (30, 49))
     with pytest.raises(ValueError, match="one width per weight"):

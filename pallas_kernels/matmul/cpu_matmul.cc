@@ -1,11 +1,13 @@
 // Native CPU matmul over weights packed once at load, called from JAX as an XLA FFI custom call:
 //   JserveMatmulPacked  out[M, N] = x[M, K] @ w[K, N] in float32, w packed as [N / 24, K, 24]
 //   JserveMatmulPackedMany  the same for several weights that read one x (q/k/v, gate/up), one call
+// w is float32 or bfloat16 (read as its float32 value; the products and sums are float32).
 // The paged runner's layer matmuls and tied LM head (w = the embedding's transpose) on CPU.
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -70,11 +72,18 @@ constexpr int64_t kPrefetch = 128;   // software prefetch distance, rows of W
 constexpr int64_t kTasksPerWorker = 8;
 
 #ifdef __AVX2__
-// o[MR, 24] (+)= x[MR, kl] @ w[kl, 24] (w: a block of a packed panel, rows 24 floats apart; x rows
+// 8 weights as float32: a float32 load, or a bfloat16 one widened (the upper 16 bits, exact).
+inline __m256 LoadW(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 LoadW(const uint16_t* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// o[MR, 24] (+)= x[MR, kl] @ w[kl, 24] (w: a block of a packed panel, rows 24 values apart; x rows
 // ldx apart, o rows ldo apart). Each k also prefetches `share` floats at pf + k * share.
-template <int MR>
+template <int MR, typename T = float>
 inline __attribute__((always_inline)) void Kernel(int64_t kl, const float* __restrict x,
-                                                  int64_t ldx, const float* __restrict w,
+                                                  int64_t ldx, const T* __restrict w,
                                                   float* __restrict o, int64_t ldo,
                                                   bool accumulate, const float* pf,
                                                   int64_t share) {
@@ -88,11 +97,11 @@ inline __attribute__((always_inline)) void Kernel(int64_t kl, const float* __res
   for (int64_t k = 0; k < kl; ++k, p += share) {
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
     if (share > 16) _mm_prefetch(reinterpret_cast<const char*>(p + share - 1), _MM_HINT_T0);
-    const float* wk = w + k * kPanel;
+    const T* wk = w + k * kPanel;
     __m256 wv[3];
 #pragma GCC unroll 3
     for (int v = 0; v < 3; ++v) {
-      wv[v] = _mm256_loadu_ps(wk + 8 * v);
+      wv[v] = LoadW(wk + 8 * v);
       // Keep W in a register: otherwise GCC folds the load into every FMA (12 loads per k
       // instead of 3), and the kernel becomes load-port bound.
       asm volatile("" : "+x"(wv[v]));
@@ -111,56 +120,77 @@ inline __attribute__((always_inline)) void Kernel(int64_t kl, const float* __res
 }
 
 // All M rows of x against one [kl, 24] block of a panel: 4-row blocks, then a 1-3 row tail.
-// The row blocks share the prefetch of the next kl panel rows at pf: block j fetches its 1/nb
-// share, so the memory traffic is spread over all of them.
-inline void RowBlocks(int64_t M, int64_t K, int64_t kl, const float* x, const float* w, float* o,
-                      int64_t ldo, bool accumulate, const float* pf) {
+// The row blocks share the prefetch of the next kl panel rows at pf, each `row_floats` floats
+// long (24, or 12 for a bfloat16 panel): block j fetches its 1/nb share, so the memory traffic
+// is spread over all of them.
+template <typename T = float>
+inline void RowBlocks(int64_t M, int64_t K, int64_t kl, const float* x, const T* w, float* o,
+                      int64_t ldo, bool accumulate, const float* pf, int64_t row_floats) {
   const int64_t nb = (M + kMR - 1) / kMR;
-  const int64_t share = (kPanel + nb - 1) / nb;
+  const int64_t share = (row_floats + nb - 1) / nb;
   int64_t m = 0;
   for (; m + kMR <= M; m += kMR) {
     const float* p = pf + (m / kMR) * kl * share;
-    Kernel<kMR>(kl, x + m * K, K, w, o + m * ldo, ldo, accumulate, p, share);
+    Kernel<kMR, T>(kl, x + m * K, K, w, o + m * ldo, ldo, accumulate, p, share);
   }
   if (m < M) {  // a separate tail keeps the main loop's kernel alone (~15 % faster at M = 16)
     const float* xm = x + m * K;
     float* om = o + m * ldo;
     const float* p = pf + (m / kMR) * kl * share;
     switch (M - m) {
-      case 3: Kernel<3>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
-      case 2: Kernel<2>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
-      default: Kernel<1>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
+      case 3: Kernel<3, T>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
+      case 2: Kernel<2, T>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
+      default: Kernel<1, T>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
     }
   }
 }
 
 // All M rows of x against one packed panel [K][24]: o[:, 0:24], rows ldo apart, K in blocks of
 // kKc rows; the rows kPrefetch ahead are prefetched (past the panel's end that is the start of
-// the next panel, which comes next; prefetches never fault).
-void PackedPanel(int64_t M, int64_t K, const float* x, const float* panel, float* o, int64_t ldo) {
+// the next panel, which comes next; prefetches never fault). A bfloat16 panel is widened by the
+// kernel as it loads each weight (one shift per 8) and prefetched as its bfloat16 rows (half the
+// bytes). Widening each [kl, 24] block once into a float32 buffer that the row blocks then read
+// was slower at 1-8 rows and no faster at 16 (SmolLM2's 30 layers + head, bfloat16, ms, in the
+// kernel vs a buffer, interleaved: M=1 13.6 vs 17.2, 4 12.5-13.9 vs 15.5-18.1, 8 23.9-24.7 vs
+// 26.1-26.5, 16 37.7-40.2 vs 35.6-40.5; an uncommitted harness).
+template <typename T>
+void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o, int64_t ldo) {
+  constexpr int64_t row_floats = kPanel * sizeof(T) / sizeof(float);
   for (int64_t kb = 0; kb < K; kb += kKc) {
-    const float* wb = panel + kb * kPanel;
-    RowBlocks(M, K, std::min(kKc, K - kb), x + kb, wb, o, ldo, kb > 0, wb + kPrefetch * kPanel);
+    const T* wb = panel + kb * kPanel;
+    RowBlocks(M, K, std::min(kKc, K - kb), x + kb, wb, o, ldo, kb > 0,
+              reinterpret_cast<const float*>(wb + kPrefetch * kPanel), row_floats);
   }
 }
 
 #else
 // Without AVX2: plain loops (auto-vectorised).
-void PackedPanel(int64_t M, int64_t K, const float* x, const float* panel, float* o, int64_t ldo) {
+inline float Value(float w) { return w; }
+inline float Value(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o, int64_t ldo) {
   for (int64_t m = 0; m < M; ++m) {
     float* om = o + m * ldo;
     for (int64_t j = 0; j < kPanel; ++j) om[j] = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[m * K + k];
-      for (int64_t j = 0; j < kPanel; ++j) om[j] += xv * panel[k * kPanel + j];
+      for (int64_t j = 0; j < kPanel; ++j) om[j] += xv * Value(panel[k * kPanel + j]);
     }
   }
 }
 #endif  // __AVX2__
 
-// One weight of a call: its packed panels, how many, and where its [M, P * 24] output goes.
+// One weight of a call: its packed panels (float32 or bfloat16), how many, and where its
+// [M, P * 24] output goes.
 struct Job {
-  const float* w;
+  const void* w;
+  bool bf16;
   int64_t panels;
   float* out;
 };
@@ -181,14 +211,20 @@ void RunPanels(ffi::ThreadPool& pool, int64_t M, int64_t K, const float* x,
     for (int64_t t = i * per_task; t < std::min(P, (i + 1) * per_task); ++t) {
       const Job& job = jobs[panels[t].first];
       const int64_t p = panels[t].second;
-      PackedPanel(M, K, x, job.w + p * K * kPanel, job.out + p * kPanel, job.panels * kPanel);
+      if (job.bf16) {
+        PackedPanel(M, K, x, static_cast<const uint16_t*>(job.w) + p * K * kPanel,
+                    job.out + p * kPanel, job.panels * kPanel);
+      } else {
+        PackedPanel(M, K, x, static_cast<const float*>(job.w) + p * K * kPanel,
+                    job.out + p * kPanel, job.panels * kPanel);
+      }
     }
   };
   ParallelFor(pool, (P + per_task - 1) / per_task, task);
 }
 
 // Checks one packed weight and its output against x [M, K]; the job, or an error naming the shapes.
-ffi::ErrorOr<Job> MakeJob(int64_t M, int64_t K, const ffi::Buffer<ffi::F32>& w,
+ffi::ErrorOr<Job> MakeJob(int64_t M, int64_t K, const ffi::AnyBuffer& w,
                           ffi::Buffer<ffi::F32>& out) {
   auto wd = w.dimensions();
   auto od = out.dimensions();
@@ -197,11 +233,14 @@ ffi::ErrorOr<Job> MakeJob(int64_t M, int64_t K, const ffi::Buffer<ffi::F32>& w,
     return ffi::Error::InvalidArgument(
         "matmul_packed: x must be [M, K], each w [N / 24, K, 24] and its out [M, N]");
   }
-  return Job{w.typed_data(), wd[0], out.typed_data()};
+  if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument("matmul_packed: w must be float32 or bfloat16");
+  }
+  return Job{w.untyped_data(), w.element_type() == ffi::BF16, wd[0], out.typed_data()};
 }
 
 ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
-                  std::vector<std::pair<ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>>>& pairs) {
+                  std::vector<std::pair<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>>& pairs) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("matmul_packed: x must be [M, K]");
   const int64_t M = xd[0], K = xd[1];
@@ -220,9 +259,9 @@ ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  std::vector<std::pair<ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>>> pairs{{w, *out}};
+  std::vector<std::pair<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>> pairs{{w, *out}};
   return Matmul(pool, x, pairs);
 }
 
@@ -232,9 +271,9 @@ ffi::Error MatmulPackedMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (ws.size() == 0 || ws.size() != outs.size()) {
     return ffi::Error::InvalidArgument("matmul_packed_many: needs as many results as weights (at least one)");
   }
-  std::vector<std::pair<ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>>> pairs;
+  std::vector<std::pair<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>> pairs;
   for (size_t i = 0; i < ws.size(); ++i) {
-    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto w = ws.get<ffi::AnyBuffer>(i);
     auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
     if (w.has_error()) return w.error();
     if (out.has_error()) return out.error();
@@ -249,12 +288,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmulPacked, MatmulPacked,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [N / 24, K, 24]
+                                  .Arg<ffi::AnyBuffer>()         // w [N / 24, K, 24], f32 or bf16
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmulPackedMany, MatmulPackedMany,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .RemainingArgs()                // w_i [N_i / 24, K, 24]
+                                  .RemainingArgs()                // w_i [N_i / 24, K, 24], f32 or bf16
                                   .RemainingRets());              // out_i [M, N_i]

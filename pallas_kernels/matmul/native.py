@@ -1,7 +1,8 @@
 """The native CPU matmul (`cpu_matmul.cc`), built on first use (`pallas_kernels.native_build`).
 
 `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
-[N / 24, K, 24] panels (`matmul_packed_many`: several weights that read the same x, one call):
+[N / 24, K, 24] panels, float32 or bfloat16 (`matmul_packed_many`: several weights that read the
+same x, one call):
 the paged runner's layer matmuls and tied LM head on CPU (see `jserve.cpu_kernels`). Without a
 compiler `available()` is False and the runner keeps XLA's dots and unpacked weights.
 """
@@ -34,13 +35,19 @@ def unavailable_reason() -> str | None:
     return _LIBRARY.unavailable_reason()
 
 
+WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
 def pack(w: jax.Array) -> jax.Array:
-    """[K, N] -> float32 [ceil(N / 24), K, 24]: column panels, N padded with zero columns."""
+    """[K, N] -> [ceil(N / 24), K, 24]: column panels, N padded with zero columns. A bfloat16
+    weight stays bfloat16 (the kernel reads half the bytes and computes in float32); any other
+    dtype becomes float32."""
     if w.ndim != 2:
         raise ValueError(f"pack needs a 2-D weight [K, N], got shape {w.shape}")
     k, n = w.shape
     panels = -(-n // PANEL)
-    w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, panels * PANEL - n)))
+    w = jnp.pad(w if w.dtype in WEIGHT_DTYPES else w.astype(jnp.float32),
+                ((0, 0), (0, panels * PANEL - n)))
     return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
 
 
@@ -51,7 +58,8 @@ def unpack(packed: jax.Array, n: int) -> jax.Array:
 
 
 def matmul_packed(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """`x @ w` in float32 for x [..., K] and `packed = pack(w)`; returns [..., n]."""
+    """`x @ w` in float32 (x cast to float32) for x [..., K] and `packed = pack(w)`; returns
+    float32 [..., n]."""
     return _call(TARGET, x, (packed,), (n,))[0]
 
 
@@ -69,6 +77,8 @@ def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Arra
         if w.ndim != 3 or w.shape[2] != PANEL or x.shape[-1] != w.shape[1]:
             raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [P, K, {PANEL}], "
                              f"got {x.shape} and {w.shape}")
+        if w.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"matmul_packed needs a float32 or bfloat16 packed weight, got {w.dtype}")
         if not 0 < n <= w.shape[0] * PANEL:
             raise ValueError(f"n={n} must be in (0, {w.shape[0] * PANEL}] for packed {w.shape}")
     if not available():
