@@ -319,13 +319,17 @@ def save_params(directory: Path, params: Mapping[str, np.ndarray]) -> None:
     ckptr.wait_until_finished()
 
 
-def load_checkpoint(path: str | os.PathLike, *, shardings: Mapping[str, Any] | Callable | None = None):
+def load_checkpoint(path: str | os.PathLike, *, shardings: Mapping[str, Any] | Callable | None = None,
+                    dtype: str | None = None):
     """Restore a checkpoint folder.
 
     Args:
       path: a jserve checkpoint folder.
       shardings: optional; a mapping from weight name to `jax.sharding.Sharding`, or a callable
         `(name, shape) -> Sharding`. Arrays are restored straight into those shardings.
+      dtype: optional; the weights' dtype ("float32" or "bfloat16"), cast while reading (round to
+        nearest even, as `astype`), so the stored dtype is never held in memory beside it. None
+        keeps the stored dtype.
     Returns:
       (ModelConfig, params dict of jax arrays, generation dict).
     """
@@ -338,7 +342,10 @@ def load_checkpoint(path: str | os.PathLike, *, shardings: Mapping[str, Any] | C
                          f"generation.json)")
     config = ModelConfig.from_json((path / "config.json").read_text())
     generation = json.loads((path / "generation.json").read_text())
-    dtype = numpy_dtype(generation.get("dtype", "float32"))
+    stored = generation.get("dtype", "float32")
+    if dtype is not None and dtype != stored:
+        logger.info("casting the checkpoint's %s weights to %s while restoring", stored, dtype)
+    dtype = numpy_dtype(dtype or stored)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {}
     for name, shape in param_shapes(config).items():

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
 from jserve.request import RequestOutput, SamplingParams
 
-logger = logging.getLogger(__name__)
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
 
@@ -25,18 +23,6 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
-
-
-def _cast_weights(params: dict, dtype: str) -> dict:
-    """Floating-point weights in `dtype` (shardings kept); logs when the checkpoint differed."""
-    import jax.numpy as jnp
-
-    target = jnp.dtype(dtype)
-    stored = {str(v.dtype) for v in params.values() if jnp.issubdtype(v.dtype, jnp.floating)}
-    if stored - {target.name}:
-        logger.info("casting the checkpoint's %s weights to %s", "/".join(sorted(stored)), dtype)
-    return {k: v.astype(target) if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != target
-            else v for k, v in params.items()}
 
 
 class LLM:
@@ -92,9 +78,9 @@ class LLM:
             layout = head_layout(read_model_config(self.path)[0], mesh_sizes(mesh)["tp"])
             shardings = lambda name, shape: restore_sharding(mesh, name, shape, layout)  # noqa: E731
         self.mesh = mesh
-        self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings)
-        if dtype is not None:
-            params = _cast_weights(params, dtype)
+        # Cast while restoring: a float32 checkpoint served in bfloat16 never holds both copies.
+        self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings,
+                                                                      dtype=dtype)
         self.tokenizer = Tokenizer.load(self.path)
         limit = self.config.max_position_embeddings
         if max_model_len is None:

@@ -86,6 +86,22 @@ def test_bfloat16_conversion(tiny_hf_folder, tmp_path):
     assert all(p.dtype == jax.numpy.bfloat16 for p in params.values())
 
 
+def test_restore_casts_while_reading(tiny_hf_folder, tmp_path):
+    """`load_checkpoint(dtype=)` (what `LLM(dtype=)` uses): the same values as restoring the stored
+    dtype and casting afterwards, either way, without the stored copy in memory."""
+    convert(tiny_hf_folder, tmp_path / "ckpt", progress=False)  # float32
+    _, stored, _ = load_checkpoint(tmp_path / "ckpt")
+    _, cast, _ = load_checkpoint(tmp_path / "ckpt", dtype="bfloat16")
+    assert stored.keys() == cast.keys()
+    for name, value in cast.items():
+        assert value.dtype == jax.numpy.bfloat16 and stored[name].dtype == jax.numpy.float32
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(stored[name].astype(value.dtype)))
+    _, back, _ = load_checkpoint(tmp_path / "ckpt", dtype="float32")
+    assert all(back[k].dtype == jax.numpy.float32 for k in back)
+    with pytest.raises(ValueError, match="unsupported dtype 'float16'"):
+        load_checkpoint(tmp_path / "ckpt", dtype="float16")
+
+
 def test_malformed_checkpoints_name_the_problem(tmp_path):
     src = DATA / "arch" / "qwen2"
     tensors = load_file(src / "model.safetensors")
