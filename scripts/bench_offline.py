@@ -12,7 +12,9 @@ Both sides first reproduce golden case 0 (tests/data/smollm2_golden.json) before
 
 It prints output tokens/s for each side, the ratio, wall times, warm-up separately, and jserve's
 median decode step at batch 16 against its floor: bytes read (weights once + KV of the live
-tokens) / 27e9 B/s and FLOPs (2 * params * rows + attention) / 190e9 FLOP/s (DESIGN.md §6).
+tokens) / 27e9 B/s and FLOPs (2 * params * rows + attention) / 190e9 FLOP/s (DESIGN.md §6), and
+against the same floor from this machine's bandwidth and matmul rate measured in the same process
+right before jserve's generation (an XLA sum over 1 GiB, an XLA 2048^3 float32 matmul; medians).
 
     .venv/bin/python scripts/bench_offline.py --quick --out quick.json
     .venv/bin/python scripts/bench_offline.py --out results.json      # 256 requests, in 32/512, out 32/256
@@ -230,6 +232,7 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
     runner._run, runner.execute_decode_steps = run_and_log, decode_steps_and_log
     steps0 = llm.stats()["num_steps"]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    machine = measure_machine()
     load_gen = os.getloadavg()[0]
     cpu0, t0 = time.process_time(), time.perf_counter()
     try:
@@ -261,14 +264,43 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
         "num_scheduler_steps": args.num_scheduler_steps, "multi_step_calls": sum(r.steps > 1 for r in records),
         "stats": stats, "model": model, "max_model_len": max_model_len,
         "decode_floor": decode_floor(log, model, args.max_num_seqs),
+        "machine": machine,
+        "decode_floor_measured": decode_floor(log, model, args.max_num_seqs, machine["read_bytes_per_s"],
+                                              machine["matmul_flops_per_s"]),
         "ids": ids,
     }
 
 
-def decode_floor(log, model: dict, batch: int) -> dict:
-    """Median decode step at `batch` vs max(bytes / bandwidth, FLOPs / peak) of the same steps.
+def measure_machine(repeats: int = 7) -> dict:
+    """This machine's read bandwidth and float32 matmul rate, now: medians of `repeats` XLA calls
+    (a sum over a 1 GiB array; a 2048 x 2048 x 2048 matmul), both on XLA's CPU thread pool."""
+    import jax
+    import jax.numpy as jnp
+
+    def median_seconds(f, *args):
+        jax.block_until_ready(f(*args))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    big = jnp.ones((1 << 28,), jnp.float32)
+    read = big.nbytes / median_seconds(jax.jit(jnp.sum), big)
+    del big
+    n = 2048
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    flops = 2 * n ** 3 / median_seconds(jax.jit(jnp.matmul), a, a)
+    return {"read_bytes_per_s": read, "matmul_flops_per_s": flops, "repeats": repeats}
+
+
+def decode_floor(log, model: dict, batch: int, bandwidth: float = None, peak: float = None) -> dict:
+    """Median decode step at `batch` vs max(bytes / bandwidth, FLOPs / peak) of the same steps
+    (default: DESIGN §6's constants).
 
     A multi-step call counts as its model steps, each with an equal share of the call's time."""
+    bandwidth, peak = bandwidth or BANDWIDTH, peak or FLOPS
     calls = [(r, per_step) for r, per_step in log if r.kind == "decode" and r.bucket[0] == batch]
     if not calls:
         return {"batch": batch, "num_steps": 0}
@@ -278,13 +310,14 @@ def decode_floor(log, model: dict, batch: int) -> dict:
             nbytes = model["weight_bytes"] + n * model["kv_bytes_per_token"]
             attention = 4 * model["num_layers"] * model["num_heads"] * model["head_dim"] * n  # q.k and p.v
             flops = 2 * model["params"] * live_rows + attention
-            floor = max(nbytes / BANDWIDTH, flops / FLOPS)
+            floor = max(nbytes / bandwidth, flops / peak)
             rows.append((r.seconds / len(per_step), nbytes, flops, floor, live_rows, n))
     med = lambda j: statistics.median(x[j] for x in rows)  # noqa: E731
     return {
         "batch": batch, "num_steps": len(rows), "num_full_steps": sum(x[4] == batch for x in rows),
         "median_step_seconds": med(0), "median_bytes": med(1), "median_flops": med(2),
-        "median_bytes_floor_seconds": med(1) / BANDWIDTH, "median_flops_floor_seconds": med(2) / FLOPS,
+        "bandwidth_bytes_per_s": bandwidth, "flops_per_s": peak,
+        "median_bytes_floor_seconds": med(1) / bandwidth, "median_flops_floor_seconds": med(2) / peak,
         "median_floor_seconds": med(3), "median_live_tokens": med(5),
         "step_over_floor": med(0) / med(3), "median_of_step_over_floor": statistics.median(x[0] / x[3] for x in rows),
         # seconds ~ fixed + per_live_token * live tokens: what a step costs apart from its KV reads,
@@ -342,10 +375,14 @@ def report(res: dict) -> None:
             print(f"jserve decode step at batch {d['batch']}: median {1e3 * d['median_step_seconds']:.1f} ms over "
                   f"{d['num_steps']} steps ({d['num_full_steps']} with {d['batch']} live rows, median "
                   f"{d['median_live_tokens']:.0f} live tokens)")
-            print(f"  floor: {d['median_bytes'] / 1e6:.0f} MB / 27 GB/s = "
-                  f"{1e3 * d['median_bytes_floor_seconds']:.1f} ms; {d['median_flops'] / 1e9:.2f} GFLOP / "
-                  f"190 GFLOP/s = {1e3 * d['median_flops_floor_seconds']:.1f} ms; step/floor = "
-                  f"{d['step_over_floor']:.2f} (median per-step ratio {d['median_of_step_over_floor']:.2f})")
+            for name, fl in (("floor (DESIGN §6)", d), ("floor (measured now)", j.get("decode_floor_measured"))):
+                if not fl:
+                    continue
+                print(f"  {name}: {fl['median_bytes'] / 1e6:.0f} MB / {fl['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s = "
+                      f"{1e3 * fl['median_bytes_floor_seconds']:.1f} ms; {fl['median_flops'] / 1e9:.2f} GFLOP / "
+                      f"{fl['flops_per_s'] / 1e9:.0f} GFLOP/s = {1e3 * fl['median_flops_floor_seconds']:.1f} ms; "
+                      f"step/floor = {fl['step_over_floor']:.2f} (median per-step ratio "
+                      f"{fl['median_of_step_over_floor']:.2f})")
             if d.get("fit_fixed_seconds") is not None:
                 print(f"  fit over those steps: {1e3 * d['fit_fixed_seconds']:.1f} ms + "
                       f"{1e6 * d['fit_seconds_per_live_token']:.1f} us per live token (K/V bytes alone: "
