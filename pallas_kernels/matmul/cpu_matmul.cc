@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -147,19 +148,33 @@ inline void RowBlocks(int64_t M, int64_t K, int64_t kl, const float* x, const T*
 
 // All M rows of x against one packed panel [K][24]: o[:, 0:24], rows ldo apart, K in blocks of
 // kKc rows; the rows kPrefetch ahead are prefetched (past the panel's end that is the start of
-// the next panel, which comes next; prefetches never fault). A bfloat16 panel is widened by the
-// kernel as it loads each weight (one shift per 8) and prefetched as its bfloat16 rows (half the
-// bytes). Widening each [kl, 24] block once into a float32 buffer that the row blocks then read
-// was slower at 1-8 rows and no faster at 16 (SmolLM2's 30 layers + head, bfloat16, ms, in the
-// kernel vs a buffer, interleaved: M=1 13.6 vs 17.2, 4 12.5-13.9 vs 15.5-18.1, 8 23.9-24.7 vs
-// 26.1-26.5, 16 37.7-40.2 vs 35.6-40.5; an uncommitted harness).
+// the next panel, which comes next; prefetches never fault). A bfloat16 panel is prefetched as
+// its bfloat16 rows (half the bytes) and widened (one shift per 8 weights): by the kernel as it
+// loads each weight, or, from kBufferRows rows of x on, once per [kl, 24] block into a float32
+// buffer that the row blocks then read from L1. SmolLM2's 30 layers + head, bfloat16, ms, in the
+// kernel vs a buffer, interleaved (uncommitted harnesses): M=1 13.6 vs 17.2, 4 12.5-13.9 vs
+// 15.5-18.1, 8 23.9-25.6 vs 23.5-26.5, 16 37.7-48.9 vs 35.6-43.1, 64 174.5 vs 141.8 (float32
+// 133.9-143.7). The SmolLM2 step (bench_decode_step.py --dtype float32 bfloat16), ms, float32 vs
+// bfloat16, one run with the widening in the kernel only, one with the buffer from 16 rows: a
+// 512-token prefill chunk 1082 vs 1454, then 1090 vs 1100; decode at 16 rows x 384 cached 54.6
+// vs 65.2, then 57.8 vs 61.0.
+constexpr int64_t kBufferRows = 16;
+
 template <typename T>
 void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o, int64_t ldo) {
   constexpr int64_t row_floats = kPanel * sizeof(T) / sizeof(float);
+  const bool buffer = !std::is_same<T, float>::value && M >= kBufferRows;
+  alignas(64) float wide[kKc * kPanel];
   for (int64_t kb = 0; kb < K; kb += kKc) {
+    const int64_t kl = std::min(kKc, K - kb);
     const T* wb = panel + kb * kPanel;
-    RowBlocks(M, K, std::min(kKc, K - kb), x + kb, wb, o, ldo, kb > 0,
-              reinterpret_cast<const float*>(wb + kPrefetch * kPanel), row_floats);
+    const float* pf = reinterpret_cast<const float*>(wb + kPrefetch * kPanel);
+    if (buffer) {
+      for (int64_t i = 0; i < kl * kPanel; i += 8) _mm256_store_ps(wide + i, LoadW(wb + i));
+      RowBlocks(M, K, kl, x + kb, wide, o, ldo, kb > 0, pf, row_floats);
+    } else {
+      RowBlocks(M, K, kl, x + kb, wb, o, ldo, kb > 0, pf, row_floats);
+    }
   }
 }
 
