@@ -57,3 +57,24 @@ def follow(llm) -> int:
     steps = llm.engine.runner.follow()
     logger.warning("process 0 stopped the run after %d steps", steps)
     return steps
+
+
+# What process 0 broadcasts before each step: [op, kind, batch, tokens] (`Runner._call`).
+STEP_OP, STOP_OP = 0, 1
+STEP_KINDS = ("decode", "prefill")
+
+
+def broadcast(header, tree=None):
+    """Process 0's `header` (and then `tree`) to every process, through JAX's own collectives.
+
+    Followers pass a zero header and a template tree of the right shapes; they get process 0's.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if tree is None:
+        return np.asarray(multihost_utils.broadcast_one_to_all(header))
+    if header is not None:  # process 0: first the header, then the inputs
+        multihost_utils.broadcast_one_to_all(header)
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))

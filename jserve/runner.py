@@ -24,12 +24,13 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jserve import buckets, cpu_kernels, device_steps
+from jserve import buckets, cpu_kernels, device_steps, step_rows
 from jserve.config import ModelConfig
+from jserve.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
 from jserve.huge_pages import Advice as HugePagesAdvice
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef, model_params
-from jserve.model.paged_attention import PagedAttention, PagedMeta, default_backend
+from jserve.model.paged_attention import PagedAttention, default_backend
 from jserve.sampler import SamplingArrays, penalty_history
 from pallas_kernels.paged_attention import native
 
@@ -334,7 +335,7 @@ class Runner:
         if self.multiprocess:
             if jax.process_index() != 0:
                 raise RuntimeError("only process 0 drives the steps; the others call follow()")
-            inputs = _broadcast(np.asarray([_STEP, _KINDS.index(kind), B, T], np.int32), inputs)
+            inputs = broadcast(np.asarray([STEP_OP, STEP_KINDS.index(kind), B, T], np.int32), inputs)
         return self._device_step(inputs)
 
     def _device_step(self, inputs):
@@ -364,18 +365,18 @@ class Runner:
         """
         steps = 0
         while True:
-            op, kind, B, T = (int(x) for x in _broadcast(np.zeros(4, np.int32)))
-            if op == _STOP:
+            op, kind, B, T = (int(x) for x in broadcast(np.zeros(4, np.int32)))
+            if op == STOP_OP:
                 return steps
             template = (self._pack([None] * B, B, T), SamplingArrays.build([], B).as_tuple(),
                         penalty_history([], B, self.max_model_len, self.config.vocab_size))
-            jax.block_until_ready(self._device_step(_broadcast(None, template)))
+            jax.block_until_ready(self._device_step(broadcast(None, template)))
             steps += 1
 
     def stop_followers(self) -> None:
         """On process 0 at shutdown: release the processes in `follow()`."""
         if self.multiprocess and jax.process_index() == 0:
-            _broadcast(np.asarray([_STOP, 0, 0, 0], np.int32))
+            broadcast(np.asarray([STOP_OP, 0, 0, 0], np.int32))
 
     def _place(self, tree):
         """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""
@@ -393,41 +394,12 @@ class Runner:
 
     def _pack(self, rows, B, T):
         """rows: one `(start, token_ids, page_ids)` or None (padding) per batch row."""
-        P = self.max_pages
-        tokens = np.zeros((B, T), np.int32)
-        positions = np.zeros((B, T), np.int32)
-        slots = np.zeros((B, T), np.int32)  # padding writes into the null page
-        q_start = np.zeros((B,), np.int32)
-        q_lens = np.zeros((B,), np.int32)
-        page_indices = np.zeros((B, P), np.int32)
-        for b, row in enumerate(rows):
-            if row is None:
-                continue
-            start, ids, pages = row
-            n = len(ids)
-            pos = np.arange(start, start + n)
-            tokens[b, :n] = ids
-            positions[b, :n] = pos
-            table = np.asarray(pages, np.int32)
-            slots[b, :n] = table[pos // self.page_size] * self.page_size + pos % self.page_size
-            q_start[b], q_lens[b] = start, n
-            page_indices[b, :len(pages)] = pages
-        return tokens, positions, PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices), q_lens - 1
+        return step_rows.pack(rows, B, T, max_pages=self.max_pages, page_size=self.page_size)
 
     def _cost(self, rows) -> tuple[int, int]:
         """The bytes and FLOPs a step needs at minimum: the physical floor for metrics (MBU/MFU)."""
-        c = self.config
-        kv_token = c.kv_bytes_per_token(self.kv[0][0].dtype.itemsize)
-        new = sum(len(r[1]) for r in rows)
-        context = sum(r[0] + len(r[1]) for r in rows)  # keys each row's last query reads
-        # Keys over all queries: query at position p reads p + 1 keys; a closed-form sum per row.
-        attended = sum(len(r[1]) * (2 * r[0] + len(r[1]) + 1) // 2 for r in rows)
-        bytes_needed = self.param_bytes + kv_token * (context + new)
-        # Layers run for every new token; the head only for each row's last (embedding: a lookup).
-        layer_params = self.num_params - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-        flops = 2 * layer_params * new + 2 * c.hidden_size * c.vocab_size * len(rows)
-        flops += 4 * c.num_layers * c.num_heads * c.head_dim * attended
-        return int(bytes_needed), int(flops)
+        return step_rows.cost(self.config, rows, param_bytes=self.param_bytes, num_params=self.num_params,
+                              kv_itemsize=self.kv[0][0].dtype.itemsize)
 
     def _count(self, key: tuple, compiled: bool | None) -> None:
         """Count a compilation: the jitted step's cache grew (or, where JAX does not tell, a new
@@ -473,21 +445,3 @@ def _device_of(params) -> Any:
     if isinstance(leaf, jax.Array) and getattr(leaf, "committed", False):
         return next(iter(leaf.devices()))
     return jax.devices()[0]
-
-
-_STEP, _STOP = 0, 1
-_KINDS = ("decode", "prefill")
-
-
-def _broadcast(header, tree=None):
-    """Process 0's `header` (and then `tree`) to every process, through JAX's own collectives.
-
-    Followers pass a zero header and a template tree of the right shapes; they get process 0's.
-    """
-    from jax.experimental import multihost_utils
-
-    if tree is None:
-        return np.asarray(multihost_utils.broadcast_one_to_all(header))
-    if header is not None:  # process 0: first the header, then the inputs
-        multihost_utils.broadcast_one_to_all(header)
-    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
