@@ -298,7 +298,7 @@ def measure_machine(repeats: int = 7) -> dict:
             "median_matmul_flops_per_s": flops[1], "repeats": repeats}
 
 
-def decode_floor(log, model: dict, batch: int, bandwidth: float = None, peak: float = None) -> dict:
+def decode_floor(log, model: dict, batch: int, bandwidth: float | None = None, peak: float | None = None) -> dict:
     """Median decode step at `batch` vs max(bytes / bandwidth, FLOPs / peak) of the same steps
     (default: DESIGN §6's constants).
 
