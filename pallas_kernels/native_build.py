@@ -2,7 +2,8 @@
 targets are then registered with JAX.
 
 The library is compiled with the machine's C++ compiler (`$CXX`, else `g++`) against the XLA FFI
-headers that ship with jaxlib, with `-march=native`, and cached under `$JSERVE_KERNEL_CACHE`
+headers that ship with jaxlib, with `-march=native` (or `-march=$JSERVE_NATIVE_ARCH`: e.g.
+`x86-64-v3` builds the AVX2 kernels on an AVX-512 machine), and cached under `$JSERVE_KERNEL_CACHE`
 (default `~/.cache/jserve/kernels`), keyed on the source, the jaxlib version, the flags and the
 CPU's flags. Without a compiler, or if the build fails, `available()` is False and says why once
 in the log; every caller keeps a pure-XLA path for that case.
@@ -27,7 +28,12 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 # -ffast-math lets GCC contract multiply-adds and call glibc's vector expf (libmvec).
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags: FLAGS and `-march=native`, or `$JSERVE_NATIVE_ARCH`'s target."""
+    return (*FLAGS, f"-march={os.environ.get('JSERVE_NATIVE_ARCH') or 'native'}")
 
 
 class NativeLibrary:
@@ -40,6 +46,7 @@ class NativeLibrary:
         self._lock = threading.Lock()
         self._ok: bool | None = None
         self._error: str | None = None
+        self._handle: ctypes.CDLL | None = None
 
     def available(self) -> bool:
         """Build (once per machine and source), load and register; False if that failed."""
@@ -50,7 +57,7 @@ class NativeLibrary:
                     for target, symbol in self.targets.items():
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
                                                     platform="cpu")
-                    self._ok = True
+                    self._ok, self._handle = True, handle
                 except Exception as e:  # no compiler, a failed build, an FFI mismatch: fall back
                     self._ok, self._error = False, f"{type(e).__name__}: {e}"
                     logger.warning("%s unavailable, %s: %s", self.what, self.fallback, self._error)
@@ -59,9 +66,17 @@ class NativeLibrary:
     def unavailable_reason(self) -> str | None:
         return self._error
 
+    def function(self, symbol: str, restype=ctypes.c_int):
+        """A plain C function the library exports (`extern "C"`), once `available()`."""
+        if not self.available():
+            raise RuntimeError(f"{self.what} unavailable: {self._error}")
+        fn = getattr(self._handle, symbol)
+        fn.restype, fn.argtypes = restype, []
+        return fn
+
     def _build(self) -> Path:
         source = self.source.read_bytes()
-        parts = [source, jaxlib.__version__, " ".join(FLAGS), _cpu_flags(), platform.machine()]
+        parts = [source, jaxlib.__version__, " ".join(flags()), _cpu_flags(), platform.machine()]
         key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts))
         cache = Path(os.environ.get("JSERVE_KERNEL_CACHE",
                                     Path.home() / ".cache" / "jserve" / "kernels"))
@@ -78,7 +93,7 @@ class NativeLibrary:
         # Compile and link in two steps: linking with -ffast-math would add crtfastmath.o, whose
         # constructor turns on flush-to-zero for the whole process when the library loads.
         obj = tmp + ".o"
-        for cmd in ([compiler, *FLAGS, "-c", "-I", jax.ffi.include_dir(), str(self.source), "-o", obj],
+        for cmd in ([compiler, *flags(), "-c", "-I", jax.ffi.include_dir(), str(self.source), "-o", obj],
                     [compiler, "-shared", obj, "-o", tmp]):
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:

@@ -3,6 +3,8 @@ embedding's lookup."""
 
 from __future__ import annotations
 
+import platform
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,16 +17,17 @@ from pallas_kernels.matmul import native
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("lead,k,n", [
     ((1,), 576, 576), ((16,), 576, 1536), ((2, 8), 1536, 576), ((5,), 64, 70), ((130,), 100, 48),
-    ((3,), 7, 5), ((4,), 0, 24), ((513,), 40, 30)])
+    ((3,), 7, 5), ((4,), 0, 24), ((513,), 40, 30), ((2, 7), 64, 49), ((12,), 200, 97)])
 def test_packed_matches_numpy(lead, k, n, dtype):
-    # Rows around the 4-row micro-kernel (tails of 1-3 rows), N around the 24-column panels
-    # (padded with zero columns), K across several 128-row blocks, leading batch dims; a
-    # bfloat16 weight is packed as bfloat16 and multiplied as its float32 value.
+    # Rows around the micro-kernel's 4 (AVX2) or 8 (AVX-512) rows (tails of 1-7 rows), N around
+    # the 24- or 48-column panels (padded with zero columns), K across several 128-row blocks,
+    # leading batch dims; a bfloat16 weight is packed as bfloat16 and multiplied as its float32
+    # value.
     rng = np.random.default_rng(k * 7 + n)
     x = rng.standard_normal((*lead, k)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((k, n)), dtype)
     packed = native.pack(w)
-    assert packed.shape == (-(-n // native.PANEL), k, native.PANEL) and packed.dtype == dtype
+    assert packed.shape == (-(-n // native.panel()), k, native.panel()) and packed.dtype == dtype
     np.testing.assert_array_equal(np.asarray(native.unpack(packed, n)), np.asarray(w))
     w = np.asarray(w, np.float32)
     out = jax.jit(native.matmul_packed, static_argnums=2)(x, packed, n)
@@ -51,6 +54,41 @@ def test_packed_many_matches_numpy(lead, k, ns):
                                    atol=1e-5 * max(k, 1) ** 0.5)
 
 
+def _cpu_flags() -> set[str]:
+    from pallas_kernels.native_build import _cpu_flags
+
+    return set(_cpu_flags().split())
+
+
+def test_the_build_picks_its_panel_width_from_the_machine():
+    # -march=native: three AVX-512 vectors where the CPU has them, else three AVX2 ones.
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    assert native.panel() == (48 if "avx512f" in _cpu_flags() else 24)
+
+
+@pytest.mark.parametrize("arch,width,needs", [("x86-64-v3", 24, "avx2"), ("x86-64", 24, None)])
+def test_each_simd_build_matches_numpy(arch, width, needs, tmp_path):
+    # The builds this machine does not pick (AVX2 on an AVX-512 machine, plain C++), built with
+    # $JSERVE_NATIVE_ARCH in a fresh process: the CI machine may be either kind.
+    if platform.machine() not in ("x86_64", "AMD64") or (needs and needs not in _cpu_flags()):
+        pytest.skip(f"needs an x86 CPU with {needs or 'x86-64'}")
+    run_python(f"""
+import jax, jax.numpy as jnp, numpy as np
+from pallas_kernels.matmul import native
+assert native.panel() == {width}, native.panel()
+rng = np.random.default_rng(0)
+for dtype in (jnp.float32, jnp.bfloat16):
+    for m, k, ns in ((1, 576, (576,)), (16, 576, (576, 192)), (7, 300, (100,)), (33, 130, (49, 1536))):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ws = [jnp.asarray(rng.standard_normal((k, n)), dtype) for n in ns]
+        outs = native.matmul_packed_many(x, tuple(native.pack(w) for w in ws), ns)
+        for out, w in zip(outs, ws):
+            want = x.astype(np.float64) @ np.asarray(w, np.float64)
+            np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+""", tmp_path, JSERVE_NATIVE_ARCH=arch)
+
+
 def test_native_linear_takes_a_tuple_of_weights():
     # The model's hook: a tuple of packed weights is one call, a tuple with a plain weight is not.
     from jserve.cpu_kernels import native_linear
@@ -74,7 +112,7 @@ def test_embedding_rows_from_the_packed_transpose():
     from jserve.model.llama import embed_rows
 
     embed = jnp.asarray(np.random.default_rng(0).standard_normal((50, 8)), jnp.float32)
-    tokens = jnp.array([[0, 23, 24, 49], [7, 7, 48, 1]], jnp.int32)
+    tokens = jnp.array([[0, 23, 24, 49], [7, 47, 48, 1]], jnp.int32)  # across 24- and 48-lane panels
     packed = native.pack(embed.T)
     np.testing.assert_array_equal(np.asarray(embed_rows(packed, tokens)), np.asarray(embed)[np.asarray(tokens)])
     np.testing.assert_array_equal(np.asarray(embed_rows(embed, tokens)), np.asarray(embed)[np.asarray(tokens)])
@@ -82,7 +120,7 @@ def test_embedding_rows_from_the_packed_transpose():
 
 def test_packed_refuses_bad_shapes():
     packed = native.pack(jnp.ones((8, 30)))
-    with pytest.raises(ValueError, match=r"\(2, 9\) and \(2, 8, 24\)"):
+    with pytest.raises(ValueError, match=rf"\(2, 9\) and \({packed.shape[0]}, 8, {native.panel()}\)"):
         native.matmul_packed(jnp.ones((2, 9)), packed, 30)
     with pytest.raises(ValueError, match="n=49"):
         native.matmul_packed(jnp.ones((2, 8)), packed, 49)

@@ -1,5 +1,6 @@
 // Native CPU matmul over weights packed once at load, called from JAX as an XLA FFI custom call:
-//   JserveMatmulPacked  out[M, N] = x[M, K] @ w[K, N] in float32, w packed as [N / 24, K, 24]
+//   JserveMatmulPacked  out[M, N] = x[M, K] @ w[K, N] in float32, w packed as [N / P, K, P]
+//     (P = JserveMatmulPanel(): 24 columns with AVX2, 48 with AVX-512)
 //   JserveMatmulPackedMany  the same for several weights that read one x (q/k/v, gate/up), one call
 // w is float32 or bfloat16 (read as its float32 value; the products and sums are float32).
 // The paged runner's layer matmuls and tied LM head (w = the embedding's transpose) on CPU.
@@ -14,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -24,106 +25,183 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Runs fn(0..n-1) on the caller and on XLA's intra-op pool. Helpers that start late find no
-// work and leave; the caller waits only for tasks a helper actually took. The caller is usually
-// not a pool thread (XLA runs the custom call on the thread that launched the step), so
-// pool.num_threads() - 1 helpers keep one runner per core: *measured* 5-17 % faster than one
-// helper per pool thread for the packed matmul on the 2-core development machine.
+// Runs fn(0..n-1) on the caller and on XLA's intra-op pool. Each runner walks its own contiguous
+// share of the indices from the front, then takes what is left of the others' shares from their
+// back. A runner's indices stay in order, one memory stream per runner, so its prefetches run on
+// from one task into the next (with a shared counter the two threads took alternate tasks and
+// every task started cold); a helper that starts late loses its tail to the others. The caller
+// is usually not a pool thread (XLA runs the custom call on the thread that launched the step),
+// so pool.num_threads() runners keep one per core: *measured* 5-17 % faster than one helper per
+// pool thread for the packed matmul on a 2-core Zen 3. Contiguous shares instead of a shared
+// counter, SmolLM2's 30 layers + head (a /tmp chain, 2-core Xeon with AVX-512, interleaved, ms):
+// M=1 23.5 -> 22.7, 8 31.1 -> 30.1, 16 33.2 -> 31.3, 64 75.0 -> 70.0.
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
+  const int64_t runners = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n));
   struct State {
-    std::atomic<int64_t> next{0};
+    explicit State(int64_t r) : shares(r) {}
+    std::vector<std::atomic<uint64_t>> shares;  // (front << 32) | back, per runner
+    std::atomic<int64_t> ids{1};
     std::atomic<int64_t> active{0};
   };
-  auto state = std::make_shared<State>();
+  auto state = std::make_shared<State>(runners);
+  for (int64_t r = 0; r < runners; ++r) {
+    const uint64_t front = n * r / runners, back = n * (r + 1) / runners;
+    state->shares[r].store((front << 32) | back);
+  }
   auto shared_fn = std::make_shared<F>(std::move(fn));
-  auto run = [state, shared_fn, n]() {
+  auto run = [state, shared_fn, runners](int64_t id) {
+    // The front (own share) or back index of a share; -1 once it is empty.
+    auto claim = [](std::atomic<uint64_t>& share, bool front) -> int64_t {
+      uint64_t v = share.load();
+      while (true) {
+        const uint64_t f = v >> 32, b = v & 0xffffffffu;
+        if (f >= b) return -1;
+        const uint64_t next = front ? ((f + 1) << 32) | b : (f << 32) | (b - 1);
+        if (share.compare_exchange_weak(v, next)) return static_cast<int64_t>(front ? f : b - 1);
+      }
+    };
     state->active.fetch_add(1);
-    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) (*shared_fn)(i);
+    for (int64_t i = claim(state->shares[id], true); i >= 0; i = claim(state->shares[id], true)) (*shared_fn)(i);
+    for (int64_t o = 1; o < runners; ++o) {
+      auto& other = state->shares[(id + o) % runners];
+      for (int64_t i = claim(other, false); i >= 0; i = claim(other, false)) (*shared_fn)(i);
+    }
     state->active.fetch_sub(1);
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t h = 0; h < helpers; ++h) {
-    auto task = run;  // Schedule takes its callable by value (an rvalue)
-    pool.Schedule(std::move(task));
+  for (int64_t h = 1; h < runners; ++h) {
+    pool.Schedule([state, run]() { run(state->ids.fetch_add(1)); });
   }
-  run();
+  run(0);
   while (state->active.load() > 0) std::this_thread::yield();
 }
 
 // Why: at the decode step's few rows XLA:CPU's dots run the layer matmuls at 40-80 GFLOP/s, as
 // libraries pack the weight panel on every call; here the weights are packed once, at load.
-// Layout: panel p holds columns 24p..24p+23 of w [K, N] as [K][24] (N padded with zero columns
-// to a multiple of 24; out has the padded width).
-// Micro-kernel: MR (<= 4) rows of x x one 24-column panel, 12 ymm accumulators + 3 W vectors +
-// 1 broadcast = the 16 AVX2 registers; per k: 3 loads of W, 4 broadcasts of x, 12 FMAs.
+// Layout: panel p holds columns kPanel*p .. kPanel*(p+1)-1 of w [K, N] as [K][kPanel] (N padded
+// with zero columns to a multiple of kPanel; out has the padded width). kPanel is 3 vectors: 24
+// columns with AVX2, 48 with AVX-512 (the build's -march=native picks; `JserveMatmulPanel()`
+// tells Python, which packs to match).
+// Micro-kernel: MR (<= kMR: 4 with AVX2, 8 with AVX-512) rows of x x one panel, 3 * MR
+// accumulators + 3 W vectors + 1 broadcast; per k: 3 loads of W, MR broadcasts of x, 3 * MR FMAs.
 // Loop order per task (a run of panels): for each panel, for each block of kKc rows of W, for
-// each 4-row block of x: micro-kernel. The [kKc, 24] block of W is read from memory once and
-// re-read from L1 by the other row blocks; the rows kPrefetch ahead are software-prefetched, the
-// prefetches spread over the row blocks. Tuned on the 2-core development machine (a helper
+// each kMR-row block of x: micro-kernel. The [kKc, kPanel] block of W is read from memory once and
+// re-read from L1 by the other row blocks; the rows kPrefetch ahead are software-prefetched into
+// L2, the prefetches spread over the row blocks. Into L2 (T1) rather than L1 (T0): the same on a
+// 2-core Zen 3 (AVX2: 34.9 vs 34.8 ms), faster on a 2-core Xeon (AVX-512, where 128 rows ahead
+// are 24 KB of the 48 KB L1; 30 layers + head, interleaved, contiguous shares, ms: M=1 22.7 ->
+// 20.9, 4 27.1 -> 23.1, 8 30.1 -> 26.0, 16 31.3 -> 30.2, 64 70.0 -> 69.0). Tuned with AVX2 on a 2-core Zen 3 (a helper
 // session's prototype, /tmp/gemm, measured against XLA's dots; docs/performance.md). At M = 512
 // it is ~10 % slower than XLA's YNNPACK dot, at M <= 64 faster (30-layer chain, ms, packed /
 // YNNPACK / Eigen: M=1 16.7 / 19.8 / 19.3, 8 17.4 / 39.9 / 29.0, 16 31.3 / 54.8 / 35.5, 64
 // 110 / 126 / 124, 512 823 / 712 / 759).
 
-constexpr int64_t kPanel = 24;
-constexpr int kMR = 4;
+#if defined(__AVX512F__)
+// 16 float lanes: a panel is 48 columns (3 zmm) and the micro-kernel takes up to 8 rows: 24
+// accumulators + 3 W vectors + 1 broadcast of the 32 registers.
+struct Simd {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kMR = 8;
+  static V Zero() { return _mm512_setzero_ps(); }
+  static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  // 16 bfloat16 weights as float32: widened, then shifted into the upper 16 bits (exact).
+  static V Load(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static V Broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void StoreAligned(float* p, V v) { _mm512_store_ps(p, v); }
+};
+#define JSERVE_SIMD 1
+#elif defined(__AVX2__)
+// 8 float lanes: a panel is 24 columns (3 ymm) and the micro-kernel takes up to 4 rows: 12
+// accumulators + 3 W vectors + 1 broadcast = the 16 registers.
+struct Simd {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kMR = 4;
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  // 8 bfloat16 weights as float32: widened, then shifted into the upper 16 bits (exact).
+  static V Load(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void StoreAligned(float* p, V v) { _mm256_store_ps(p, v); }
+};
+#define JSERVE_SIMD 1
+#endif
+
+#ifdef JSERVE_SIMD
+constexpr int64_t kPanel = 3 * Simd::kLanes;
+constexpr int kMR = Simd::kMR;
 constexpr int64_t kKc = 128;         // rows of W per K block
 constexpr int64_t kPrefetch = 128;   // software prefetch distance, rows of W
 constexpr int64_t kTasksPerWorker = 8;
+constexpr int64_t kLine = 16;        // floats per cache line
 
-#ifdef __AVX2__
-// 8 weights as float32: a float32 load, or a bfloat16 one widened (the upper 16 bits, exact).
-inline __m256 LoadW(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 LoadW(const uint16_t* w) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// o[MR, 24] (+)= x[MR, kl] @ w[kl, 24] (w: a block of a packed panel, rows 24 values apart; x rows
-// ldx apart, o rows ldo apart). Each k also prefetches `share` floats at pf + k * share.
+// o[MR, kPanel] (+)= x[MR, kl] @ w[kl, kPanel] (w: a block of a packed panel, rows kPanel values
+// apart; x rows ldx apart, o rows ldo apart). Each k also prefetches `share` floats at
+// pf + k * share into L2 (one prefetch per cache line they can touch).
 template <int MR, typename T = float>
 inline __attribute__((always_inline)) void Kernel(int64_t kl, const float* __restrict x,
                                                   int64_t ldx, const T* __restrict w,
                                                   float* __restrict o, int64_t ldo,
                                                   bool accumulate, const float* pf,
                                                   int64_t share) {
-  __m256 acc[MR][3];
-#pragma GCC unroll 4
+  using V = Simd::V;
+  constexpr int L = Simd::kLanes;
+  V acc[MR][3];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 3
-    for (int v = 0; v < 3; ++v)
-      acc[m][v] = accumulate ? _mm256_loadu_ps(o + m * ldo + 8 * v) : _mm256_setzero_ps();
+    for (int v = 0; v < 3; ++v) acc[m][v] = accumulate ? Simd::Load(o + m * ldo + L * v) : Simd::Zero();
   const float* p = pf;
   for (int64_t k = 0; k < kl; ++k, p += share) {
-    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-    if (share > 16) _mm_prefetch(reinterpret_cast<const char*>(p + share - 1), _MM_HINT_T0);
+    for (int64_t q = 0; q < share; q += kLine) _mm_prefetch(reinterpret_cast<const char*>(p + q), _MM_HINT_T1);
+    if (share % kLine) _mm_prefetch(reinterpret_cast<const char*>(p + share - 1), _MM_HINT_T1);
     const T* wk = w + k * kPanel;
-    __m256 wv[3];
+    V wv[3];
 #pragma GCC unroll 3
     for (int v = 0; v < 3; ++v) {
-      wv[v] = LoadW(wk + 8 * v);
-      // Keep W in a register: otherwise GCC folds the load into every FMA (12 loads per k
-      // instead of 3), and the kernel becomes load-port bound.
-      asm volatile("" : "+x"(wv[v]));
+      wv[v] = Simd::Load(wk + L * v);
+      // Keep W in a register: otherwise GCC folds the load into every FMA (one load per FMA
+      // instead of 3 per k), and the kernel becomes load-port bound.
+      asm volatile("" : "+v"(wv[v]));
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      const V xb = Simd::Broadcast(x + m * ldx + k);
 #pragma GCC unroll 3
-      for (int v = 0; v < 3; ++v) acc[m][v] = _mm256_fmadd_ps(xb, wv[v], acc[m][v]);
+      for (int v = 0; v < 3; ++v) acc[m][v] = Simd::Fma(xb, wv[v], acc[m][v]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 3
-    for (int v = 0; v < 3; ++v) _mm256_storeu_ps(o + m * ldo + 8 * v, acc[m][v]);
+    for (int v = 0; v < 3; ++v) Simd::Store(o + m * ldo + L * v, acc[m][v]);
 }
 
-// All M rows of x against one [kl, 24] block of a panel: 4-row blocks, then a 1-3 row tail.
-// The row blocks share the prefetch of the next kl panel rows at pf, each `row_floats` floats
-// long (24, or 12 for a bfloat16 panel): block j fetches its 1/nb share, so the memory traffic
-// is spread over all of them.
+// The 1 .. R-row kernel for `rows` <= R rows.
+template <int R, typename T>
+inline void TailKernel(int rows, int64_t kl, const float* x, int64_t ldx, const T* w, float* o,
+                       int64_t ldo, bool accumulate, const float* pf, int64_t share) {
+  if constexpr (R > 1) {
+    if (rows < R) return TailKernel<R - 1, T>(rows, kl, x, ldx, w, o, ldo, accumulate, pf, share);
+  }
+  Kernel<R, T>(kl, x, ldx, w, o, ldo, accumulate, pf, share);
+}
+
+// All M rows of x against one [kl, kPanel] block of a panel: kMR-row blocks, then a shorter
+// tail. The row blocks share the prefetch of the next kl panel rows at pf, each `row_floats`
+// floats long (kPanel, or half that for a bfloat16 panel): block j fetches its 1/nb share, so the
+// memory traffic is spread over all of them.
 template <typename T = float>
 inline void RowBlocks(int64_t M, int64_t K, int64_t kl, const float* x, const T* w, float* o,
                       int64_t ldo, bool accumulate, const float* pf, int64_t row_floats) {
@@ -135,29 +213,23 @@ inline void RowBlocks(int64_t M, int64_t K, int64_t kl, const float* x, const T*
     Kernel<kMR, T>(kl, x + m * K, K, w, o + m * ldo, ldo, accumulate, p, share);
   }
   if (m < M) {  // a separate tail keeps the main loop's kernel alone (~15 % faster at M = 16)
-    const float* xm = x + m * K;
-    float* om = o + m * ldo;
-    const float* p = pf + (m / kMR) * kl * share;
-    switch (M - m) {
-      case 3: Kernel<3, T>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
-      case 2: Kernel<2, T>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
-      default: Kernel<1, T>(kl, xm, K, w, om, ldo, accumulate, p, share); break;
-    }
+    TailKernel<kMR - 1, T>(static_cast<int>(M - m), kl, x + m * K, K, w, o + m * ldo, ldo,
+                           accumulate, pf + (m / kMR) * kl * share, share);
   }
 }
 
-// All M rows of x against one packed panel [K][24]: o[:, 0:24], rows ldo apart, K in blocks of
-// kKc rows; the rows kPrefetch ahead are prefetched (past the panel's end that is the start of
-// the next panel, which comes next; prefetches never fault). A bfloat16 panel is prefetched as
-// its bfloat16 rows (half the bytes) and widened (one shift per 8 weights): by the kernel as it
-// loads each weight, or, from kBufferRows rows of x on, once per [kl, 24] block into a float32
-// buffer that the row blocks then read from L1. SmolLM2's 30 layers + head, bfloat16, ms, in the
-// kernel vs a buffer, interleaved (uncommitted harnesses): M=1 13.6 vs 17.2, 4 12.5-13.9 vs
-// 15.5-18.1, 8 23.9-25.6 vs 23.5-26.5, 16 37.7-48.9 vs 35.6-43.1, 64 174.5 vs 141.8 (float32
-// 133.9-143.7). The SmolLM2 step (bench_decode_step.py --dtype float32 bfloat16), ms, float32 vs
-// bfloat16, one run with the widening in the kernel only, one with the buffer from 16 rows: a
-// 512-token prefill chunk 1082 vs 1454, then 1090 vs 1100; decode at 16 rows x 384 cached 54.6
-// vs 65.2, then 57.8 vs 61.0.
+// All M rows of x against one packed panel [K][kPanel]: o[:, 0:kPanel], rows ldo apart, K in
+// blocks of kKc rows; the rows kPrefetch ahead are prefetched (past the panel's end that is the
+// start of the next panel, which comes next; prefetches never fault). A bfloat16 panel is
+// prefetched as its bfloat16 rows (half the bytes) and widened (one shift per vector): by the
+// kernel as it loads each weight, or, from kBufferRows rows of x on, once per [kl, kPanel] block
+// into a float32 buffer that the row blocks then read from L1. AVX2, SmolLM2's 30 layers + head,
+// bfloat16, ms, in the kernel vs a buffer, interleaved (uncommitted harnesses): M=1 13.6 vs 17.2,
+// 4 12.5-13.9 vs 15.5-18.1, 8 23.9-25.6 vs 23.5-26.5, 16 37.7-48.9 vs 35.6-43.1, 64 174.5 vs
+// 141.8 (float32 133.9-143.7). The SmolLM2 step (bench_decode_step.py --dtype float32 bfloat16),
+// ms, float32 vs bfloat16, one run with the widening in the kernel only, one with the buffer from
+// 16 rows: a 512-token prefill chunk 1082 vs 1454, then 1090 vs 1100; decode at 16 rows x 384
+// cached 54.6 vs 65.2, then 57.8 vs 61.0.
 constexpr int64_t kBufferRows = 16;
 
 template <typename T>
@@ -170,7 +242,7 @@ void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o,
     const T* wb = panel + kb * kPanel;
     const float* pf = reinterpret_cast<const float*>(wb + kPrefetch * kPanel);
     if (buffer) {
-      for (int64_t i = 0; i < kl * kPanel; i += 8) _mm256_store_ps(wide + i, LoadW(wb + i));
+      for (int64_t i = 0; i < kl * kPanel; i += Simd::kLanes) Simd::StoreAligned(wide + i, Simd::Load(wb + i));
       RowBlocks(M, K, kl, x + kb, wide, o, ldo, kb > 0, pf, row_floats);
     } else {
       RowBlocks(M, K, kl, x + kb, wb, o, ldo, kb > 0, pf, row_floats);
@@ -179,7 +251,9 @@ void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o,
 }
 
 #else
-// Without AVX2: plain loops (auto-vectorised).
+// Without AVX2: plain loops (auto-vectorised), 24-column panels.
+constexpr int64_t kPanel = 24;
+constexpr int64_t kTasksPerWorker = 8;
 inline float Value(float w) { return w; }
 inline float Value(uint16_t w) {
   const uint32_t bits = static_cast<uint32_t>(w) << 16;
@@ -199,10 +273,10 @@ void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o,
     }
   }
 }
-#endif  // __AVX2__
+#endif  // JSERVE_SIMD
 
 // One weight of a call: its packed panels (float32 or bfloat16), how many, and where its
-// [M, P * 24] output goes.
+// [M, panels * kPanel] output goes.
 struct Job {
   const void* w;
   bool bf16;
@@ -246,7 +320,7 @@ ffi::ErrorOr<Job> MakeJob(int64_t M, int64_t K, const ffi::AnyBuffer& w,
   if (wd.size() != 3 || wd[2] != kPanel || wd[1] != K || od.size() != 2 || od[0] != M ||
       od[1] != wd[0] * kPanel) {
     return ffi::Error::InvalidArgument(
-        "matmul_packed: x must be [M, K], each w [N / 24, K, 24] and its out [M, N]");
+        "matmul_packed: x must be [M, K], each w [N / P, K, P] (P: JserveMatmulPanel()) and its out [M, N]");
   }
   if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16) {
     return ffi::Error::InvalidArgument("matmul_packed: w must be float32 or bfloat16");
@@ -299,16 +373,19 @@ ffi::Error MatmulPackedMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 
 }  // namespace
 
+// Columns per packed panel in this build (Python's `pack` asks).
+extern "C" int JserveMatmulPanel() { return static_cast<int>(kPanel); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmulPacked, MatmulPacked,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()         // w [N / 24, K, 24], f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()         // w [N / P, K, P], f32 or bf16
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmulPackedMany, MatmulPackedMany,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .RemainingArgs()                // w_i [N_i / 24, K, 24], f32 or bf16
+                                  .RemainingArgs()                // w_i [N_i / P, K, P], f32 or bf16
                                   .RemainingRets());              // out_i [M, N_i]

@@ -1,7 +1,8 @@
 """The native CPU matmul (`cpu_matmul.cc`), built on first use (`pallas_kernels.native_build`).
 
 `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
-[N / 24, K, 24] panels, float32 or bfloat16 (`matmul_packed_many`: several weights that read the
+[N / P, K, P] panels (P = `panel()`: 24 columns where the build has AVX2, 48 with AVX-512),
+float32 or bfloat16 (`matmul_packed_many`: several weights that read the
 same x, one call):
 the paged runner's layer matmuls and tied LM head on CPU (see `jserve.cpu_kernels`). Without a
 compiler `available()` is False and the runner keeps XLA's dots and unpacked weights.
@@ -9,6 +10,7 @@ compiler `available()` is False and the runner keeps XLA's dots and unpacked wei
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Sequence
@@ -20,7 +22,6 @@ from pallas_kernels.native_build import NativeLibrary
 
 TARGET = "jserve_matmul_packed"
 TARGET_MANY = "jserve_matmul_packed_many"
-PANEL = 24  # kPanel in cpu_matmul.cc
 _LIBRARY = NativeLibrary("matmul", Path(__file__).with_name("cpu_matmul.cc"),
                          {TARGET: "JserveMatmulPacked", TARGET_MANY: "JserveMatmulPackedMany"},
                          what="native CPU matmul", fallback="using XLA's dot")
@@ -35,26 +36,37 @@ def unavailable_reason() -> str | None:
     return _LIBRARY.unavailable_reason()
 
 
+@functools.cache
+def panel() -> int:
+    """Columns per packed panel of this machine's build (kPanel in cpu_matmul.cc: three SIMD
+    vectors, 24 columns with AVX2, 48 with AVX-512, 24 in the plain-C++ fallback)."""
+    if not available():
+        raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
+    return _LIBRARY.function("JserveMatmulPanel")()
+
+
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def pack(w: jax.Array) -> jax.Array:
-    """[K, N] -> [ceil(N / 24), K, 24]: column panels, N padded with zero columns. A bfloat16
+    """[K, N] -> [ceil(N / P), K, P] with P = `panel()`: column panels, N padded with zero
+    columns. A bfloat16
     weight stays bfloat16 (the kernel reads half the bytes and computes in float32); any other
     dtype becomes float32."""
     if w.ndim != 2:
         raise ValueError(f"pack needs a 2-D weight [K, N], got shape {w.shape}")
     k, n = w.shape
-    panels = -(-n // PANEL)
+    width = panel()
+    panels = -(-n // width)
     w = jnp.pad(w if w.dtype in WEIGHT_DTYPES else w.astype(jnp.float32),
-                ((0, 0), (0, panels * PANEL - n)))
-    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+                ((0, 0), (0, panels * width - n)))
+    return w.reshape(k, panels, width).transpose(1, 0, 2)
 
 
 def unpack(packed: jax.Array, n: int) -> jax.Array:
-    """Inverse of `pack`: [P, K, 24] -> [K, n]."""
-    p, k, _ = packed.shape
-    return packed.transpose(1, 0, 2).reshape(k, p * PANEL)[:, :n]
+    """Inverse of `pack`: [N / P, K, P] -> [K, n]."""
+    p, k, width = packed.shape
+    return packed.transpose(1, 0, 2).reshape(k, p * width)[:, :n]
 
 
 def matmul_packed(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
@@ -73,19 +85,20 @@ def matmul_packed_many(x: jax.Array, packed: Sequence[jax.Array], ns: Sequence[i
 
 
 def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Array, ...]:
+    if not available():
+        raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
+    width = panel()
     for w, n in zip(packed, ns):
-        if w.ndim != 3 or w.shape[2] != PANEL or x.shape[-1] != w.shape[1]:
-            raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [P, K, {PANEL}], "
+        if w.ndim != 3 or w.shape[2] != width or x.shape[-1] != w.shape[1]:
+            raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [N / {width}, K, {width}], "
                              f"got {x.shape} and {w.shape}")
         if w.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"matmul_packed needs a float32 or bfloat16 packed weight, got {w.dtype}")
-        if not 0 < n <= w.shape[0] * PANEL:
-            raise ValueError(f"n={n} must be in (0, {w.shape[0] * PANEL}] for packed {w.shape}")
-    if not available():
-        raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
+        if not 0 < n <= w.shape[0] * width:
+            raise ValueError(f"n={n} must be in (0, {w.shape[0] * width}] for packed {w.shape}")
     lead = x.shape[:-1]
     flat = x.reshape(math.prod(lead), x.shape[-1]).astype(jnp.float32)
-    shapes = [jax.ShapeDtypeStruct((flat.shape[0], w.shape[0] * PANEL), jnp.float32) for w in packed]
+    shapes = [jax.ShapeDtypeStruct((flat.shape[0], w.shape[0] * width), jnp.float32) for w in packed]
     outs = jax.ffi.ffi_call(target, shapes if target == TARGET_MANY else shapes[0],
                             vmap_method="sequential")(flat, *packed)
     outs = outs if target == TARGET_MANY else (outs,)
