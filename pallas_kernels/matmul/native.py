@@ -2,9 +2,8 @@
 
 `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
 [N / P, K, P] panels (P = `panel()`: 24 columns where the build has AVX2, 48 with AVX-512),
-float32 or bfloat16 (`matmul_packed_many`: several weights that read the
-same x, one call):
-the paged runner's layer matmuls and tied LM head on CPU (see `jserve.cpu_kernels`). Without a
+float32 or bfloat16 (`matmul_packed_many`: several weights that read the same x, one call): the
+paged runner's layer matmuls and tied LM head on CPU (see `jserve.cpu_kernels`). Without a
 compiler `available()` is False and the runner keeps XLA's dots and unpacked weights.
 """
 
@@ -50,9 +49,8 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 def pack(w: jax.Array) -> jax.Array:
     """[K, N] -> [ceil(N / P), K, P] with P = `panel()`: column panels, N padded with zero
-    columns. A bfloat16
-    weight stays bfloat16 (the kernel reads half the bytes and computes in float32); any other
-    dtype becomes float32."""
+    columns. A bfloat16 weight stays bfloat16 (the kernel reads half the bytes and computes in
+    float32); any other dtype becomes float32."""
     if w.ndim != 2:
         raise ValueError(f"pack needs a 2-D weight [K, N], got shape {w.shape}")
     k, n = w.shape
