@@ -34,8 +34,9 @@ EIGEN_PREFILL_BATCHES = (1,)
 # cannot read that layout, and a second, natural copy would double the weights' memory). 30
 # SmolLM2 layers at M rows on a 2-core Zen 3 (AVX2), ms, packed / YNNPACK / Eigen (interleaved, an
 # uncommitted harness): M=1 16.7 / 19.8 / 19.3, 8 17.4 / 39.9 / 29.0, 16 31.3 / 54.8 / 35.5, 64
-# 110 / 126 / 124; at M=512 (long prefill chunks) 823 / 712 / 759 in that run, but 774 vs 769 ms packed vs YNNPACK in a later one (fifth
-# session, docs/performance.md), where an einsum over the packed layout took 971 ms.
+# 110 / 126 / 124; at M=512 (long prefill chunks) 823 / 712 / 759 in that run, but 774 vs 769 ms
+# packed vs YNNPACK in a later one (fifth session, docs/performance.md), where an einsum over the
+# packed layout took 971 ms.
 # The tied LM head on the native CPU kernel, over the embedding packed like the layer weights
 # (its transpose; the embedding lookup reads the panels, llama.embed_rows): SmolLM2's 49152 x 576
 # head at 1 / 4 / 16 / 32 rows, ms, packed vs XLA's dot (YNNPACK), interleaved on a quiet machine
