@@ -27,6 +27,8 @@ import jaxlib
 
 logger = logging.getLogger(__name__)
 
+HEADERS = Path(__file__).parent  # headers the kernels share (parallel_for.h), part of the cache key
+
 # -ffast-math lets GCC contract multiply-adds and call glibc's vector expf (libmvec).
 FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
 
@@ -40,8 +42,9 @@ class NativeLibrary:
     """One C++ source and the FFI targets (`{target name: exported symbol}`) it defines."""
 
     def __init__(self, name: str, source: Path, targets: dict[str, str], *, what: str,
-                 fallback: str):
+                 fallback: str, include_dir: Path = HEADERS):
         self.name, self.source, self.targets = name, source, dict(targets)
+        self.include_dir = include_dir
         self.what, self.fallback = what, fallback
         self._lock = threading.Lock()
         self._ok: bool | None = None
@@ -76,7 +79,8 @@ class NativeLibrary:
 
     def _build(self) -> Path:
         source = self.source.read_bytes()
-        parts = [source, jaxlib.__version__, " ".join(flags()), _cpu_flags(), platform.machine()]
+        headers = [h.read_bytes() for h in sorted(self.include_dir.glob("*.h"))]  # sources include them
+        parts = [source, *headers, jaxlib.__version__, " ".join(flags()), _cpu_flags(), platform.machine()]
         key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts))
         cache = Path(os.environ.get("JSERVE_KERNEL_CACHE",
                                     Path.home() / ".cache" / "jserve" / "kernels"))
@@ -93,7 +97,8 @@ class NativeLibrary:
         # Compile and link in two steps: linking with -ffast-math would add crtfastmath.o, whose
         # constructor turns on flush-to-zero for the whole process when the library loads.
         obj = tmp + ".o"
-        for cmd in ([compiler, *flags(), "-c", "-I", jax.ffi.include_dir(), str(self.source), "-o", obj],
+        for cmd in ([compiler, *flags(), "-c", "-I", jax.ffi.include_dir(), "-I", str(self.include_dir),
+                     str(self.source), "-o", obj],
                     [compiler, "-shared", obj, "-o", tmp]):
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:

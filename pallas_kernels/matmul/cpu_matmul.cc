@@ -6,11 +6,8 @@
 // The paged runner's layer matmuls and tied LM head (w = the embedding's transpose) on CPU.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -20,61 +17,13 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel_for.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Runs fn(0..n-1) on the caller and on XLA's intra-op pool. Each runner walks its own contiguous
-// share of the indices from the front, then takes what is left of the others' shares from their
-// back. A runner's indices stay in order, one memory stream per runner, so its prefetches run on
-// from one task into the next (with a shared counter the two threads took alternate tasks and
-// every task started cold); a helper that starts late loses its tail to the others. The caller
-// is usually not a pool thread (XLA runs the custom call on the thread that launched the step),
-// so pool.num_threads() runners keep one per core: *measured* 5-17 % faster than one helper per
-// pool thread for the packed matmul on a 2-core Zen 3. Contiguous shares instead of a shared
-// counter, SmolLM2's 30 layers + head (a /tmp chain, 2-core Xeon with AVX-512, interleaved, ms):
-// M=1 23.5 -> 22.7, 8 31.1 -> 30.1, 16 33.2 -> 31.3, 64 75.0 -> 70.0.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
-  const int64_t runners = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n));
-  struct State {
-    explicit State(int64_t r) : shares(r) {}
-    std::vector<std::atomic<uint64_t>> shares;  // (front << 32) | back, per runner
-    std::atomic<int64_t> ids{1};
-    std::atomic<int64_t> active{0};
-  };
-  auto state = std::make_shared<State>(runners);
-  for (int64_t r = 0; r < runners; ++r) {
-    const uint64_t front = n * r / runners, back = n * (r + 1) / runners;
-    state->shares[r].store((front << 32) | back);
-  }
-  auto shared_fn = std::make_shared<F>(std::move(fn));
-  auto run = [state, shared_fn, runners](int64_t id) {
-    // The front (own share) or back index of a share; -1 once it is empty.
-    auto claim = [](std::atomic<uint64_t>& share, bool front) -> int64_t {
-      uint64_t v = share.load();
-      while (true) {
-        const uint64_t f = v >> 32, b = v & 0xffffffffu;
-        if (f >= b) return -1;
-        const uint64_t next = front ? ((f + 1) << 32) | b : (f << 32) | (b - 1);
-        if (share.compare_exchange_weak(v, next)) return static_cast<int64_t>(front ? f : b - 1);
-      }
-    };
-    state->active.fetch_add(1);
-    for (int64_t i = claim(state->shares[id], true); i >= 0; i = claim(state->shares[id], true)) (*shared_fn)(i);
-    for (int64_t o = 1; o < runners; ++o) {
-      auto& other = state->shares[(id + o) % runners];
-      for (int64_t i = claim(other, false); i >= 0; i = claim(other, false)) (*shared_fn)(i);
-    }
-    state->active.fetch_sub(1);
-  };
-  for (int64_t h = 1; h < runners; ++h) {
-    pool.Schedule([state, run]() { run(state->ids.fetch_add(1)); });
-  }
-  run(0);
-  while (state->active.load() > 0) std::this_thread::yield();
-}
+using jserve_native::ParallelFor;  // parallel_for.h
 
 // Why: at the decode step's few rows XLA:CPU's dots run the layer matmuls at 40-80 GFLOP/s, as
 // libraries pack the weight panel on every call; here the weights are packed once, at load.
@@ -90,8 +39,9 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
 // L2, the prefetches spread over the row blocks. Into L2 (T1) rather than L1 (T0): the same on a
 // 2-core Zen 3 (AVX2: 34.9 vs 34.8 ms), faster on a 2-core Xeon (AVX-512, where 128 rows ahead
 // are 24 KB of the 48 KB L1; 30 layers + head, interleaved, contiguous shares, ms: M=1 22.7 ->
-// 20.9, 4 27.1 -> 23.1, 8 30.1 -> 26.0, 16 31.3 -> 30.2, 64 70.0 -> 69.0). Tuned with AVX2 on a 2-core Zen 3 (a helper
-// session's prototype, /tmp/gemm, measured against XLA's dots; docs/performance.md). At M = 512
+// 20.9, 4 27.1 -> 23.1, 8 30.1 -> 26.0, 16 31.3 -> 30.2, 64 70.0 -> 69.0). Tuned with AVX2 on
+// a 2-core Zen 3 (a helper session's prototype, /tmp/gemm, measured against XLA's dots;
+// docs/performance.md). At M = 512
 // it is ~10 % slower than XLA's YNNPACK dot, at M <= 64 faster (30-layer chain, ms, packed /
 // YNNPACK / Eigen: M=1 16.7 / 19.8 / 19.3, 8 17.4 / 39.9 / 29.0, 16 31.3 / 54.8 / 35.5, 64
 // 110 / 126 / 124, 512 823 / 712 / 759).
@@ -164,8 +114,9 @@ inline __attribute__((always_inline)) void Kernel(int64_t kl, const float* __res
     for (int v = 0; v < 3; ++v) acc[m][v] = accumulate ? Simd::Load(o + m * ldo + L * v) : Simd::Zero();
   const float* p = pf;
   for (int64_t k = 0; k < kl; ++k, p += share) {
-    for (int64_t q = 0; q < share; q += kLine) _mm_prefetch(reinterpret_cast<const char*>(p + q), _MM_HINT_T1);
-    if (share % kLine) _mm_prefetch(reinterpret_cast<const char*>(p + share - 1), _MM_HINT_T1);
+    const char* line = reinterpret_cast<const char*>(p);
+    for (int64_t q = 0; q < share; q += kLine) _mm_prefetch(line + 4 * q, _MM_HINT_T1);
+    if (share % kLine) _mm_prefetch(line + 4 * (share - 1), _MM_HINT_T1);
     const T* wk = w + k * kPanel;
     V wv[3];
 #pragma GCC unroll 3
@@ -242,7 +193,9 @@ void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o,
     const T* wb = panel + kb * kPanel;
     const float* pf = reinterpret_cast<const float*>(wb + kPrefetch * kPanel);
     if (buffer) {
-      for (int64_t i = 0; i < kl * kPanel; i += Simd::kLanes) Simd::StoreAligned(wide + i, Simd::Load(wb + i));
+      for (int64_t i = 0; i < kl * kPanel; i += Simd::kLanes) {
+        Simd::StoreAligned(wide + i, Simd::Load(wb + i));
+      }
       RowBlocks(M, K, kl, x + kb, wide, o, ldo, kb > 0, pf, row_floats);
     } else {
       RowBlocks(M, K, kl, x + kb, wb, o, ldo, kb > 0, pf, row_floats);

@@ -31,16 +31,14 @@
 // in the pages); logits q.k * sm_scale, then soft_cap * tanh(logits / soft_cap).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel_for.h"
 
 namespace ffi = xla::ffi;
 
@@ -404,33 +402,7 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
   }
 }
 
-// Runs fn(0..n-1) on the caller and on XLA's intra-op pool. Helpers that start late find no
-// work and leave; the caller waits only for tasks a helper actually took. The caller is usually
-// not a pool thread (XLA runs the custom call on the thread that launched the step), so
-// pool.num_threads() - 1 helpers keep one runner per core: 30 SmolLM2 layers, interleaved, one
-// helper per pool thread vs one fewer: decode 16 rows x 365 cached 16.8 vs 13.5 ms, prefill
-// 1 x 512 tokens 163 vs 141 ms.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> active{0};
-  };
-  auto state = std::make_shared<State>();
-  auto shared_fn = std::make_shared<F>(std::move(fn));
-  auto run = [state, shared_fn, n]() {
-    state->active.fetch_add(1);
-    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) (*shared_fn)(i);
-    state->active.fetch_sub(1);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t h = 0; h < helpers; ++h) {
-    auto task = run;  // Schedule takes its callable by value (an rvalue)
-    pool.Schedule(std::move(task));
-  }
-  run();
-  while (state->active.load() > 0) std::this_thread::yield();
-}
+using jserve_native::ParallelFor;  // parallel_for.h
 
 // ---------------------------------------------------------------------------------------------
 // Decode: one token's `groups` queries (one KV head) against blocks of up to kKeyBlock keys

@@ -1,0 +1,49 @@
+"""The native-kernel build: shared headers are part of the cache key, $JSERVE_NATIVE_ARCH picks the
+target."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+
+import pytest
+
+from pallas_kernels import native_build
+from pallas_kernels.native_build import NativeLibrary
+
+
+@pytest.fixture
+def library(tmp_path, monkeypatch):
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("JSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "value.h").write_text("#define VALUE 1\n")
+    (src / "lib.cc").write_text('#include "value.h"\nextern "C" int Value() { return VALUE; }\n')
+    return NativeLibrary("probe", src / "lib.cc", {}, what="probe", fallback="none", include_dir=src)
+
+
+def _value(path) -> int:
+    return ctypes.CDLL(str(path)).Value()
+
+
+def test_a_changed_header_rebuilds(library):
+    first = library._build()
+    assert _value(first) == 1 and library._build() == first  # cached
+    (library.include_dir / "value.h").write_text("#define VALUE 2\n")
+    second = library._build()
+    assert second != first and _value(second) == 2
+
+
+def test_the_arch_is_in_the_flags_and_the_key(library, monkeypatch):
+    monkeypatch.delenv("JSERVE_NATIVE_ARCH", raising=False)
+    assert native_build.flags()[-1] == "-march=native"
+    native = library._build()
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 only")
+    monkeypatch.setenv("JSERVE_NATIVE_ARCH", "x86-64")
+    assert native_build.flags()[-1] == "-march=x86-64"
+    other = library._build()
+    assert other != native and _value(other) == 1
