@@ -11,8 +11,8 @@
 // decode attention, 16 rows x 365 cached: 16.8 vs 13.5 ms). Contiguous shares instead of a shared
 // counter, SmolLM2's 30 layer matmuls + head (a /tmp chain, 2-core Xeon with AVX-512,
 // interleaved, ms): M=1 23.5 -> 22.7, 8 31.1 -> 30.1, 16 33.2 -> 31.3, 64 75.0 -> 70.0. For decode
-// attention the same within the noise (the whole step, 4 and 16 rows x 384 and 1024 cached, with
-// the next task's first block prefetched as well: not kept).
+// attention the same within the noise on contiguous pages; on scattered pages it lets a task
+// prefetch the next task's first block (cpu_native.cc, Prefetcher).
 #ifndef JSERVE_PARALLEL_FOR_H_
 #define JSERVE_PARALLEL_FOR_H_
 

@@ -444,45 +444,62 @@ inline void Dots4(const float* const* krow, const float* q, int64_t head_dim, fl
   for (int g = 0; g < NG; ++g) SumLanes4(a[g], p + g * kKeyBlock + j);
 }
 
-// Prefetches the next block's K and V rows into L2, a share at each step of this block's scores,
-// when that block lies on one page (always with 64-token pages). On a 2-core Zen 3 no prefetch
-// variant changed decode attention beyond the noise (one thread, docs/performance.md: the next
-// block at once into L1 or L2, two blocks ahead, spread over the scores); on a 2-core Xeon (AVX-512,
-// ~100 ns to memory) the SmolLM2 decode step at 16 rows x 384 cached tokens went from 62.3 to
-// 58.7-59.3 ms (into L2 / L1; --breakdown: attention 18.6 -> 16.5 / 16.9 ms), interleaved.
-struct NextBlock {
-  template <typename T>
-  NextBlock(const T* k_head, const T* v_head, const int32_t* table, int64_t num_pages, int64_t P,
-            int64_t row_bytes, int64_t j1, int64_t end, int64_t steps) {
-    if (j1 >= end) return;
-    const int64_t n1 = std::min(kKeyBlock, end - j1);
-    if (j1 % P + n1 > P) return;
-    int64_t page = table[j1 / P];
-    if (page < 0 || page >= num_pages) page = 0;
-    const int64_t row = (page * P + j1 % P) * (row_bytes / static_cast<int64_t>(sizeof(T)));
-    k = reinterpret_cast<const char*>(k_head + row);
-    v = reinterpret_cast<const char*>(v_head + row);
-    lines = (n1 * row_bytes + 63) / 64;
-    per_step = (lines + steps - 1) / std::max<int64_t>(steps, 1);
-  }
-  void Step() {
-    const int64_t stop = std::min(lines, done + per_step);
-    for (; done < stop; ++done) {
-      __builtin_prefetch(k + 64 * done, 0, 2);
-      __builtin_prefetch(v + 64 * done, 0, 2);
-    }
-  }
+// The K and V rows of keys j1 .. j1 + kKeyBlock - 1 (not past end) of one (row, KV head): where
+// each starts and how many cache lines it covers; none when the block spans pages or is empty.
+struct KeyBlockLines {
   const char* k = nullptr;
   const char* v = nullptr;
-  int64_t lines = 0, per_step = 0, done = 0;
+  int64_t lines = 0;
+};
+
+template <typename T>
+KeyBlockLines KeyBlockAt(const Shape& s, int64_t kv_head, const int32_t* table, int64_t j1,
+                         int64_t end, const T* k_pages, const T* v_pages) {
+  KeyBlockLines block;
+  const int64_t P = s.page_size, D = s.head_dim, n1 = std::min(kKeyBlock, end - j1);
+  if (n1 <= 0 || j1 % P + n1 > P) return block;
+  int64_t page = table[j1 / P];
+  if (page < 0 || page >= s.num_pages) page = 0;
+  const int64_t row = ((kv_head * s.num_pages + page) * P + j1 % P) * D;
+  block.k = reinterpret_cast<const char*>(k_pages + row);
+  block.v = reinterpret_cast<const char*>(v_pages + row);
+  block.lines = (n1 * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  return block;
+}
+
+// Prefetches the block that comes next (the next 64 keys, or after a task's last block the next
+// task's first: with ParallelFor's contiguous shares usually this thread's next task) into L2,
+// in equal shares over the steps of this block's scores. On a 2-core Zen 3 no prefetch variant
+// changed decode attention beyond the noise (one thread, docs/performance.md: the next block at
+// once into L1 or L2, two blocks ahead, spread over the scores); on a 2-core Xeon (AVX-512, ~100
+// ns to memory) the SmolLM2 decode step at 16 rows x 384 cached tokens went from 62.3 to
+// 58.7-59.3 ms with the next block of the same task (into L2 / L1; --breakdown: attention 18.6 ->
+// 16.5 / 16.9 ms), interleaved. With the pages scattered over the pool, as the engine leaves
+// them (bench_page_layout.py, interleaved, 15-21 rounds, ms): no prefetch 70.4 / 107.5 at 384 /
+// 1024 cached, the next block 64.3 / 91.2 and 60.4 / 90.5, also the next task's first block
+// 62.0 / 88.7 and 59.7 / 87.9 (two blocks ahead as well: 59.3 / 87.3, not kept); 4 rows x 384
+// 32.7 -> 32.3. On contiguous pages the next task's block made no difference.
+struct Prefetcher {
+  Prefetcher(KeyBlockLines block, int64_t steps)
+      : b(block), per_step((block.lines + steps - 1) / std::max<int64_t>(steps, 1)) {}
+  void Step() {
+    const int64_t stop = std::min(b.lines, done + per_step);
+    for (; done < stop; ++done) {
+      __builtin_prefetch(b.k + 64 * done, 0, 2);
+      __builtin_prefetch(b.v + 64 * done, 0, 2);
+    }
+  }
+  KeyBlockLines b;
+  int64_t per_step, done = 0;
 };
 
 // Keys begin .. end - 1 of row `table`'s KV head k for one token's G queries (qs [G][D], scaled
-// by sm_scale): leaves the running max m[g], sum l[g] and unnormalised acc[g][D].
+// by sm_scale): leaves the running max m[g], sum l[g] and unnormalised acc[g][D]. `after`: the
+// block to prefetch during the last one.
 template <typename T, int HD>
 void DecodeRange(const Shape& s, int64_t k, const int32_t* table, int64_t begin, int64_t end,
                  const float* qs, const T* k_pages, const T* v_pages, float soft_cap, float* m,
-                 float* l, float* acc) {
+                 float* l, float* acc, KeyBlockLines after) {
   const int64_t D = s.head_dim, G = s.groups, P = s.page_size;
   const T* k_head = k_pages + k * s.num_pages * P * D;
   const T* v_head = v_pages + k * s.num_pages * P * D;
@@ -499,8 +516,8 @@ void DecodeRange(const Shape& s, int64_t k, const int32_t* table, int64_t begin,
     const int64_t n = std::min(kKeyBlock, end - j0), n8 = (n + 7) / 8 * 8;
     GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide.data(), krow, vrow);
     for (int64_t j = n; j < n8; ++j) krow[j] = krow[n - 1];  // scored, then masked
-    NextBlock next(k_head, v_head, table, s.num_pages, P, D * static_cast<int64_t>(sizeof(T)),
-                   j0 + n, end, (n + 3) / 4);
+    Prefetcher next(j0 + n < end ? KeyBlockAt(s, k, table, j0 + n, end, k_pages, v_pages) : after,
+                    (n + 3) / 4);
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
       const int64_t ng = std::min<int64_t>(3, G - g0);
       float* pg0 = p + g0 * kKeyBlock;
@@ -569,15 +586,26 @@ void Decode(ffi::ThreadPool& pool, const Shape& s, const float* q, const T* k_pa
   // Part results, [pair][part] x (m[G], l[G], acc[G][D]); unused with one part.
   const int64_t stride = G * (D + 2);
   std::vector<float> parts(splits > 1 ? pairs * splits * stride : 0);
+  // Task i's row, KV head and keys.
+  auto keys = [&](int64_t i) {
+    const int64_t part = i % splits, pair = i / splits;
+    auto [begin, end] = range(pair / s.kv_heads);
+    const int64_t chunk = ((end - begin + splits - 1) / splits + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    begin = std::min(end, begin + part * chunk);
+    return std::make_tuple(pair / s.kv_heads, pair % s.kv_heads, begin, std::min(end, begin + chunk));
+  };
+  const int64_t tasks = pairs * splits;
   auto task = [&](int64_t i) {
-    const int64_t part = i % splits, pair = i / splits, b = pair / s.kv_heads, k = pair % s.kv_heads;
+    const int64_t pair = i / splits;
+    const auto [b, k, begin, end] = keys(i);
     alignas(64) float qs[kMaxGroups * kMaxHeadDim];
     const float* qb = q + pair * G * D;
     for (int64_t x = 0; x < G * D; ++x) qs[x] = qb[x] * sm_scale;
-    auto [begin, end] = range(b);
-    const int64_t chunk = ((end - begin + splits - 1) / splits + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-    begin = std::min(end, begin + part * chunk);
-    end = std::min(end, begin + chunk);
+    KeyBlockLines after;
+    if (i + 1 < tasks) {
+      const auto [b1, k1, begin1, end1] = keys(i + 1);
+      after = KeyBlockAt(s, k1, page_indices + b1 * s.max_pages, begin1, end1, k_pages, v_pages);
+    }
     alignas(64) float acc_local[kMaxGroups * kMaxHeadDim];
     float m_local[kMaxGroups], l_local[kMaxGroups];
     float *m = m_local, *l = l_local, *acc = acc_local;
@@ -588,11 +616,11 @@ void Decode(ffi::ThreadPool& pool, const Shape& s, const float* q, const T* k_pa
     }
     const int32_t* table = page_indices + b * s.max_pages;
     if (D == 64) {
-      DecodeRange<T, 64>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc);
+      DecodeRange<T, 64>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc, after);
     } else if (D == 128) {
-      DecodeRange<T, 128>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc);
+      DecodeRange<T, 128>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc, after);
     } else {
-      DecodeRange<T, 0>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc);
+      DecodeRange<T, 0>(s, k, table, begin, end, qs, k_pages, v_pages, soft_cap, m, l, acc, after);
     }
     if (splits == 1) {
       float* ob = out + pair * G * D;
@@ -602,7 +630,7 @@ void Decode(ffi::ThreadPool& pool, const Shape& s, const float* q, const T* k_pa
       }
     }
   };
-  ParallelFor(pool, pairs * splits, task);
+  ParallelFor(pool, tasks, task);
   if (splits == 1) return;
   for (int64_t pair = 0; pair < pairs; ++pair) {  // merge the parts
     const float* first = parts.data() + pair * splits * stride;
