@@ -41,10 +41,9 @@ using jserve_native::ParallelFor;  // parallel_for.h
 // are 24 KB of the 48 KB L1; 30 layers + head, interleaved, contiguous shares, ms: M=1 22.7 ->
 // 20.9, 4 27.1 -> 23.1, 8 30.1 -> 26.0, 16 31.3 -> 30.2, 64 70.0 -> 69.0). Tuned with AVX2 on
 // a 2-core Zen 3 (a helper session's prototype, /tmp/gemm, measured against XLA's dots;
-// docs/performance.md). At M = 512
-// it is ~10 % slower than XLA's YNNPACK dot, at M <= 64 faster (30-layer chain, ms, packed /
-// YNNPACK / Eigen: M=1 16.7 / 19.8 / 19.3, 8 17.4 / 39.9 / 29.0, 16 31.3 / 54.8 / 35.5, 64
-// 110 / 126 / 124, 512 823 / 712 / 759).
+// docs/performance.md). There, at M = 512 it is ~10 % slower than XLA's YNNPACK dot, at M <= 64
+// faster (30-layer chain, ms, packed / YNNPACK / Eigen: M=1 16.7 / 19.8 / 19.3, 8 17.4 / 39.9 /
+// 29.0, 16 31.3 / 54.8 / 35.5, 64 110 / 126 / 124, 512 823 / 712 / 759).
 
 #if defined(__AVX512F__)
 // 16 float lanes: a panel is 48 columns (3 zmm) and the micro-kernel takes up to 8 rows: 24
