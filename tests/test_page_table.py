@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jserve.page_table import NULL_PAGE, PagePool, PageTable
+from jserve.page_pool import NULL_PAGE, PagePool
+from jserve.page_table import PageTable
 
 
 def snapshot(pt: PageTable):

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jserve.page_table import NULL_PAGE, PageTable
+from jserve.page_pool import NULL_PAGE
+from jserve.page_table import PageTable
 from jserve.request import SamplingParams
 from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, StepPlan
 
