@@ -83,9 +83,7 @@ def matmul_packed_many(x: jax.Array, packed: Sequence[jax.Array], ns: Sequence[i
 
 
 def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Array, ...]:
-    if not available():
-        raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
-    width = panel()
+    width = panel()  # raises if the kernel is unavailable
     for w, n in zip(packed, ns):
         if w.ndim != 3 or w.shape[2] != width or x.shape[-1] != w.shape[1]:
             raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [N / {width}, K, {width}], "
