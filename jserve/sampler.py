@@ -85,6 +85,17 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, 
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` (the first maximum) as a max and a min reduction. XLA:CPU runs
+    argmax's (value, index) reduction element by element: [16, 49152] float32 logits, 1.46 ms
+    vs 0.57 ms this way (*measured*, 2-core Xeon; ~3 % of a SmolLM2 decode step at 16 rows).
+    A row of NaNs gives the last index (argmax: the first NaN)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == top, iota, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)
+
+
 def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                      min_p: jax.Array) -> jax.Array:
     """Mask tokens outside top-k / top-p / min-p with -inf (rows of [batch, vocab])."""
@@ -140,7 +151,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
         logits = jax.lax.cond(has_penalty, penalise, lambda l: l, logits)
     greedy = temperature <= 0.0
-    argmax = jnp.argmax(logits, axis=-1)
+    best = argmax(logits)
 
     def draw(logits):
         scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
@@ -152,10 +163,10 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         cdf = jnp.cumsum(probs, axis=-1)
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
         u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
-        sampled = jnp.argmax(cdf > u[:, None], axis=-1)
-        return jnp.where(greedy, argmax, sampled)
+        sampled = argmax(cdf > u[:, None])
+        return jnp.where(greedy, best, sampled)
 
-    tokens = jax.lax.cond(jnp.all(greedy), lambda l: argmax, draw, logits).astype(jnp.int32)
+    tokens = jax.lax.cond(jnp.all(greedy), lambda l: best, draw, logits).astype(jnp.int32)
 
     def logprob_outputs(raw):
         logprobs = jax.nn.log_softmax(raw, axis=-1)  # of the model's own distribution, as vLLM reports

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.sampler import SamplingArrays, _counts, apply_penalties, penalty_history, sample
+from jserve.sampler import SamplingArrays, _counts, apply_penalties, argmax, penalty_history, sample
 
 V = 8
 
@@ -14,6 +14,17 @@ V = 8
 def _sample(logits, rows, penalties=None):
     arrays = SamplingArrays.build(rows, len(rows)).as_tuple()
     return sample(jnp.asarray(logits, jnp.float32), *arrays, penalties=penalties, num_logprobs=3)
+
+
+def test_argmax_is_numpys_first_maximum():
+    rng = np.random.RandomState(0)
+    x = rng.randint(-3, 4, (64, 37)).astype(np.float32)  # many ties
+    np.testing.assert_array_equal(argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+    b = rng.rand(16, 50) > 0.8
+    b[3] = False  # no True: index 0, as argmax
+    np.testing.assert_array_equal(argmax(jnp.asarray(b)), np.argmax(b, axis=-1))
+    x = rng.randn(4, 49152).astype(np.float32)
+    np.testing.assert_array_equal(argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
 
 
 def test_filters_reduce_to_argmax_at_their_limits():
