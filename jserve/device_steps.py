@@ -2,7 +2,7 @@
 
 Pure device code: they take the params, the KV pages (donated) and the step's arrays, and return
 the sampler's outputs and the new pages. The runner binds the model's graph, the attention
-backend and the matmul kernels with `functools.partial` and compiles one shape per bucket.
+backend and the CPU kernels (matmuls, head, fused decode layer) with `functools.partial` and compiles one shape per bucket.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from jserve.request import MAX_LOGPROBS
 from jserve.sampler import sample
 
 
-def step(graphdef, attention, tied_head, linear, params, kv, tokens, positions, meta, last, sampling,
-         history):
+def step(graphdef, attention, tied_head, linear, decoder_layers, params, kv, tokens, positions, meta, last,
+         sampling, history):
     """One step: the model over each row's tokens, then the sampler at each row's `last` token."""
     model = nnx.merge(graphdef, params)
     logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None],
-                       tied_head=tied_head, linear=linear)
+                       tied_head=tied_head, linear=linear, decoder_layers=decoder_layers)
     return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv
 
 
-def decode_steps(graphdef, attention, tied_head, linear, page_size, vocab_size, max_steps, params, kv,
-                 tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
+def decode_steps(graphdef, attention, tied_head, linear, decoder_layers, page_size, vocab_size, max_steps,
+                 params, kv, tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
     """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
     early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
     padded row: no query, its K/V write into the null page."""
@@ -53,7 +53,7 @@ def decode_steps(graphdef, attention, tied_head, linear, page_size, vocab_size, 
         slots = jnp.where(live, page * page_size + pos % page_size, 0)
         meta = PagedMeta(slots, pos, live.astype(jnp.int32), pages)
         logits, kv = model(token[:, None], pos[:, None], kv, meta, attention, logits_index=zeros,
-                           tied_head=tied_head, linear=linear)
+                           tied_head=tied_head, linear=linear, decoder_layers=decoder_layers)
         out = sample_step(logits[:, 0], j, ids)
         new = out["tokens"]
         buffers = jax.tree.map(lambda buf, x: buf.at[j].set(x), buffers, out)

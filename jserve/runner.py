@@ -116,9 +116,12 @@ class Runner:
         self.params, self.linear, self.tied_head = cpu_kernels.native_matmul_params(
             config, self.params, enabled=native_ok)
         self.native_matmuls, self.native_head = self.linear is not None, self.tied_head is not None
+        self.decoder_layers = cpu_kernels.native_decoder_layers(
+            config, enabled=self.native_matmuls and self.native_attention)
         # On a background thread (see jserve.huge_pages); huge_pages.wait() says what it did.
         self.huge_pages = HugePagesAdvice((self.params, self.kv) if huge_pages else ())
-        step = functools.partial(device_steps.step, graphdef, attention, self.tied_head, self.linear)
+        step = functools.partial(device_steps.step, graphdef, attention, self.tied_head, self.linear,
+                                 self.decoder_layers)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
@@ -136,7 +139,8 @@ class Runner:
                              f"{jax.process_count()} processes")
         self.decode_steps = decode_steps
         self._decode_steps = jax.jit(functools.partial(
-            device_steps.decode_steps, graphdef, attention, self.tied_head, self.linear, page_size, config.vocab_size,
+            device_steps.decode_steps, graphdef, attention, self.tied_head, self.linear, self.decoder_layers,
+            page_size, config.vocab_size,
             decode_steps), donate_argnames=("kv",))
         self._seen: set[tuple] = set()
         self.num_compilations = 0

@@ -1,5 +1,6 @@
-// ParallelFor for the native CPU kernels (cpu_matmul.cc, cpu_native.cc): fn(0..n-1) on the
-// caller and on XLA's intra-op thread pool. Include after "xla/ffi/api/ffi.h".
+// ParallelFor and Team for the native CPU kernels (cpu_matmul.cc, cpu_native.cc, cpu_layer.cc).
+// ParallelFor runs fn(0..n-1) on the caller and on XLA's intra-op thread pool. Include after
+// "xla/ffi/api/ffi.h".
 //
 // Each runner walks its own contiguous share of the indices from the front, then takes what is
 // left of the others' shares from their back. A runner's indices stay in order, so it reads one
@@ -16,9 +17,13 @@
 #ifndef JSERVE_PARALLEL_FOR_H_
 #define JSERVE_PARALLEL_FOR_H_
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -67,6 +72,139 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn) {
   }
   run(0);
   while (state->active.load() > 0) std::this_thread::yield();
+}
+
+// A team for work in phases, one call: body(member) runs on the caller and on up to
+// pool.num_threads() - 1 helpers; each member calls member.For(n, fn) for the same phases (at
+// most `phases`) in the same order, and every For returns once all n items of its phase are done
+// (by whichever members), so a phase may read what the one before wrote. The helpers are
+// scheduled once and wait for the next phase spinning (within the call, where nothing else
+// runs); a helper that starts late joins the phase the others are in, and one that starts after
+// the caller is done runs nothing. For shares items like ParallelFor: contiguous shares, then
+// stealing from the back. The body must do all its work inside For: a late helper runs the rest
+// of it too.
+class TeamMember;
+
+class Team {
+ public:
+  template <typename Body>
+  static void Run(xla::ffi::ThreadPool& pool, int64_t phases, Body body) {
+    // Spinning members need a CPU each: no more than the process may run on (a pool can have
+    // more threads, e.g. with several XLA CPU devices in one process).
+    const int64_t members = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), Cpus()));
+    auto team = std::make_shared<Team>(members, phases);
+    auto shared_body = std::make_shared<Body>(std::move(body));
+    for (int64_t h = 1; h < members; ++h) {
+      pool.Schedule([team, shared_body]() {
+        team->active_.fetch_add(1);
+        if (!team->closed_.load()) team->Join(*shared_body, team->ids_.fetch_add(1));
+        team->active_.fetch_sub(1);
+      });
+    }
+    team->Join(*shared_body, 0);
+    team->closed_.store(true);
+    while (team->active_.load() > 0) std::this_thread::yield();
+  }
+
+  static int64_t Cpus() {
+    static const int64_t cpus = [] {
+      cpu_set_t set;
+      if (sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<int64_t>(CPU_COUNT(&set));
+      return static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+    }();
+    return cpus;
+  }
+
+  Team(int64_t members, int64_t phases)
+      : members_(members), num_phases_(phases), phases_(new Phase[phases]),
+        shares_(new std::atomic<uint64_t>[phases * members]) {}
+
+ private:
+  friend class TeamMember;
+  struct Phase {
+    std::atomic<int> state{0};  // 0 new, 1 being shared out, 2 ready
+    std::atomic<int64_t> done{0};
+  };
+
+  template <typename Body>
+  void Join(Body& body, int64_t id);
+
+  const int64_t members_;
+  const int64_t num_phases_;
+  std::unique_ptr<Phase[]> phases_;
+  std::unique_ptr<std::atomic<uint64_t>[]> shares_;  // [phase][member]: (front << 32) | back
+  std::atomic<int64_t> ids_{1}, active_{0};
+  std::atomic<bool> closed_{false};
+};
+
+class TeamMember {
+ public:
+  TeamMember(Team& team, int64_t id) : team_(team), id_(id) {}
+  int64_t id() const { return id_; }
+
+  // fn(0..n-1) over the team; returns when all are done.
+  template <typename F>
+  void For(int64_t n, F fn) {
+    if (next_ >= team_.num_phases_) {  // a body that runs more phases than it declared: a bug
+      std::fprintf(stderr, "jserve Team: phase %d of %lld declared\n", next_ + 1,
+                   static_cast<long long>(team_.num_phases_));
+      std::abort();
+    }
+    Team::Phase& phase = team_.phases_[next_];
+    const int64_t members = team_.members_;
+    std::atomic<uint64_t>* shares = team_.shares_.get() + next_++ * members;
+    int fresh = 0;
+    if (phase.state.compare_exchange_strong(fresh, 1)) {
+      for (int64_t r = 0; r < members; ++r) {
+        const uint64_t front = n * r / members, back = n * (r + 1) / members;
+        shares[r].store((front << 32) | back);
+      }
+      phase.state.store(2);
+    }
+    SpinUntil([&phase] { return phase.state.load() == 2; });
+    auto claim = [](std::atomic<uint64_t>& share, bool front) -> int64_t {
+      uint64_t v = share.load();
+      while (true) {
+        const uint64_t f = v >> 32, b = v & 0xffffffffu;
+        if (f >= b) return -1;
+        const uint64_t next = front ? ((f + 1) << 32) | b : (f << 32) | (b - 1);
+        if (share.compare_exchange_weak(v, next)) return static_cast<int64_t>(front ? f : b - 1);
+      }
+    };
+    int64_t ran = 0;
+    auto& own = shares[id_ % members];
+    for (int64_t i = claim(own, true); i >= 0; i = claim(own, true), ++ran) fn(i);
+    for (int64_t o = 1; o < members; ++o) {
+      auto& other = shares[(id_ + o) % members];
+      for (int64_t i = claim(other, false); i >= 0; i = claim(other, false), ++ran) fn(i);
+    }
+    if (ran) phase.done.fetch_add(ran);
+    SpinUntil([&phase, n] { return phase.done.load() >= n; });
+  }
+
+ private:
+  // Spins, then yields: a member the OS has descheduled gets its CPU back sooner.
+  template <typename Done>
+  static void SpinUntil(Done done) {
+    for (int i = 0; !done(); ++i) {
+      if (i < 4096) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+  Team& team_;
+  int64_t id_;
+  int next_ = 0;
+};
+
+template <typename Body>
+void Team::Join(Body& body, int64_t id) {
+  TeamMember member(*this, id);
+  body(member);
 }
 
 }  // namespace jserve_native

@@ -9,9 +9,11 @@ step compiled with:
   - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `cpu_kernels.EIGEN_DOTS`);
   - the layer matmuls and the tied LM head: the native kernel over packed weights on "native"
     (the runner's default on CPU, where no dot library is then left to choose), XLA's dots over
-    unpacked weights otherwise ("cpu/..." keep the native attention kernel).
+    unpacked weights otherwise ("cpu/..." keep the native attention kernel);
+  - decode layers: on "native" all in one native call (`pallas_kernels.decoder_layer`, the
+    runner's default), on "native/unfused" XLA ops around native matmul and attention calls.
 Variants take turns call by call (a busy machine slows them alike). `--breakdown` adds, for the
-"native" variant, the same step with one part replaced by a stand-in that costs next to nothing
+"native/unfused" variant, the same step with one part replaced by a stand-in that costs next to nothing
 but keeps the data flow (attention: K/V still written, the query passed through; layer matmuls:
 one input column broadcast to the output width; LM head: the same), so the step's time splits
 into attention, layer matmuls, head and the rest (all three replaced). The floor is the runner's
@@ -60,13 +62,15 @@ from jserve.runner import GREEDY, PREFILL_BATCH_BUCKETS  # noqa: E402
 from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
 from pallas_kernels.matmul import native as native_matmul  # noqa: E402
 
-# name: (attention backend, XLA options, native matmuls over packed weights).
-VARIANTS = {"native": ("cpu", None, True), "native/eigen": ("cpu", EIGEN_DOTS, True),
-            "cpu/ynn": ("cpu", None, False), "cpu/eigen": ("cpu", EIGEN_DOTS, False),
-            "cpu_pallas/ynn": ("cpu_pallas", None, False), "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS, False)}
+# name: (attention backend, XLA options, native matmuls over packed weights, fused decode layers).
+VARIANTS = {"native": ("cpu", None, True, True), "native/unfused": ("cpu", None, True, False),
+            "native/eigen": ("cpu", EIGEN_DOTS, True, True),
+            "cpu/ynn": ("cpu", None, False, False), "cpu/eigen": ("cpu", EIGEN_DOTS, False, False),
+            "cpu_pallas/ynn": ("cpu_pallas", None, False, False),
+            "cpu_pallas/eigen": ("cpu_pallas", EIGEN_DOTS, False, False)}
+BREAKDOWN_BASE = "native/unfused"  # the parts below replace pieces of its step
 
-
-# --breakdown: the parts a stand-in replaces, per extra variant of "native".
+# --breakdown: the parts a stand-in replaces, per extra variant of BREAKDOWN_BASE.
 PARTS = {"-attention": {"attention"}, "-layer matmuls": {"linear"}, "-head": {"head"},
          "-all three": {"attention", "linear", "head"}}
 
@@ -104,13 +108,16 @@ def natural_params(runner, config):
         "embed": native_matmul.unpack(embed, c.vocab_size).T if embed.ndim == 3 else embed}
 
 
-def compile_variant(runner, config, params, backend, options, native_matmuls, rows, stripped=frozenset()):
+def compile_variant(runner, config, params, backend, options, native_matmuls, fused, rows,
+                    stripped=frozenset()):
     """The step for these rows (padded to the runner's buckets), with this attention backend,
-    these XLA options, and the native matmuls over the runner's packed params or XLA's dots over
-    unpacked ones (`params`); the parts in `stripped` replaced by stand-ins (see --breakdown)."""
+    these XLA options, the native matmuls over the runner's packed params or XLA's dots over
+    unpacked ones (`params`), the runner's fused decode layers or not; the parts in `stripped`
+    replaced by stand-ins (see --breakdown)."""
     packed = native_matmuls and runner.native_matmuls
     head = runner.tied_head if packed else None
     linear = native_linear if packed else None
+    layers = runner.decoder_layers if packed and fused else None
     attention = PagedAttention(backend, config.sliding_window)
     if "attention" in stripped:
         attention = _NoAttention(backend, config.sliding_window)
@@ -118,7 +125,7 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, ro
         linear = _no_linear
     if "head" in stripped:
         head = functools.partial(_no_linear, out_features=config.vocab_size)
-    step = functools.partial(device_step, model_graphdef(config), attention, head, linear)
+    step = functools.partial(device_step, model_graphdef(config), attention, head, linear, layers)
     new = max(len(r[1]) for r in rows)
     if new == 1:
         batch, width = buckets.pick(runner.batch_buckets, len(rows)), 1
@@ -143,13 +150,13 @@ def bench(runners, config, variants, batch, context, new, runs, bandwidth, peak,
     rows = [(context, [1] * new, list(range(1 + j * pages, 1 + (j + 1) * pages)))
             for j in range(batch)]
     compiled, compile_s, owner = {}, {}, {}
-    parts = {"native" + suffix: frozenset(p) for suffix, p in PARTS.items()} if breakdown else {}
-    if breakdown and "native" not in variants:
-        variants = ["native", *variants]
+    parts = {BREAKDOWN_BASE + suffix: frozenset(p) for suffix, p in PARTS.items()} if breakdown else {}
+    if breakdown and BREAKDOWN_BASE not in variants:
+        variants = [*variants, BREAKDOWN_BASE]
     for dtype, (runner, natural) in runners.items():
         for name in [*variants, *(parts if dtype == first else ())]:
             start = time.perf_counter()
-            base = VARIANTS[name if name in VARIANTS else "native"]
+            base = VARIANTS[name if name in VARIANTS else BREAKDOWN_BASE]
             packed = base[2] and runner.native_matmuls
             label = name if dtype == first else f"{name}@{dtype}"
             compiled[label] = compile_variant(runner, config, runner.params if packed else natural,
@@ -178,10 +185,11 @@ def bench(runners, config, variants, batch, context, new, runs, bandwidth, peak,
 def breakdown_of(median_ms: dict[str, float]) -> dict[str, float]:
     """Each part's cost as the full step's median minus the median without it; "rest" is the
     step with all three replaced (norms, rotary, K/V writes, sampler, the host's share)."""
-    full = median_ms["native"]
-    return {"step": full, "attention": full - median_ms["native-attention"],
-            "layer matmuls": full - median_ms["native-layer matmuls"],
-            "head": full - median_ms["native-head"], "rest": median_ms["native-all three"]}
+    full = median_ms[BREAKDOWN_BASE]
+    part = {suffix: median_ms[BREAKDOWN_BASE + suffix] for suffix in PARTS}
+    return {"step": full, "attention": full - part["-attention"],
+            "layer matmuls": full - part["-layer matmuls"],
+            "head": full - part["-head"], "rest": part["-all three"]}
 
 
 def main(argv=None):
@@ -199,7 +207,7 @@ def main(argv=None):
     parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                         help="weight dtype(s), the KV pages alike; several take turns")
     parser.add_argument("--breakdown", action="store_true",
-                        help="also time the native step without attention / layer matmuls / head")
+                        help="also time the native/unfused step without attention / layer matmuls / head")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     enable_compilation_cache()
@@ -233,7 +241,7 @@ def main(argv=None):
         if args.breakdown:
             parts = breakdown_of({r["variant"]: r["median_ms"] for r in rows})
             results.append(dict(batch=batch, context=context, tokens=new, breakdown_ms=parts))
-            print("    native step, medians (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+            print(f"    {BREAKDOWN_BASE} step, medians (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
     if args.out:
         args.out.write_text(json.dumps(dict(jax=jax.__version__, runs=args.runs, dtypes=args.dtype,
                                             bandwidth_gbps=args.bandwidth, peak_gflops=args.peak,

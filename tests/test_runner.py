@@ -11,6 +11,7 @@ from jserve.checkpoint import read_params
 from jserve.dense_runner import DenseRunner
 from jserve.runner import GREEDY, Runner
 from jserve.sampler import SamplingArrays, penalty_history
+from pallas_kernels.decoder_layer import native as native_layer
 from pallas_kernels.matmul import native as native_matmul
 
 from conftest import DATA
@@ -95,14 +96,21 @@ def test_cpu_steps_use_native_matmuls_or_eigen_dots_and_match_the_reference(nati
     assert not ref.native_matmuls and not ref.native_head
     if native_matmuls:
         # Layer weights and the tied embedding packed once; every layer matmul and the LM head on
-        # the packed kernel, q/k/v and gate/up as one call each; one jit (no XLA dot left to pick a
-        # library for).
+        # the packed kernel: in a prefill chunk q/k/v and gate/up as one call each, in decode all
+        # the layers as one call (pallas_kernels.decoder_layer); one jit (no XLA dot left to pick
+        # a library for).
         assert runner.params["layers"][0]["wq"].ndim == 3 and ref.params["layers"][0]["wq"].ndim == 2
         assert runner.params["embed"].ndim == 3 and ref.params["embed"].ndim == 2
         for batch, tokens in ((1, 1), (2, 1), (8, 1), (1, 8)):
             hlo = _step_hlo(runner, batch, tokens)
-            assert hlo.count(f"@{native_matmul.TARGET}(") == 2 * config.num_layers + 1, (batch, tokens)
-            assert hlo.count(f"@{native_matmul.TARGET_MANY}(") == 2 * config.num_layers, (batch, tokens)
+            if tokens == 1:  # decode: all the layers as one native call, then the head
+                assert hlo.count(f"@{native_layer.TARGET}(") == 1, (batch, tokens)
+                assert hlo.count(f"@{native_matmul.TARGET}(") == 1, (batch, tokens)
+                assert hlo.count(f"@{native_matmul.TARGET_MANY}(") == 0, (batch, tokens)
+            else:
+                assert hlo.count(f"@{native_layer.TARGET}(") == 0, (batch, tokens)
+                assert hlo.count(f"@{native_matmul.TARGET}(") == 2 * config.num_layers + 1, (batch, tokens)
+                assert hlo.count(f"@{native_matmul.TARGET_MANY}(") == 2 * config.num_layers, (batch, tokens)
             assert runner.step_fn(batch, tokens) is runner._step
         _check_batch_8_matches_the_reference(runner, ref)
         return
@@ -226,8 +234,9 @@ def test_bfloat16_weights_stay_bfloat16_on_the_native_matmuls():
     assert native.params["layers"][0]["w_gate"].dtype == jnp.bfloat16 == native.params["embed"].dtype
     assert native.params["layers"][0]["w_gate"].ndim == 3 and native.params["embed"].ndim == 3
     assert native.param_bytes == sum(v.size * 2 for v in params.values())  # the step's floor reads these
-    hlo = _step_hlo(native, 1, 1)
+    hlo = _step_hlo(native, 1, 8)
     assert hlo.count(f"@{native_matmul.TARGET}(") == 2 * config.num_layers + 1
+    assert _step_hlo(native, 1, 1).count(f"@{native_layer.TARGET}(") == 1  # decode: the fused layers
     prompt = list(range(3, 15))
     wants_logprobs = GREEDY + (1.0, 0.0, 0.0, 1)
     tops = {}

@@ -150,7 +150,8 @@ class LlamaModel(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Any, meta: Any,
                  attention: Attention, *, logits_index: jax.Array | None = None,
                  tied_head: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-                 linear: Callable[[jax.Array, jax.Array, int], jax.Array] | None = None
+                 linear: Callable[[jax.Array, jax.Array, int], jax.Array] | None = None,
+                 decoder_layers: Callable[..., tuple[jax.Array, Any] | None] | None = None
                  ) -> tuple[jax.Array, Any]:
         """Run the decoder.
 
@@ -170,6 +171,11 @@ class LlamaModel(nnx.Module):
             weights and one of widths (q/k/v, gate/up: the products of one x), the tuple of
             products (default `xla_linear`; the runner's native CPU path holds them packed and
             runs a tuple as one call, see `pallas_kernels.matmul.native`).
+          decoder_layers: optionally runs all the layers instead of the code below:
+            `decoder_layers(layers, x, cos, sin, cache, meta)` with the layers' weights, the
+            hidden states [batch, tokens, hidden] and `rotary_tables`' cos and sin, returns
+            (x, cache), or None for a step it does not take (the runner's native CPU decode
+            layers, `jserve.cpu_kernels.native_decoder_layers`).
         Returns:
           float32 logits [batch, tokens or n, vocab] and the new cache.
         """
@@ -180,7 +186,8 @@ class LlamaModel(nnx.Module):
                          c.num_kv_heads * c.head_dim)
         x = embed_rows(self.embed[...], tokens)  # [batch, tokens, hidden]
         cos, sin = rotary_tables(positions, jnp.asarray(np.asarray(rope_inv_freq(c), np.float32)))
-        for i, w in enumerate(self.layers):
+        fused = decoder_layers(self.layers, x, cos, sin, cache, meta) if decoder_layers else None
+        for i, w in enumerate(self.layers if fused is None else ()):
             h = rms_norm(x, w.attn_norm[...], c.rms_norm_eps)
             q, k, v = lin(h, (w.wq[...], w.wk[...], w.wv[...]), (qd, kvd, kvd))
             if c.qkv_bias:
@@ -206,6 +213,8 @@ class LlamaModel(nnx.Module):
             if c.mlp_bias:
                 down = down + w.b_down[...]
             x = x + down
+        if fused is not None:
+            x, cache = fused
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)

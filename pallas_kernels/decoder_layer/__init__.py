@@ -1,0 +1,1 @@
+"""Llama decoder layers of a decode step as one native CPU call (`native.decoder_layers`)."""

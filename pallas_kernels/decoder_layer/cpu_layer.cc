@@ -1,0 +1,346 @@
+// The Llama decoder layers of a decode step (one new token per row), as one XLA FFI custom call:
+//   JserveDecoderLayers  x_out = the layers applied in turn to x, each row's new K/V written into
+//                        each layer's pages
+// Each layer: RMSNorm, q/k/v (packed_matmul.h), rotary, the K/V write, decode attention over the
+// pages (decode_attention.h), o and the residual, RMSNorm, gate/up, SiLU, down and the residual:
+// what jserve.model.llama computes for a layer without biases or q/k norms, in float32 (weights
+// float32 or bfloat16, pages float32 or bfloat16).
+//
+// Why: run as XLA ops, a SmolLM2 decode step at 16 rows spent ~6 ms outside its matmuls,
+// attention and head (~18 small fusions per layer, each a pass of XLA's thunk executor) and ~4
+// ms between the native calls (each wakes a helper thread of XLA's pool anew). Here the caller
+// and the pool's helpers run all the layers' phases as one Team (parallel_for.h): the helpers are
+// woken once per step and wait between phases spinning. One call per layer (30 calls) left ~22
+// us between calls and ~25 us of waking per layer (*measured*, 2-core Xeon).
+//
+// Arguments: x f32 [M, D] (the rows' hidden states), cos and sin f32 [M, head_dim] (the rotary
+// tables at each row's position, llama.rotary_tables), slots s32 [M] (page * page_size + offset
+// of the row's new K/V; padded rows: page 0), q_start s32 [M] (the row's position), q_lens s32
+// [M] (1, or 0 for a padded row), page_indices s32 [M, max_pages]; then per layer
+// kArgsPerLayer: attn_norm and mlp_norm f32|bf16 [D], wq wk wv wo w_gate w_up w_down packed
+// [N / P, K, P] (packed_matmul.h) f32|bf16, k_pages and v_pages f32|bf16 [num_kv_heads,
+// num_pages, page_size, head_dim].
+// Results: x_out f32 [M, D], then per layer k_pages and v_pages, aliased to the arguments
+// (written in place).
+// Attributes: num_heads, eps (RMSNorm), sm_scale, sliding_window (0 = off).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "parallel_for.h"
+#include "packed_matmul.h"
+#include "decode_attention.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace jserve_native;  // parallel_for.h, packed_matmul.h, decode_attention.h
+
+bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+// A norm weight as float32.
+std::vector<float> Floats(const ffi::AnyBuffer& b) {
+  std::vector<float> out(b.element_count());
+  if (b.element_type() == ffi::BF16) {
+    const uint16_t* p = static_cast<const uint16_t*>(b.untyped_data());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = Bf16ToF32(p[i]);
+  } else {
+    std::memcpy(out.data(), b.untyped_data(), out.size() * sizeof(float));
+  }
+  return out;
+}
+
+// Round to nearest even, as XLA's convert does.
+inline uint16_t F32ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline void StoreRow(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void StoreRow(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
+}
+
+// out = w * x / sqrt(mean(x^2) + eps)
+inline void RmsNormRow(const float* x, const float* w, float* out, int64_t D, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) out[d] = w[d] * (x[d] * r);
+}
+
+// Rotate-half rotary embedding of one head (llama.apply_rotary).
+inline void Rotate(const float* x, const float* cos, const float* sin, float* out, int64_t hd) {
+  const int64_t half = hd / 2;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) out[j] = x[j] * cos[j] - x[j + half] * sin[j];
+#pragma omp simd
+  for (int64_t j = half; j < hd; ++j) out[j] = x[j] * cos[j] + x[j - half] * sin[j];
+}
+
+// A packed weight [panels, K, kPanel] that must cover `n` columns of x [M, K] @ w; its job writes
+// to `out` ([M, panels * kPanel]).
+ffi::ErrorOr<Job> WeightJob(const ffi::AnyBuffer& w, int64_t K, int64_t n, float* out,
+                            const char* name) {
+  auto wd = w.dimensions();
+  if (wd.size() != 3 || wd[1] != K || wd[2] != kPanel || wd[0] * kPanel < n ||
+      (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16)) {
+    return ffi::Error::InvalidArgument(std::string("decoder_layer: ") + name +
+                                       " must be a float32 or bfloat16 packed weight [N / P, K, P] "
+                                       "(P: JserveMatmulPanel()) of the layer's shape");
+  }
+  return Job{w.untyped_data(), w.element_type() == ffi::BF16, wd[0], out};
+}
+
+// One layer's arguments: its norm weights, packed weights (wq wk wv wo w_gate w_up w_down) and
+// pages (the results', aliased to the arguments).
+struct LayerArgs {
+  const ffi::AnyBuffer *attn_norm, *mlp_norm;
+  const ffi::AnyBuffer* w[7];
+  void *k_pages, *v_pages;
+};
+
+// The most phases Layers' body runs per layer: 9, or 11 where the attention splits rows' keys.
+constexpr int kPhasesPerLayer = 11;
+
+template <typename T>
+ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
+                  const ffi::Buffer<ffi::F32>& cos, const ffi::Buffer<ffi::F32>& sin,
+                  const ffi::Buffer<ffi::S32>& slots, const ffi::Buffer<ffi::S32>& q_start,
+                  const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ffi::S32>& page_indices,
+                  const std::vector<LayerArgs>& layers, float* x_out, const Shape& s, int64_t H,
+                  float eps, float sm_scale, int32_t window) {
+  const int64_t M = s.batch, KVH = s.kv_heads, G = s.groups, hd = s.head_dim, L = layers.size();
+  const LayerArgs& first = layers[0];
+  const int64_t D = x.dimensions()[1], QD = H * hd, KD = KVH * hd;
+  const int64_t F = first.w[6]->dimensions().size() == 3 ? first.w[6]->dimensions()[1] : 0;
+  int64_t width[7];  // each weight's padded output width
+  for (int i = 0; i < 7; ++i) {
+    auto wd = first.w[i]->dimensions();
+    width[i] = wd.size() == 3 ? wd[0] * kPanel : 0;
+  }
+  const int64_t Wq = width[0], Wk = width[1], Wv = width[2], Wo = width[3], Wf = width[4],
+                Wu = width[5], Wd = width[6];
+  // Scratch: h, q, k, v, rotated q, attention, o, h2, gate, up, act, down.
+  const int64_t sizes[] = {M * D, M * Wq, M * Wk, M * Wv, M * QD, M * QD, M * Wo, M * D, M * Wf, M * Wu, M * F, M * Wd};
+  thread_local std::vector<float> scratch;
+  int64_t total = 0;
+  for (int64_t n : sizes) total += (n + 15) / 16 * 16;
+  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
+  float* bufs[12];
+  float* next = scratch.data();
+  for (int i = 0; i < 12; ++i) {
+    bufs[i] = next;
+    next += (sizes[i] + 15) / 16 * 16;
+  }
+  float *h = bufs[0], *q = bufs[1], *k = bufs[2], *v = bufs[3], *qr = bufs[4], *attn = bufs[5],
+        *o = bufs[6], *h2 = bufs[7], *gate = bufs[8], *up = bufs[9], *act = bufs[10], *down = bufs[11];
+  // Per layer: the seven matmuls (into the scratch), the norm weights, the attention.
+  std::vector<Job> jobs(7 * L);
+  std::vector<float> norms(2 * D * L);
+  std::vector<DecodeWork<T>> attention;
+  attention.reserve(L);
+  const int64_t ks[] = {D, D, D, QD, D, D, F}, ns[] = {QD, KD, KD, D, F, F, D};
+  float* outs[] = {q, k, v, o, gate, up, down};
+  const char* names[] = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"};
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerArgs& a = layers[l];
+    for (int i = 0; i < 7; ++i) {
+      auto job = WeightJob(*a.w[i], ks[i], ns[i], outs[i], names[i]);
+      if (job.has_error()) return job.error();
+      if (job->panels * kPanel != width[i]) {
+        return ffi::Error::InvalidArgument(std::string("decoder_layer: every layer's ") + names[i] +
+                                           " must have the same shape");
+      }
+      jobs[7 * l + i] = *job;
+    }
+    for (int n = 0; n < 2; ++n) {
+      const std::vector<float> w = Floats(n == 0 ? *a.attn_norm : *a.mlp_norm);
+      if (static_cast<int64_t>(w.size()) != D) {
+        return ffi::Error::InvalidArgument("decoder_layer: the norm weights must be [hidden]");
+      }
+      std::copy(w.begin(), w.end(), norms.begin() + (2 * l + n) * D);
+    }
+    attention.emplace_back(s, qr, static_cast<const T*>(a.k_pages), static_cast<const T*>(a.v_pages),
+                           q_start.typed_data(), q_lens.typed_data(), page_indices.typed_data(), attn,
+                           sm_scale, 0.0f, window, pool.num_threads());
+  }
+  if (Wu != Wf) return ffi::Error::InvalidArgument("decoder_layer: w_gate and w_up must have the same shape");
+  if (M == 0) return ffi::Error::Success();
+  const float *cp = cos.typed_data(), *sp = sin.typed_data();
+  const int32_t* slot = slots.typed_data();
+  const int64_t pq = Wq / kPanel, pk = Wk / kPanel, pqkv = (Wq + Wk + Wv) / kPanel;
+  const int64_t po = Wo / kPanel, pf = Wf / kPanel, pd = Wd / kPanel;
+  Team::Run(pool, kPhasesPerLayer * L, [&](TeamMember& t) {
+    for (int64_t l = 0; l < L; ++l) {
+      const float* xin = l == 0 ? x.typed_data() : x_out;
+      const Job* job = jobs.data() + 7 * l;
+      const float *attn_norm = norms.data() + 2 * l * D, *mlp_norm = attn_norm + D;
+      T* k_pages = static_cast<T*>(layers[l].k_pages);
+      T* v_pages = static_cast<T*>(layers[l].v_pages);
+      DecodeWork<T>& work = attention[l];
+      t.For(M, [&](int64_t m) { RmsNormRow(xin + m * D, attn_norm, h + m * D, D, eps); });
+      t.For(pqkv, [&](int64_t i) {
+        const int j = i < pq ? 0 : i < pq + pk ? 1 : 2;
+        JobPanel(job[j], i - (j == 0 ? 0 : j == 1 ? pq : pq + pk), M, D, h);
+      });
+      // Rotary on the row's queries of KV head kv and on its key; the key and value into the pages.
+      auto rotate_and_write = [&](int64_t m, int64_t kv) {
+        const float *c = cp + m * hd, *sn = sp + m * hd;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t head = kv * G + g;
+          Rotate(q + m * Wq + head * hd, c, sn, qr + m * QD + head * hd, hd);
+        }
+        alignas(64) float key[kMaxHeadDim];
+        Rotate(k + m * Wk + kv * hd, c, sn, key, hd);
+        const int64_t page = slot[m] / s.page_size;
+        if (slot[m] < 0 || page >= s.num_pages) return;  // as XLA's promise_in_bounds: never here
+        const int64_t at = ((kv * s.num_pages + page) * s.page_size + slot[m] % s.page_size) * hd;
+        StoreRow(k_pages + at, key, hd);
+        StoreRow(v_pages + at, v + m * Wv + kv * hd, hd);
+      };
+      if (work.merges() == 0) {
+        // One task per (row, KV head), which reads no other's K/V: written, then attended, in
+        // one phase (SmolLM2 at 16 rows x 384 cached: a separate phase took ~25 us a layer).
+        t.For(work.tasks(), [&](int64_t i) {
+          rotate_and_write(i / KVH, i % KVH);
+          work.Task(i);
+        });
+      } else {
+        t.For(M * KVH, [&](int64_t i) { rotate_and_write(i / KVH, i % KVH); });
+        t.For(work.tasks(), [&](int64_t i) { work.Task(i); });
+        t.For(work.merges(), [&](int64_t i) { work.Merge(i); });
+      }
+      t.For(po, [&](int64_t p) { JobPanel(job[3], p, M, QD, attn); });
+      t.For(M, [&](int64_t m) {
+        float* xo = x_out + m * D;
+        for (int64_t d = 0; d < D; ++d) xo[d] = xin[m * D + d] + o[m * Wo + d];
+        RmsNormRow(xo, mlp_norm, h2 + m * D, D, eps);
+      });
+      t.For(2 * pf, [&](int64_t i) { JobPanel(job[4 + i / pf], i % pf, M, D, h2); });
+      t.For(M, [&](int64_t m) {
+        const float *gm = gate + m * Wf, *um = up + m * Wu;
+        float* am = act + m * F;
+#pragma omp simd
+        for (int64_t f = 0; f < F; ++f) am[f] = gm[f] / (1.0f + std::exp(-gm[f])) * um[f];
+      });
+      t.For(pd, [&](int64_t p) { JobPanel(job[6], p, M, F, act); });
+      t.For(M, [&](int64_t m) {
+        float* xo = x_out + m * D;
+        for (int64_t d = 0; d < D; ++d) xo[d] += down[m * Wd + d];
+      });
+    }
+  });
+  return ffi::Error::Success();
+}
+
+constexpr size_t kArgsPerLayer = 11;  // attn_norm mlp_norm wq wk wv wo w_gate w_up w_down k v
+
+ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
+                         ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots,
+                         ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
+                         ffi::Buffer<ffi::S32> page_indices, ffi::RemainingArgs args,
+                         ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::RemainingRets rets,
+                         int32_t num_heads, float eps, float sm_scale, int32_t sliding_window) {
+  const size_t L = args.size() / kArgsPerLayer;
+  if (L == 0 || args.size() != L * kArgsPerLayer || rets.size() != 2 * L) {
+    return ffi::Error::InvalidArgument(
+        "decoder_layer: needs, per layer, 11 arguments (attn_norm, mlp_norm, wq, wk, wv, wo, "
+        "w_gate, w_up, w_down, k_pages, v_pages) and 2 results (k_pages, v_pages)");
+  }
+  std::vector<ffi::AnyBuffer> in;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    in.push_back(*a);
+  }
+  std::vector<ffi::AnyBuffer> out;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (r.has_error()) return r.error();
+    out.push_back(**r);
+  }
+  auto xd = x.dimensions();
+  auto kd = in[9].dimensions();
+  auto pd = page_indices.dimensions();
+  if (xd.size() != 2 || kd.size() != 4 || pd.size() != 2 || pd[0] != xd[0] ||
+      !SameDims(x_out->dimensions(), xd)) {
+    return ffi::Error::InvalidArgument(
+        "decoder_layer: x and x_out must be [M, hidden], the pages [kv_heads, num_pages, "
+        "page_size, head_dim], page_indices [M, max_pages]");
+  }
+  const ffi::DataType page_type = in[9].element_type();
+  std::vector<LayerArgs> layers(L);
+  for (size_t l = 0; l < L; ++l) {
+    const ffi::AnyBuffer* a = in.data() + kArgsPerLayer * l;
+    for (int i = 0; i < 2; ++i) {
+      const ffi::AnyBuffer &page = a[9 + i], &result = out[2 * l + i];
+      if (!SameDims(page.dimensions(), kd) || !SameDims(result.dimensions(), kd) ||
+          page.element_type() != page_type || result.element_type() != page_type ||
+          result.untyped_data() != page.untyped_data()) {
+        return ffi::Error::InvalidArgument(
+            "decoder_layer: every layer's k_pages and v_pages must share a shape and dtype and be "
+            "aliased to their results");
+      }
+    }
+    layers[l] = LayerArgs{&a[0], &a[1], {&a[2], &a[3], &a[4], &a[5], &a[6], &a[7], &a[8]},
+                          out[2 * l].untyped_data(), out[2 * l + 1].untyped_data()};
+  }
+  const int64_t M = xd[0], KVH = kd[0], hd = kd[3];
+  if (num_heads < 1 || KVH < 1 || num_heads % KVH || num_heads / KVH > kMaxGroups ||
+      hd > kMaxHeadDim || hd % 8) {
+    return ffi::Error::InvalidArgument("decoder_layer: unsupported heads or head_dim");
+  }
+  for (const auto* b : {&cos, &sin}) {
+    if (b->dimensions().size() != 2 || b->dimensions()[0] != M || b->dimensions()[1] != hd) {
+      return ffi::Error::InvalidArgument("decoder_layer: cos and sin must be [M, head_dim]");
+    }
+  }
+  for (const auto* b : {&slots, &q_start, &q_lens}) {
+    if (b->dimensions().size() != 1 || b->dimensions()[0] != M) {
+      return ffi::Error::InvalidArgument("decoder_layer: slots, q_start and q_lens must be [M]");
+    }
+  }
+  Shape s{M, KVH, 1, num_heads / KVH, hd, kd[1], kd[2], pd[1]};
+  switch (page_type) {
+    case ffi::F32:
+      return Layers<float>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
+                           x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window);
+    case ffi::BF16:
+      return Layers<uint16_t>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
+                              x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window);
+    default:
+      return ffi::Error::InvalidArgument("decoder_layer: pages must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayers,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos [M, head_dim]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin [M, head_dim]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_start [M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lens [M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices [M, max_pages]
+                                  .RemainingArgs()               // per layer: kArgsPerLayer
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // x_out [M, D]
+                                  .RemainingRets()               // per layer: k_pages, v_pages
+                                  .Attr<int32_t>("num_heads")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window"));

@@ -1,0 +1,94 @@
+"""The fused decoder layer (`cpu_layer.cc`): built on first use (`pallas_kernels.native_build`),
+called as an XLA FFI target.
+
+`decoder_layers(...)` runs Llama layers (each: RMSNorm, q/k/v, rotary, the K/V write, paged decode
+attention, o, RMSNorm, gate/up, SiLU, down, both residuals) for one new token per row, over
+weights packed by `pallas_kernels.matmul.native.pack`, as one call: the paged runner's decode
+steps on CPU (see `jserve.cpu_kernels`). Layers with biases or q/k norms, and prefill chunks, stay on the
+model's own path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.native_build import NativeLibrary
+
+TARGET = "jserve_decoder_layers"
+_LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("cpu_layer.cc"),
+                         {TARGET: "JserveDecoderLayers"}, what="native CPU decoder layer",
+                         fallback="running the layers as XLA ops and native matmul/attention calls")
+
+MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # kMaxGroups, kMaxHeadDim in decode_attention.h
+_META = 7  # the call's arguments before the layers': x, cos, sin, slots, q_start, q_lens, page_indices
+_PER_LAYER = 11  # kArgsPerLayer in cpu_layer.cc
+
+
+class LayerArgs(NamedTuple):
+    """One layer's weights and pages for `decoder_layers`."""
+
+    attn_norm: jax.Array  # [hidden]
+    mlp_norm: jax.Array  # [hidden]
+    weights: tuple[jax.Array, ...]  # wq, wk, wv, wo, w_gate, w_up, w_down, each `pack(w)` of [in, out]
+    k_pages: jax.Array  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array
+
+
+def available() -> bool:
+    """Build (once per machine and source), load and register the kernel; False if that failed."""
+    return _LIBRARY.available()
+
+
+def unavailable_reason() -> str | None:
+    return _LIBRARY.unavailable_reason()
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes these attention shapes."""
+    return (num_kv_heads >= 1 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0)
+
+
+def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequence[LayerArgs],
+                   slots: jax.Array, q_start: jax.Array, q_lens: jax.Array, page_indices: jax.Array, *,
+                   num_heads: int, eps: float, sm_scale: float, sliding_window: int | None
+                   ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    """The decoder layers, one after the other, for rows x [M, hidden] at one new token each.
+
+    Args:
+      cos, sin: [M, head_dim], the rotary tables at the rows' positions.
+      layers: each layer's weights and pages; the rows' new K/V are written into the pages (in
+        place where the caller donates them).
+      slots, q_start, q_lens, page_indices: as `jserve.model.paged_attention.PagedMeta` for a
+        decode step (q_lens 1 for a live row, 0 for a padded one).
+    Returns:
+      (x_out [M, hidden] float32, [(k_pages, v_pages) per layer]).
+    """
+    if not available():
+        raise RuntimeError(f"native CPU decoder layer unavailable: {unavailable_reason()}")
+    if not layers or any(len(layer.weights) != 7 for layer in layers):
+        raise ValueError("decoder_layers needs at least one layer, each with 7 packed weights "
+                         "(wq, wk, wv, wo, w_gate, w_up, w_down)")
+    M = x.shape[0]
+    pages = [p for layer in layers for p in (layer.k_pages, layer.v_pages)]
+    flat = [a for layer in layers for a in (layer.attn_norm, layer.mlp_norm, *layer.weights,
+                                            layer.k_pages, layer.v_pages)]
+    aliases = {}
+    for i in range(len(layers)):
+        aliases[_META + _PER_LAYER * i + 9] = 1 + 2 * i
+        aliases[_META + _PER_LAYER * i + 10] = 2 + 2 * i
+    call = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
+                 *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),
+        input_output_aliases=aliases, vmap_method="sequential")
+    i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
+    out, *new_pages = call(x.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32),
+                           i32(slots), i32(q_start), i32(q_lens), i32(page_indices), *flat,
+                           num_heads=np.int32(num_heads), eps=np.float32(eps),
+                           sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0))
+    return out, list(zip(new_pages[::2], new_pages[1::2]))

@@ -1,0 +1,141 @@
+"""The fused native decode layers (`pallas_kernels.decoder_layer`) against the model's own path
+(XLA ops around the native matmul and attention kernels) on the same packed weights and pages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jserve import cpu_kernels
+from jserve.config import ModelConfig
+from jserve.kv_cache import init_kv_pages
+from jserve.model import model_graphdef
+from jserve.model.llama import LlamaModel
+from jserve.model.paged_attention import PagedAttention, PagedMeta
+from pallas_kernels.decoder_layer import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU decoder layer (no compiler)")
+
+# Widths that are not multiples of the 24 / 48-column panels, 3 query heads per KV head.
+TINY = ModelConfig(architecture="llama", vocab_size=96, hidden_size=40, intermediate_size=72, num_layers=3,
+                   num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+                   tie_word_embeddings=True)
+PAGE = 8
+
+
+def _params(config: ModelConfig, dtype) -> dict:
+    model = LlamaModel(config, rngs=nnx.Rngs(0))
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    # Norm weights away from 1, so a norm applied wrongly would show.
+    pure = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(path)), x.shape)
+        if "norm" in str(path[-1]) else x * 8.0, pure)
+    return jax.tree.map(lambda x: x.astype(dtype), pure)
+
+
+def _pages(config: ModelConfig, num_pages: int, dtype, seed: int):
+    """Random K/V in every page (the null page too: padded rows must not read it)."""
+    keys = jax.random.split(jax.random.key(seed), 2 * config.num_layers)
+    shape = (config.num_kv_heads, num_pages, PAGE, config.head_dim)
+    return tuple((jax.random.normal(keys[2 * i], shape).astype(dtype),
+                  jax.random.normal(keys[2 * i + 1], shape).astype(dtype)) for i in range(config.num_layers))
+
+
+def _step(config, params, hooks, cache, tokens, positions, meta):
+    model = nnx.merge(model_graphdef(config), params)
+    return model(tokens, positions, cache, meta, PagedAttention("cpu", config.sliding_window),
+                 logits_index=jnp.zeros((tokens.shape[0], 1), jnp.int32), **hooks)
+
+
+def _run(config, dtype, contexts, *, seed=0):
+    """Logits and pages from one decode step of rows with these cached lengths (None: a padded
+    row), fused and not."""
+    num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in contexts if c is not None) + 2
+    packed, linear, head = cpu_kernels.native_matmul_params(config, _params(config, dtype), enabled=True)
+    assert linear is not None and head is not None
+    layers = cpu_kernels.native_decoder_layers(config, enabled=True)
+    assert layers is not None
+    B, max_pages = len(contexts), max(-(-(c + 1) // PAGE) for c in contexts if c is not None)
+    rng = np.random.RandomState(seed)
+    table = np.zeros((B, max_pages), np.int32)
+    free = list(rng.permutation(np.arange(1, num_pages)))  # scattered pages
+    slots, starts, lens = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    for b, c in enumerate(contexts):
+        if c is None:
+            continue
+        n = -(-(c + 1) // PAGE)
+        table[b, :n] = [free.pop() for _ in range(n)]
+        slots[b] = table[b, c // PAGE] * PAGE + c % PAGE
+        starts[b], lens[b] = c, 1
+    tokens = jnp.asarray(rng.randint(0, config.vocab_size, (B, 1)), jnp.int32)
+    positions = jnp.asarray(starts[:, None])
+    meta = PagedMeta(jnp.asarray(slots), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(table))
+    out = {}
+    for name, hooks in {"model": dict(linear=linear, tied_head=head),
+                        "fused": dict(linear=linear, tied_head=head, decoder_layers=layers)}.items():
+        cache = _pages(config, num_pages, dtype, seed)
+        step = jax.jit(lambda p, c, t, pos, m, h=hooks: _step(config, p, h, c, t, pos, m), donate_argnums=(1,))
+        logits, cache = step(packed, cache, tokens, positions, meta)
+        out[name] = (np.asarray(logits, np.float32), [np.asarray(p, np.float32) for kv in cache for p in kv])
+    return out, lens
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("contexts", [[5, 30, None, 0, 17], [3, 9, 64, 1, 22, 40, 7, 12, 50, 33, 2]],
+                         ids=["5 rows, one padded", "11 rows"])
+def test_fused_layers_match_the_model(dtype, contexts):
+    out, lens = _run(TINY, dtype, contexts)
+    (ref_logits, ref_pages), (logits, pages) = out["model"], out["fused"]
+    live = lens > 0
+    # float32 alike up to summation order; bfloat16: the fused layers keep float32 between the
+    # ops where the model rounds to bfloat16 after each.
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else dict(rtol=0.05, atol=0.1)
+    np.testing.assert_allclose(logits[live], ref_logits[live], **tol)
+    assert np.abs(ref_logits[live]).max() > 1.0  # not a degenerate model
+    for got, want in zip(pages, ref_pages):  # the new K/V written where the model writes them
+        np.testing.assert_allclose(got[:, 1:], want[:, 1:], **tol)  # page 0: padded rows' writes
+
+
+def test_fused_layers_split_long_rows_and_keep_a_sliding_window():
+    """Two rows of long contexts: the attention splits each row's keys over tasks (merged
+    after); with a sliding window only the last keys count."""
+    for config in (TINY, dataclasses.replace(TINY, sliding_window=40)):
+        out, lens = _run(config, jnp.float32, [700, 650], seed=1)
+        np.testing.assert_allclose(out["fused"][0], out["model"][0], rtol=1e-4, atol=1e-4)
+        for got, want in zip(out["fused"][1], out["model"][1]):
+            np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_models_keep_the_model_path():
+    assert cpu_kernels.native_decoder_layers(dataclasses.replace(TINY, qkv_bias=True), enabled=True) is None
+    assert cpu_kernels.native_decoder_layers(dataclasses.replace(TINY, qk_norm=True), enabled=True) is None
+    assert cpu_kernels.native_decoder_layers(TINY, enabled=False) is None
+    assert not native.supports(num_heads=6, num_kv_heads=2, head_dim=12)
+    assert not native.supports(num_heads=34, num_kv_heads=2, head_dim=16)
+
+
+def test_bad_shapes_are_refused_with_the_reason():
+    config = TINY
+    packed, _, _ = cpu_kernels.native_matmul_params(config, _params(config, jnp.float32), enabled=True)
+    w = packed["layers"][0]
+    weights = tuple(w[name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    k, v = init_kv_pages(config, 4, PAGE, jnp.float32)[0]
+    x = jnp.zeros((2, config.hidden_size))
+    rot = jnp.zeros((2, config.head_dim))
+    ints = jnp.zeros((2,), jnp.int32)
+    table = jnp.zeros((2, 3), jnp.int32)
+    kw = dict(num_heads=config.num_heads, eps=1e-5, sm_scale=0.25, sliding_window=None)
+    layer = native.LayerArgs(w["attn_norm"], w["mlp_norm"], weights, k, v)
+    native.decoder_layers(x, rot, rot, [layer], ints, ints, ints, table, **kw)  # well formed
+    swapped = layer._replace(weights=(weights[1], weights[0], *weights[2:]))
+    with pytest.raises(Exception, match="wq must be"):
+        jax.block_until_ready(native.decoder_layers(x, rot, rot, [swapped], ints, ints, ints, table, **kw))
+    with pytest.raises(Exception, match="cos and sin"):
+        jax.block_until_ready(native.decoder_layers(x, rot[:, :8], rot[:, :8], [layer], ints, ints, ints, table, **kw))
+    with pytest.raises(ValueError, match="7 packed weights"):
+        native.decoder_layers(x, rot, rot, [layer._replace(weights=weights[:6])], ints, ints, ints, table, **kw)
