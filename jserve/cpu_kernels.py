@@ -107,14 +107,14 @@ def native_decoder_layers(config: ModelConfig, *, enabled: bool) -> Callable | N
         return None
 
     def layers(ws, x, cos, sin, cache, meta):
+        if x.shape[1] != 1:
+            return None
         args = []
         for i, w in enumerate(ws):
             weights = tuple(getattr(w, name)[...] for name in LAYER_MATMULS)
             if any(wi.ndim != 3 for wi in weights):
                 return None
             args.append(native_layer.LayerArgs(w.attn_norm[...], w.mlp_norm[...], weights, *cache[i]))
-        if x.shape[1] != 1:
-            return None
         out, pages = native_layer.decoder_layers(
             x[:, 0], cos[:, 0, 0], sin[:, 0, 0], args, meta.slots, meta.q_start, meta.q_lens,
             meta.page_indices, num_heads=c.num_heads, eps=c.rms_norm_eps, sm_scale=c.head_dim ** -0.5,

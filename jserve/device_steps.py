@@ -2,7 +2,8 @@
 
 Pure device code: they take the params, the KV pages (donated) and the step's arrays, and return
 the sampler's outputs and the new pages. The runner binds the model's graph, the attention
-backend and the CPU kernels (matmuls, head, fused decode layer) with `functools.partial` and compiles one shape per bucket.
+backend and the CPU kernels (layer matmuls, head, fused decode layers) with `functools.partial`
+and compiles one shape per bucket.
 """
 
 from __future__ import annotations
