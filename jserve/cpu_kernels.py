@@ -94,8 +94,8 @@ def native_decoder_layers(config: ModelConfig, *, enabled: bool) -> Callable | N
     a one-token-per-row step as one native call (`pallas_kernels.decoder_layer`), over the packed
     weights (`native_matmul_params`) and the paged cache (`jserve.model.paged_attention`); None
     (no hook) where the kernel is unavailable or the model has what it does not compute (biases,
-    q/k norms). For prefill chunks, or weights that are not packed, the hook returns None and the
-    model runs the layers itself.
+    q/k norms). For prefill chunks, weights that are not packed or pages neither float32 nor
+    bfloat16, the hook returns None and the model runs the layers itself.
 
     SmolLM2 decode at 16 rows x 384 cached tokens (scripts/bench_decode_step.py, 2-core Xeon,
     interleaved): 54.1 ms as XLA ops around native matmul and attention calls, 48.6 with one
@@ -107,7 +107,7 @@ def native_decoder_layers(config: ModelConfig, *, enabled: bool) -> Callable | N
         return None
 
     def layers(ws, x, cos, sin, cache, meta):
-        if x.shape[1] != 1:
+        if x.shape[1] != 1 or any(p.dtype not in native_layer.PAGE_DTYPES for kv in cache for p in kv):
             return None
         args = []
         for i, w in enumerate(ws):

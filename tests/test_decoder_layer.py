@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import platform
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,9 @@ from jserve.model import model_graphdef
 from jserve.model.llama import LlamaModel
 from jserve.model.paged_attention import PagedAttention, PagedMeta
 from pallas_kernels.decoder_layer import native
+from pallas_kernels.native_build import _cpu_flags
+
+from conftest import run_python
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU decoder layer (no compiler)")
 
@@ -85,11 +90,8 @@ def _run(config, dtype, contexts, *, seed=0):
     return out, lens
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("contexts", [[5, 30, None, 0, 17], [3, 9, 64, 1, 22, 40, 7, 12, 50, 33, 2]],
-                         ids=["5 rows, one padded", "11 rows"])
-def test_fused_layers_match_the_model(dtype, contexts):
-    out, lens = _run(TINY, dtype, contexts)
+def _assert_fused_matches(config, dtype, contexts, *, seed=0):
+    out, lens = _run(config, dtype, contexts, seed=seed)
     (ref_logits, ref_pages), (logits, pages) = out["model"], out["fused"]
     live = lens > 0
     # float32 alike up to summation order; bfloat16: the fused layers keep float32 between the
@@ -101,20 +103,47 @@ def test_fused_layers_match_the_model(dtype, contexts):
         np.testing.assert_allclose(got[:, 1:], want[:, 1:], **tol)  # page 0: padded rows' writes
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("contexts", [[5, 30, None, 0, 17], [3, 9, 64, 1, 22, 40, 7, 12, 50, 33, 2]],
+                         ids=["5 rows, one padded", "11 rows"])
+def test_fused_layers_match_the_model(dtype, contexts):
+    _assert_fused_matches(TINY, dtype, contexts)
+
+
 def test_fused_layers_split_long_rows_and_keep_a_sliding_window():
     """Two rows of long contexts: the attention splits each row's keys over tasks (merged
     after); with a sliding window only the last keys count."""
     for config in (TINY, dataclasses.replace(TINY, sliding_window=40)):
-        out, lens = _run(config, jnp.float32, [700, 650], seed=1)
-        np.testing.assert_allclose(out["fused"][0], out["model"][0], rtol=1e-4, atol=1e-4)
-        for got, want in zip(out["fused"][1], out["model"][1]):
-            np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=1e-4, atol=1e-4)
+        _assert_fused_matches(config, jnp.float32, [700, 650], seed=1)
+
+
+@pytest.mark.parametrize("arch,needs", [("x86-64-v3", "avx2"), ("x86-64", None)])
+def test_each_simd_build_matches_the_model(arch, needs, tmp_path):
+    # The builds this machine does not pick (AVX2 on an AVX-512 machine, plain C++: 24-column
+    # panels), in a fresh process: the CI machine may be either kind.
+    if platform.machine() not in ("x86_64", "AMD64") or (needs and needs not in _cpu_flags().split()):
+        pytest.skip(f"needs an x86 CPU with {needs or 'x86-64'}")
+    run_python(f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import jax.numpy as jnp
+import test_decoder_layer as t
+from pallas_kernels.matmul import native
+assert native.panel() == 24, native.panel()
+t._assert_fused_matches(t.TINY, jnp.float32, [5, 30, None, 0, 17])
+t._assert_fused_matches(t.TINY, jnp.bfloat16, [300, 2], seed=2)
+""", tmp_path, JSERVE_NATIVE_ARCH=arch)
 
 
 def test_unsupported_models_keep_the_model_path():
     assert cpu_kernels.native_decoder_layers(dataclasses.replace(TINY, qkv_bias=True), enabled=True) is None
     assert cpu_kernels.native_decoder_layers(dataclasses.replace(TINY, qk_norm=True), enabled=True) is None
     assert cpu_kernels.native_decoder_layers(TINY, enabled=False) is None
+    hook = cpu_kernels.native_decoder_layers(TINY, enabled=True)
+    x = jnp.zeros((2, 1, TINY.hidden_size))
+    assert hook(None, x, None, None, init_kv_pages(TINY, 4, PAGE, jnp.float16), None) is None  # pages
+    prefill = jnp.zeros((2, 3, TINY.hidden_size))
+    assert hook(None, prefill, None, None, init_kv_pages(TINY, 4, PAGE, jnp.float32), None) is None
     assert not native.supports(num_heads=6, num_kv_heads=2, head_dim=12)
     assert not native.supports(num_heads=34, num_kv_heads=2, head_dim=16)
 

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -45,7 +46,7 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
 }
 
-// A norm weight as float32.
+// A norm weight (float32 or bfloat16) as float32.
 std::vector<float> Floats(const ffi::AnyBuffer& b) {
   std::vector<float> out(b.element_count());
   if (b.element_type() == ffi::BF16) {
@@ -292,6 +293,11 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
         return ffi::Error::InvalidArgument(
             "decoder_layer: every layer's k_pages and v_pages must share a shape and dtype and be "
             "aliased to their results");
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (a[i].element_type() != ffi::F32 && a[i].element_type() != ffi::BF16) {
+        return ffi::Error::InvalidArgument("decoder_layer: the norm weights must be float32 or bfloat16");
       }
     }
     layers[l] = LayerArgs{&a[0], &a[1], {&a[2], &a[3], &a[4], &a[5], &a[6], &a[7], &a[8]},

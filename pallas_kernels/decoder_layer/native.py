@@ -25,6 +25,7 @@ _LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("cpu_layer.cc
                          fallback="running the layers as XLA ops and native matmul/attention calls")
 
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # kMaxGroups, kMaxHeadDim in decode_attention.h
+PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _META = 7  # the call's arguments before the layers': x, cos, sin, slots, q_start, q_lens, page_indices
 _PER_LAYER = 11  # kArgsPerLayer in cpu_layer.cc
 
