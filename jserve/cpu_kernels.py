@@ -98,9 +98,11 @@ def native_decoder_layers(config: ModelConfig, *, enabled: bool) -> Callable | N
     bfloat16, the hook returns None and the model runs the layers itself.
 
     SmolLM2 decode at 16 rows x 384 cached tokens (scripts/bench_decode_step.py, 2-core Xeon,
-    interleaved): 54.1 ms as XLA ops around native matmul and attention calls, 48.6 with one
-    call per layer, 45.5 with the rotary and K/V write inside the attention's phase and the
-    sampler's argmax as two reductions (jserve.sampler.argmax); see docs/performance.md."""
+    each pair interleaved in one run): one call per layer 48.6 ms vs 54.1 as XLA ops around
+    native matmul and attention calls; with the rotary and K/V write inside the attention's
+    phase and the sampler's argmax as two reductions (jserve.sampler.argmax) 45.5 vs 51.2; all
+    layers in one call 45.5 vs 51.5 (1 row: 24.5 vs 27.0; 32 rows: 77.3 vs 84.5). See
+    docs/performance.md, eleventh session."""
     c = config
     if not (enabled and native_layer.available() and native_layer.supports(c.num_heads, c.num_kv_heads, c.head_dim)
             and not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm)):
