@@ -31,6 +31,37 @@
 
 namespace jserve_native {
 
+// Runner r's share of n indices over `runners`: (front << 32) | back.
+inline void ShareOut(std::atomic<uint64_t>* shares, int64_t runners, int64_t n) {
+  for (int64_t r = 0; r < runners; ++r) {
+    const uint64_t front = n * r / runners, back = n * (r + 1) / runners;
+    shares[r].store((front << 32) | back);
+  }
+}
+
+// The front (own share) or back index of a share; -1 once it is empty.
+inline int64_t Claim(std::atomic<uint64_t>& share, bool front) {
+  uint64_t v = share.load();
+  while (true) {
+    const uint64_t f = v >> 32, b = v & 0xffffffffu;
+    if (f >= b) return -1;
+    const uint64_t next = front ? ((f + 1) << 32) | b : (f << 32) | (b - 1);
+    if (share.compare_exchange_weak(v, next)) return static_cast<int64_t>(front ? f : b - 1);
+  }
+}
+
+// fn over runner id's own share from the front, then the others' from their back; how many ran.
+template <typename F>
+int64_t RunShares(std::atomic<uint64_t>* shares, int64_t runners, int64_t id, F& fn) {
+  int64_t ran = 0;
+  for (int64_t i = Claim(shares[id], true); i >= 0; i = Claim(shares[id], true), ++ran) fn(i);
+  for (int64_t o = 1; o < runners; ++o) {
+    auto& other = shares[(id + o) % runners];
+    for (int64_t i = Claim(other, false); i >= 0; i = Claim(other, false), ++ran) fn(i);
+  }
+  return ran;
+}
+
 // fn(i) for i in 0..n-1; each index once, on some runner; returns when all are done.
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn) {
@@ -42,29 +73,11 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn) {
     std::atomic<int64_t> active{0};
   };
   auto state = std::make_shared<State>(runners);
-  for (int64_t r = 0; r < runners; ++r) {
-    const uint64_t front = n * r / runners, back = n * (r + 1) / runners;
-    state->shares[r].store((front << 32) | back);
-  }
+  ShareOut(state->shares.data(), runners, n);
   auto shared_fn = std::make_shared<F>(std::move(fn));
   auto run = [state, shared_fn, runners](int64_t id) {
-    // The front (own share) or back index of a share; -1 once it is empty.
-    auto claim = [](std::atomic<uint64_t>& share, bool front) -> int64_t {
-      uint64_t v = share.load();
-      while (true) {
-        const uint64_t f = v >> 32, b = v & 0xffffffffu;
-        if (f >= b) return -1;
-        const uint64_t next = front ? ((f + 1) << 32) | b : (f << 32) | (b - 1);
-        if (share.compare_exchange_weak(v, next)) return static_cast<int64_t>(front ? f : b - 1);
-      }
-    };
     state->active.fetch_add(1);
-    auto& own = state->shares[id];
-    for (int64_t i = claim(own, true); i >= 0; i = claim(own, true)) (*shared_fn)(i);
-    for (int64_t o = 1; o < runners; ++o) {
-      auto& other = state->shares[(id + o) % runners];
-      for (int64_t i = claim(other, false); i >= 0; i = claim(other, false)) (*shared_fn)(i);
-    }
+    RunShares(state->shares.data(), runners, id, *shared_fn);
     state->active.fetch_sub(1);
   };
   for (int64_t h = 1; h < runners; ++h) {
@@ -155,29 +168,11 @@ class TeamMember {
     std::atomic<uint64_t>* shares = team_.shares_.get() + next_++ * members;
     int fresh = 0;
     if (phase.state.compare_exchange_strong(fresh, 1)) {
-      for (int64_t r = 0; r < members; ++r) {
-        const uint64_t front = n * r / members, back = n * (r + 1) / members;
-        shares[r].store((front << 32) | back);
-      }
+      ShareOut(shares, members, n);
       phase.state.store(2);
     }
     SpinUntil([&phase] { return phase.state.load() == 2; });
-    auto claim = [](std::atomic<uint64_t>& share, bool front) -> int64_t {
-      uint64_t v = share.load();
-      while (true) {
-        const uint64_t f = v >> 32, b = v & 0xffffffffu;
-        if (f >= b) return -1;
-        const uint64_t next = front ? ((f + 1) << 32) | b : (f << 32) | (b - 1);
-        if (share.compare_exchange_weak(v, next)) return static_cast<int64_t>(front ? f : b - 1);
-      }
-    };
-    int64_t ran = 0;
-    auto& own = shares[id_ % members];
-    for (int64_t i = claim(own, true); i >= 0; i = claim(own, true), ++ran) fn(i);
-    for (int64_t o = 1; o < members; ++o) {
-      auto& other = shares[(id_ + o) % members];
-      for (int64_t i = claim(other, false); i >= 0; i = claim(other, false), ++ran) fn(i);
-    }
+    const int64_t ran = RunShares(shares, members, id_ % members, fn);
     if (ran) phase.done.fetch_add(ran);
     SpinUntil([&phase, n] { return phase.done.load() >= n; });
   }
