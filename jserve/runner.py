@@ -120,8 +120,8 @@ class Runner:
             config, enabled=self.native_matmuls and self.native_attention)
         # On a background thread (see jserve.huge_pages); huge_pages.wait() says what it did.
         self.huge_pages = HugePagesAdvice((self.params, self.kv) if huge_pages else ())
-        step = functools.partial(device_steps.step, graphdef, attention, self.tied_head, self.linear,
-                                 self.decoder_layers)
+        hooks = (graphdef, attention, self.tied_head, self.linear, self.decoder_layers)
+        step = functools.partial(device_steps.step, *hooks)
         jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
@@ -139,9 +139,8 @@ class Runner:
                              f"{jax.process_count()} processes")
         self.decode_steps = decode_steps
         self._decode_steps = jax.jit(functools.partial(
-            device_steps.decode_steps, graphdef, attention, self.tied_head, self.linear, self.decoder_layers,
-            page_size, config.vocab_size,
-            decode_steps), donate_argnames=("kv",))
+            device_steps.decode_steps, *hooks, page_size, config.vocab_size, decode_steps),
+            donate_argnames=("kv",))
         self._seen: set[tuple] = set()
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
