@@ -181,8 +181,9 @@ class TeamMember {
   // Spins, then yields: a member the OS has descheduled gets its CPU back sooner.
   template <typename Done>
   static void SpinUntil(Done done) {
-    for (int i = 0; !done(); ++i) {
-      if (i < 4096) {
+    for (int spins = 0; !done();) {
+      if (spins < 4096) {
+        ++spins;
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
