@@ -1,7 +1,6 @@
 // Decode attention over the paged KV cache, shared by the native CPU attention kernel
 // (paged_attention/cpu_native.cc) and the fused decoder layer (decoder_layer/cpu_layer.cc): the
 // page layout, the 8-wide vector helpers, and DecodeWork, one token per row against its pages.
-// Include after "xla/ffi/api/ffi.h".
 //
 // Layouts (DESIGN §4):
 //   q        f32 [batch, num_kv_heads, groups, head_dim]: the row's query heads k * groups + g

@@ -3,9 +3,9 @@
 // Why: in Pallas interpret mode every op of the kernel becomes an XLA:CPU op; the page gathers,
 // small batched dots and reductions ran at 5-10 GB/s and dominated the decode step at realistic
 // contexts. This kernel reads each live K/V row once, straight from the pool, with an online
-// softmax, and splits (row, KV head) pairs over XLA's intra-op thread pool: decode (Decode, rows
-// with long contexts split further), prefill chunks in tiles (AttendTile), other head sizes one
-// token at a time (AttendOne).
+// softmax, and splits (row, KV head) pairs over XLA's intra-op thread pool: decode (DecodeWork in
+// decode_attention.h, rows with long contexts split further), prefill chunks in tiles
+// (AttendTile), other head sizes one token at a time (AttendOne).
 //
 // Decode reads K/V from wherever the page table points, so it runs at the machine's bandwidth
 // for scattered chunks of page_size * head_dim floats, not its streaming bandwidth: 16 rows x
@@ -50,7 +50,7 @@ using namespace jserve_native;  // decode_attention.h, parallel_for.h
 constexpr int64_t kTokensPerTask = 32;  // a prefill row's chunk is split into tasks this long
 
 // One (row, KV head, token): the token's `groups` queries against its keys, page by page, for
-// head sizes that are not a multiple of 8 (Decode and AttendTile take the others).
+// head sizes that are not a multiple of 8 (DecodeWork and AttendTile take the others).
 template <typename T>
 void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float* q,
                const T* k_pages, const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
