@@ -1,11 +1,11 @@
 """The fused decoder layer (`cpu_layer.cc`): built on first use (`pallas_kernels.native_build`),
 called as an XLA FFI target.
 
-`decoder_layers(...)` runs Llama layers (each: RMSNorm, q/k/v, rotary, the K/V write, paged decode
-attention, o, RMSNorm, gate/up, SiLU, down, both residuals) for one new token per row, over
-weights packed by `pallas_kernels.matmul.native.pack`, as one call: the paged runner's decode
-steps on CPU (see `jserve.cpu_kernels`). Layers with biases or q/k norms, and prefill chunks, stay on the
-model's own path.
+`decoder_layers(...)` runs Llama layers (each: RMSNorm, q/k/v, rotary, the K/V write, paged
+decode attention, o, RMSNorm, gate/up, SiLU, down, both residuals) for one new token per row,
+over weights packed by `pallas_kernels.matmul.native.pack`, as one call: the paged runner's
+decode steps on CPU (see `jserve.cpu_kernels`). Layers with biases or q/k norms, and prefill
+chunks, stay on the model's own path.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.native_build import NativeLibrary
+from pallas_kernels.paged_attention import native as native_attention
 
 TARGET = "jserve_decoder_layers"
 _LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("cpu_layer.cc"),
                          {TARGET: "JserveDecoderLayers"}, what="native CPU decoder layer",
                          fallback="running the layers as XLA ops and native matmul/attention calls")
 
-MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # kMaxGroups, kMaxHeadDim in decode_attention.h
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _META = 7  # the call's arguments before the layers': x, cos, sin, slots, q_start, q_lens, page_indices
 _PER_LAYER = 11  # kArgsPerLayer in cpu_layer.cc
@@ -50,9 +50,10 @@ def unavailable_reason() -> str | None:
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel takes these attention shapes."""
-    return (num_kv_heads >= 1 and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0)
+    """Whether the kernel takes these attention shapes: those of the native attention's decode
+    (the same decode_attention.h), whose head_dim must be a multiple of 8."""
+    return (num_kv_heads >= 1 and num_heads % num_kv_heads == 0 and head_dim % 8 == 0
+            and native_attention.supports(num_heads // num_kv_heads, head_dim))
 
 
 def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequence[LayerArgs],

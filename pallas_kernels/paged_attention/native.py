@@ -20,7 +20,7 @@ _LIBRARY = NativeLibrary("paged_attention", Path(__file__).with_name("cpu_native
                          {TARGET: "JservePagedAttention"}, what="native CPU attention kernel",
                          fallback="using the Pallas interpret kernels")
 
-MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # kMaxGroups, kMaxHeadDim in cpu_native.cc
+MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # kMaxGroups, kMaxHeadDim in decode_attention.h
 
 
 def supports(groups: int, head_dim: int) -> bool:
