@@ -25,6 +25,14 @@ def test_argmax_is_numpys_first_maximum():
     np.testing.assert_array_equal(argmax(jnp.asarray(b)), np.argmax(b, axis=-1))
     x = rng.randn(4, 49152).astype(np.float32)
     np.testing.assert_array_equal(argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+    # widths that are not a multiple of the 512-wide pieces: padded; ties across pieces
+    x = rng.randint(-3, 4, (32, 5000)).astype(np.float32)
+    x[5, 4999] = 9.0  # the maximum in the padded last piece
+    np.testing.assert_array_equal(argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+    b = rng.rand(16, 5000) > 0.999
+    b[3] = False
+    np.testing.assert_array_equal(argmax(jnp.asarray(b)), np.argmax(b, axis=-1))
+    assert all(0 <= i < 5000 for i in argmax(jnp.full((2, 5000), np.nan, np.float32)).tolist())
 
 
 def test_filters_reduce_to_argmax_at_their_limits():
