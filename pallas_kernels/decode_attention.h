@@ -60,10 +60,10 @@ constexpr int64_t kKeyBlock = 64;
 
 #if defined(__AVX512F__)
 // 16-wide vectors for the AVX-512 build's scores and V accumulation (JSERVE_V16): half the
-// multiply-adds of the 8-wide loops. 30 layers of decode attention, 16 rows x 384 / 1024 cached
-// tokens, pages scattered, two threads (a /tmp harness, interleaved, medians of 9, GB/s):
-// 21.5 -> 21.7, 22.7 -> 23.2 (384 scattered), 23.4 -> 24.1, 23.1 -> 24.1 (384 contiguous); one
-// thread over L2-resident K/V 28.4 -> 32.1 (2-core Xeon).
+// multiply-adds of the 8-wide loops. 30 layers of decode attention, 16 rows x 384 cached tokens,
+// two threads (a /tmp harness, interleaved, medians of 9, GB/s): pages scattered 21.5 -> 21.7
+// and 22.7 -> 23.2, contiguous 23.4 -> 24.1 and 23.1 -> 24.1; one thread over L2-resident K/V
+// 28.4 -> 32.1 (2-core Xeon).
 // Not in the AVX2 build: twice the registers would spill.
 #define JSERVE_V16 1
 typedef float v16 __attribute__((vector_size(64)));
