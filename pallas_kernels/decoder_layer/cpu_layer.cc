@@ -112,8 +112,9 @@ struct LayerArgs {
   void *k_pages, *v_pages;
 };
 
-// The most phases Layers' body runs per layer: 9, or 11 where the attention splits rows' keys.
-constexpr int kPhasesPerLayer = 11;
+// The most phases Layers' body runs per layer: 8 (9 in the first), or 2 more where the attention
+// splits rows' keys.
+constexpr int kPhasesPerLayer = 10;
 
 template <typename T>
 ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
@@ -183,7 +184,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   const int32_t* slot = slots.typed_data();
   const int64_t pq = Wq / kPanel, pk = Wk / kPanel, pqkv = (Wq + Wk + Wv) / kPanel;
   const int64_t po = Wo / kPanel, pf = Wf / kPanel, pd = Wd / kPanel;
-  Team::Run(pool, kPhasesPerLayer * L, [&](TeamMember& t) {
+  Team::Run(pool, kPhasesPerLayer * L + 1, [&](TeamMember& t) {
     for (int64_t l = 0; l < L; ++l) {
       const float* xin = l == 0 ? x.typed_data() : x_out;
       const Job* job = jobs.data() + 7 * l;
@@ -191,7 +192,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
       T* k_pages = static_cast<T*>(layers[l].k_pages);
       T* v_pages = static_cast<T*>(layers[l].v_pages);
       DecodeWork<T>& work = attention[l];
-      t.For(M, [&](int64_t m) { RmsNormRow(xin + m * D, attn_norm, h + m * D, D, eps); });
+      if (l == 0) t.For(M, [&](int64_t m) { RmsNormRow(xin + m * D, attn_norm, h + m * D, D, eps); });
       t.For(pqkv, [&](int64_t i) {
         const int j = i < pq ? 0 : i < pq + pk ? 1 : 2;
         JobPanel(job[j], i - (j == 0 ? 0 : j == 1 ? pq : pq + pk), M, D, h);
@@ -237,9 +238,12 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
         for (int64_t f = 0; f < F; ++f) am[f] = gm[f] / (1.0f + std::exp(-gm[f])) * um[f];
       });
       t.For(pd, [&](int64_t p) { JobPanel(job[6], p, M, F, act); });
+      // The residual, and the next layer's first RMSNorm with it (one phase fewer a layer).
+      const float* next_norm = l + 1 < L ? norms.data() + 2 * (l + 1) * D : nullptr;
       t.For(M, [&](int64_t m) {
         float* xo = x_out + m * D;
         for (int64_t d = 0; d < D; ++d) xo[d] += down[m * Wd + d];
+        if (next_norm) RmsNormRow(xo, next_norm, h + m * D, D, eps);
       });
     }
   });
