@@ -198,7 +198,7 @@ inline void GatherRows(const T* k_head, const T* v_head, const int32_t* table, i
 // gathered across pages. Scores come 4 keys x up to 3 query heads at a time (Dots4), from
 // independent dot products summed by a transposition (no horizontal sum per key); the softmax
 // runs over the block in 8-wide vectors; V accumulates for 3 queries x 32 dims in registers
-// (Accumulate). Each K and V row comes from memory once per token and from L1 once per 3 query
+// (Accumulate; 16-wide and 64 dims in the AVX-512 build, JSERVE_V16). Each K and V row comes from memory once per token and from L1 once per 3 query
 // heads. Needs head_dim % 8 == 0.
 
 // out[0..3] = the lane sums of a[0..3]: two rounds of pairwise adds, then the two halves.

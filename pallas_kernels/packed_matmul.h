@@ -88,11 +88,11 @@ constexpr int64_t kLine = 16;        // floats per cache line
 // o[MR, kPanel] (+)= x[MR, kl] @ w[kl, kPanel] (w: a block of a packed panel, rows kPanel values
 // apart; x rows ldx apart, o rows ldo apart). Each k also prefetches into L2 the cache lines
 // that begin in the next `share` floats at pf + k * share and before: each line once, at most
-// four per k (share <= 48 floats), without an inner loop. Before, each k ran a loop of one
+// three per k (share <= 48 floats), without an inner loop. Before, each k ran a loop of one
 // prefetch per 16 floats plus one for the share's last float (at 16 rows, 3 prefetches for a
 // share of 1.5 lines). This way, PackedPanel over 60 [576, 1536] float32 weights on two threads
-// (a /tmp harness, interleaved, medians of 9, GB/s): M=1 29.2 -> 32.7, 8 24.7 -> 27.6, 16
-// 20.9 -> 22.6, 32 13.9 -> 14.9 (2-core Xeon, AVX-512).
+// (a /tmp harness, interleaved, medians of 9, GB/s): M=1 28.4 -> 31.1, 8 24.8 -> 27.3, 16
+// 21.1 -> 23.3, 32 14.7 -> 15.5 (2-core Xeon, AVX-512; the AVX2 build at 16 rows 16.2 -> 17.2).
 template <int MR, typename T = float>
 inline __attribute__((always_inline)) void Kernel(int64_t kl, const float* __restrict x,
                                                   int64_t ldx, const T* __restrict w,
