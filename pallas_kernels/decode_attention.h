@@ -67,13 +67,6 @@ constexpr int64_t kKeyBlock = 64;
 // Not in the AVX2 build: twice the registers would spill.
 #define JSERVE_V16 1
 typedef float v16 __attribute__((vector_size(64)));
-inline v16 Ld16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void St16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 Splat16(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 // The two 8-wide halves of a, added.
 inline v8 Fold(v16 a) {
   return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -81,55 +74,58 @@ inline v8 Fold(v16 a) {
 }
 #endif
 
-// acc[r] = acc[r] * alpha[r] + sum_j P(j, r) * vrow[j] for NR rows from r, 32 dims at a time;
-// P(j, r) = pt[j * js + r * rs] (tiles hold St [keys][rows], decode P [rows][keys]).
+// Loads, stores and broadcasts for either vector type (v8, or v16 in the AVX-512 build).
+template <typename VT>
+inline VT LdV(const float* p) {
+  VT v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename VT>
+inline void StV(float* p, VT v) { std::memcpy(p, &v, sizeof v); }
+template <typename VT>
+inline VT SplatV(float x) { return VT{} + x; }
+
+// Accumulate's dims dc .. dc + 4 * lanes - 1 (4 vectors of VT per row).
+template <typename VT, int NR>
+inline void AccumulateDims(const float* pt, int64_t js, int64_t rs, const float* alpha,
+                           const float* const* vrow, float* acc, int64_t n, int64_t D, int64_t r,
+                           int64_t dc) {
+  constexpr int kL = sizeof(VT) / sizeof(float);
+  VT a[NR][4];
+  for (int i = 0; i < NR; ++i) {
+    const VT s = SplatV<VT>(alpha[r + i]);
+    for (int v = 0; v < 4; ++v) a[i][v] = LdV<VT>(acc + (r + i) * D + dc + kL * v) * s;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    // NR broadcasts, then each V vector loaded once for all NR rows: 12 accumulators + 3
+    // broadcasts + 1 V vector = the 16 ymm registers at NR = 3 (v8). Row by row, GCC kept 4 V
+    // vectors live and spilled an accumulator, a store-to-load chain through every key: one
+    // thread's decode over L2-resident K/V took 4020 cycles per 64-key block that way, 3580
+    // now (*measured*, a /tmp harness; from DRAM both run at the memory's pace).
+    const float* vj = vrow[j] + dc;
+    VT p[NR];
+    for (int i = 0; i < NR; ++i) p[i] = SplatV<VT>(pt[j * js + (r + i) * rs]);
+    for (int v = 0; v < 4; ++v) {
+      const VT x = LdV<VT>(vj + kL * v);
+      for (int i = 0; i < NR; ++i) a[i][v] += p[i] * x;
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < 4; ++v) StV<VT>(acc + (r + i) * D + dc + kL * v, a[i][v]);
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j P(j, r) * vrow[j] for NR rows from r, 32 dims at a time
+// (64 in the AVX-512 build); P(j, r) = pt[j * js + r * rs] (tiles hold St [keys][rows], decode
+// P [rows][keys]).
 template <int NR>
 inline void Accumulate(const float* pt, int64_t js, int64_t rs, const float* alpha,
                        const float* const* vrow, float* acc, int64_t n, int64_t D, int64_t r) {
   int64_t dc = 0;
 #ifdef JSERVE_V16
-  for (; dc + 64 <= D; dc += 64) {  // as below, 64 dims at a time
-    v16 a[NR][4];
-    for (int i = 0; i < NR; ++i) {
-      const v16 s = Splat16(alpha[r + i]);
-      for (int v = 0; v < 4; ++v) a[i][v] = Ld16(acc + (r + i) * D + dc + 16 * v) * s;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vj = vrow[j] + dc;
-      v16 p[NR];
-      for (int i = 0; i < NR; ++i) p[i] = Splat16(pt[j * js + (r + i) * rs]);
-      for (int v = 0; v < 4; ++v) {
-        const v16 x = Ld16(vj + 16 * v);
-        for (int i = 0; i < NR; ++i) a[i][v] += p[i] * x;
-      }
-    }
-    for (int i = 0; i < NR; ++i)
-      for (int v = 0; v < 4; ++v) St16(acc + (r + i) * D + dc + 16 * v, a[i][v]);
-  }
+  for (; dc + 64 <= D; dc += 64) AccumulateDims<v16, NR>(pt, js, rs, alpha, vrow, acc, n, D, r, dc);
 #endif
-  for (; dc + 32 <= D; dc += 32) {
-    v8 a[NR][4];
-    for (int i = 0; i < NR; ++i) {
-      const v8 s = Splat(alpha[r + i]);
-      for (int v = 0; v < 4; ++v) a[i][v] = Ld(acc + (r + i) * D + dc + 8 * v) * s;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      // NR broadcasts, then each V vector loaded once for all NR rows: 12 accumulators + 3
-      // broadcasts + 1 V vector = the 16 ymm registers at NR = 3. Row by row, GCC kept 4 V
-      // vectors live and spilled an accumulator, a store-to-load chain through every key: one
-      // thread's decode over L2-resident K/V took 4020 cycles per 64-key block that way, 3580
-      // now (*measured*, a /tmp harness; from DRAM both run at the memory's pace).
-      const float* vj = vrow[j] + dc;
-      v8 p[NR];
-      for (int i = 0; i < NR; ++i) p[i] = Splat(pt[j * js + (r + i) * rs]);
-      for (int v = 0; v < 4; ++v) {
-        const v8 x = Ld(vj + 8 * v);
-        for (int i = 0; i < NR; ++i) a[i][v] += p[i] * x;
-      }
-    }
-    for (int i = 0; i < NR; ++i)
-      for (int v = 0; v < 4; ++v) St(acc + (r + i) * D + dc + 8 * v, a[i][v]);
-  }
+  for (; dc + 32 <= D; dc += 32) AccumulateDims<v8, NR>(pt, js, rs, alpha, vrow, acc, n, D, r, dc);
   for (; dc < D; dc += 8) {  // head_dim % 32 != 0: the last 8-wide columns
     v8 a[NR];
     for (int i = 0; i < NR; ++i) a[i] = Ld(acc + (r + i) * D + dc) * Splat(alpha[r + i]);
@@ -226,9 +222,9 @@ inline void Dots4(const float* const* krow, const float* q, int64_t head_dim, fl
     v16 a[NG][4] = {};
     for (int64_t d = 0; d < D; d += 16) {
       v16 qv[NG];
-      for (int g = 0; g < NG; ++g) qv[g] = Ld16(q + g * D + d);
+      for (int g = 0; g < NG; ++g) qv[g] = LdV<v16>(q + g * D + d);
       for (int i = 0; i < 4; ++i) {
-        const v16 k = Ld16(krow[j + i] + d);
+        const v16 k = LdV<v16>(krow[j + i] + d);
         for (int g = 0; g < NG; ++g) a[g][i] += qv[g] * k;
       }
     }
