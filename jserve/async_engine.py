@@ -8,7 +8,9 @@ Outputs go back, one `call_soon_threadsafe` per event loop per step, to each req
 `asyncio.Queue`; a consumer that falls behind gets the steps it missed coalesced into one output.
 Leaving a `generate` stream early (break + aclose, task cancelled, client gone) aborts the request
 before the next step. An exception in a step kills the loop: every live stream raises
-`EngineDeadError` (the cause attached) and later calls raise it at once.
+`EngineDeadError` (the cause attached) and later calls raise it at once. A step that never
+returns cannot be interrupted, but `iteration_seconds()` shows it and `fail()` ends every
+stream from the asyncio side.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class AsyncLLMEngine:
         self._timings_lock = threading.Lock()
         self._max_timings = max_timings
         self.num_loop_iterations = 0  # wake-ups of the engine thread (idle proof for tests)
+        self._iteration_start: float | None = None  # monotonic start of the engine thread's work now
+        self._streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}  # open generate() streams
         self._thread: threading.Thread | None = None
         if start:
             self.start()
@@ -102,6 +106,26 @@ class AsyncLLMEngine:
     def error(self) -> BaseException | None:
         """The exception that killed the loop, or None."""
         return self._error
+
+    def iteration_seconds(self) -> float:
+        """How long the engine thread has been on its current iteration (taking commands and
+        running one step); 0.0 while it sleeps. Any thread may call it."""
+        start = self._iteration_start
+        return 0.0 if start is None or self._stopped else max(0.0, time.monotonic() - start)
+
+    def fail(self, reason: str) -> None:
+        """Declare the loop dead from outside (for a step that never returns): every open stream
+        raises EngineDeadError now, later calls at once; if the step ever returns, the thread
+        exits. Pages held by the hung step's requests are not freed. Any thread may call it."""
+        with self._cond:
+            if self._error is None:
+                self._error = EngineDeadError(reason)
+            self._stopped = self._closing = True
+            streams = list(self._streams.items())
+            self._cond.notify()
+        error = self._dead_error()
+        for queue, loop in streams:
+            _post(loop, [(queue, error)])
 
     # ------------------------------------------------------------------------------ asyncio API
 
@@ -126,9 +150,16 @@ class AsyncLLMEngine:
                              f"{type(prompt_token_ids).__name__}") from None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self._submit(_Command("add", request_id, (ids, params),
-                              dict(prompt=prompt, priority=priority, cache_salt=cache_salt,
-                                   arrival_time=time.monotonic()), queue=queue, loop=loop))
+        with self._cond:
+            self._streams[queue] = loop
+        try:
+            self._submit(_Command("add", request_id, (ids, params),
+                                  dict(prompt=prompt, priority=priority, cache_salt=cache_salt,
+                                       arrival_time=time.monotonic()), queue=queue, loop=loop))
+        except BaseException:
+            with self._cond:
+                self._streams.pop(queue, None)
+            raise
         tracker = Tracker(params, delta)
         done = False  # finished, or never added: nothing to abort
         try:
@@ -145,6 +176,8 @@ class AsyncLLMEngine:
                 if out is not None:
                     yield out
         finally:
+            with self._cond:
+                self._streams.pop(queue, None)
             if not done:
                 try:  # no await here: this runs during cancellation and generator finalization
                     self._submit(_Command("abort", request_id, queue=queue), control=True)
@@ -171,7 +204,9 @@ class AsyncLLMEngine:
             self._submit(_Command("stats", loop=future.get_loop(), future=future), control=True)
         except EngineDeadError:
             if self._thread is not None:
-                self._thread.join()  # it is exiting; after that the engine is ours to read
+                self._thread.join(1.0)  # it is exiting; after that the engine is ours to read
+                if self._thread.is_alive():  # hung in a step (see fail): the engine is not ours
+                    raise
             return self._stats()
         return await future
 
@@ -227,10 +262,15 @@ class AsyncLLMEngine:
         try:
             while True:
                 with self._cond:
-                    while not self._commands and not busy:
+                    if not self._commands and not busy:
+                        self._iteration_start = None
+                    while not self._commands and not busy and not self._stopped:
                         self._cond.wait()
+                    if self._stopped:  # fail() was called while a step hung
+                        return
                     commands = list(self._commands)
                     self._commands.clear()
+                self._iteration_start = time.monotonic()
                 self.num_loop_iterations += 1
                 stop_now = False
                 for command in commands:

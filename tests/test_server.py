@@ -27,8 +27,9 @@ from jserve.async_engine import AsyncLLMEngine
 from jserve.checkpoint import read_params
 from jserve.engine import EngineConfig, build_engine
 from jserve.request import SamplingParams
+from jserve.request import MAX_LOGPROBS
 from jserve.server import ServerState, build_app
-from jserve.server.protocol import MAX_LOGPROBS
+from jserve.server.http import CappedSite
 from jserve.tokenizer import Tokenizer
 
 from conftest import DATA
@@ -48,13 +49,13 @@ class Server:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.runner = web.AppRunner(build_app(state, **app_kwargs), handler_cancellation=True)
+        self.runner = web.AppRunner(build_app(state, **app_kwargs), **state.timeouts.runner_kwargs())
 
         async def start():
             await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            site = CappedSite(self.runner, "127.0.0.1", 0, max_connections=state.timeouts.max_connections)
             await site.start()
-            return site._server.sockets[0].getsockname()[1]
+            return site.port
 
         self.port = self.call(start())
         self.url = f"http://127.0.0.1:{self.port}"
@@ -130,7 +131,7 @@ def expected(engine):
 @pytest.fixture(scope="module")
 def server(engine, expected):
     aengine = AsyncLLMEngine(engine)
-    state = ServerState(MODEL, max_queue=256)
+    state = ServerState(MODEL)
     state.attach(aengine)
     srv = Server(state, max_body_bytes=64 * 1024)
     yield srv
@@ -219,7 +220,7 @@ def test_many_prompts_n_and_token_ids(client, expected):
     # sampled with seed: reproducible, and the extras are accepted
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0.9, top_p=0.9, seed=7, stop=["zzz"],
               presence_penalty=0.5, frequency_penalty=0.5, user="u1",
-              extra_body=dict(top_k=50, min_p=0.01, repetition_penalty=1.1, priority=1, ignore_eos=True))
+              extra_body=dict(top_k=50, min_p=0.01, repetition_penalty=1.1, priority=0, ignore_eos=True))
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
@@ -283,6 +284,29 @@ ERRORS = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),
     ("/tokenize", {"prompt": None}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "-1"),
+    # validated before any work: ids against the vocabulary, strict UTF-8 and JSON, every field known
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**62]}, 400, "4611686018427387904"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [49152]}, 400, "49152"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "-1"),
+    ("/v1/completions", b'{"prompt": "a\xed\xa0\x80b"}', 400, "UTF-8"),  # a surrogate as raw bytes
+    ("/v1/completions", b'{"prompt": "a\xc3"}', 400, "UTF-8"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["x", "\\ud800"]}', 400, "stop[1]"),
+    ("/v1/completions", b'{"model": "' + MODEL.encode() + b'", "model": "other", "prompt": "hi"}', 400, "model"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "NaN"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options.continuous_usage_stats"),
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "priority"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 257]}, 400, "256"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400,
+     "messages[0].tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}]},
+     400, "messages[0].content[0].cache"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, 400, "skip_special_tokens"),
 ]
 
 
@@ -295,7 +319,7 @@ def test_client_errors(server, path, body, status, needle):
 EXTREME = [dict(temperature=1e300), dict(temperature=1e-300), dict(top_p=1e-300), dict(min_p=1.0), dict(top_k=2**31 - 1),
            dict(top_k=-1), dict(repetition_penalty=0.01), dict(repetition_penalty=10), dict(presence_penalty=-2,
            frequency_penalty=2), dict(seed=-2**63), dict(seed=2**64 - 1), dict(n=8, logprobs=MAX_LOGPROBS),
-           dict(stop_token_ids=[2**62], min_tokens=MAX_MODEL_LEN), dict(priority=-2**31, echo=True),
+           dict(stop_token_ids=[0, 49151], min_tokens=MAX_MODEL_LEN), dict(priority=0, echo=True),
            dict(stop=["a"] * 16, include_stop_str_in_output=True, skip_special_tokens=False)]
 
 
@@ -331,13 +355,14 @@ def test_auth_and_queue_limit(server):
         assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
     finally:
         state.api_keys = ()
-    capacity, state.capacity, state.max_queue = state.capacity, 0, 0
+    admission = state.admission
+    saved, admission.seqs = admission.seqs, admission.max_seqs  # as if that many sequences were in flight
     try:
         status, headers, body = request(server, "POST", "/v1/completions", {"prompt": "hi"})
         assert_error(status, body, 429, "queue_full")
         assert headers["Retry-After"] == "1"
     finally:
-        state.capacity, state.max_queue = capacity, 256
+        admission.seqs = saved
 
 
 def test_warming_up_and_draining(engine):

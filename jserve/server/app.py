@@ -1,9 +1,12 @@
 """The aiohttp application: OpenAI routes, SSE streaming, auth, limits, health, /metrics, draining.
 
 Requests flow: the error middleware (OpenAI-shaped errors for everything) -> the auth middleware
-(Bearer keys; /health and /metrics stay open) -> a route, which validates the body
-(`protocol`), checks the queue limit, and streams `AsyncLLMEngine.generate` for each prompt.
-Leaving a stream early (client gone: handler cancelled or a failed write) aborts the request.
+(Bearer keys, each its own tenant; /health and /metrics stay open) -> a route, which reads the
+body under a deadline and parses it strictly (`body`), validates every field (`protocol`,
+`fields`), checks admission (`limits`), tokenizes off the event loop when the input is large
+(`tokenizer_pool`), checks the prompt lengths and streams `AsyncLLMEngine.generate` for each
+prompt (`generate`). Leaving a stream early (client gone, or not reading) aborts the request. A
+watchdog task (`watchdog`) turns a dead or hung engine into a clean exit.
 """
 
 from __future__ import annotations
@@ -11,18 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
 from jserve.async_engine import AsyncLLMEngine, EngineDeadError
 from jserve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from jserve.server import protocol
+from jserve.server import fields, protocol, tokenizer_pool, watchdog
+from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request, error_body
 from jserve.server.generate import DISCONNECTED, run_generation
+from jserve.server.http import Timeouts
+from jserve.server.limits import Admission, Limits
+from jserve.server.tenancy import TENANT, tenant_of_key
 
 logger = logging.getLogger(__name__)
 
@@ -34,69 +40,120 @@ class ServerState:
     """What the routes share: the engine once it is ready, limits, keys, metrics, in-flight count.
 
     Args:
-      model_name: the name clients must pass as `model`.
-      api_keys: accepted Bearer keys; empty: no auth.
-      max_queue: engine requests allowed to wait beyond `max_num_seqs` before answering 429.
+      model_names: the names clients may pass as `model` (vLLM's --served-model-name); responses
+        carry the first.
+      api_keys: accepted Bearer keys, each its own prefix-cache tenant; empty: no auth.
+      limits: request and admission limits (`Limits`; the model fills in its defaults at attach).
+      timeouts: connection timeouts and cap (`Timeouts`).
+      scheduling_policy: "fcfs" (a request's `priority` is refused) or "priority".
+      step_timeout: seconds one engine step may run before the engine counts as hung (0: never).
+      tokenizer_workers: processes that tokenize large inputs (0: all inline).
+      on_fatal: called with the problem once a dead engine's requests have been failed (the CLI
+        exits non-zero from it).
     """
 
-    def __init__(self, model_name: str = "jserve", *, api_keys: tuple[str, ...] = (), max_queue: int = 256,
-                 metrics: ServerMetrics | None = None):
-        self.model_name = model_name
+    def __init__(self, model_names: str | tuple[str, ...] = "jserve", *, api_keys: tuple[str, ...] = (),
+                 limits: Limits | None = None, timeouts: Timeouts | None = None, scheduling_policy: str = "fcfs",
+                 step_timeout: float = watchdog.DEFAULT_STEP_TIMEOUT, tokenizer_workers: int = 1,
+                 metrics: ServerMetrics | None = None, on_fatal: Callable[[str], Any] | None = None):
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
+        self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
+        if not self.model_names:
+            raise ValueError("give at least one served model name")
         self.api_keys = tuple(k.encode() for k in api_keys)
-        self.max_queue = max_queue
+        self.limits = limits or Limits()
+        self.timeouts = timeouts or Timeouts()
+        self.scheduling_policy = scheduling_policy
+        self.step_timeout = step_timeout
+        self.tokenizer_workers = tokenizer_workers
         self.metrics = metrics or ServerMetrics()
+        self.on_fatal = on_fatal
         self.engine: AsyncLLMEngine | None = None
         self.tokenizer: Any = None
         self.ctx: protocol.Context | None = None
+        self.pool: tokenizer_pool.TokenizerPool | None = None
+        self.admission: Admission | None = None
         self.shutting_down = False
-        self.num_in_flight = 0  # engine requests started and not yet finished
+        self.fatal: str | None = None  # watchdog.DEAD / HUNG once the engine is declared dead
+        self.num_in_flight = 0  # engine requests (sequences) started and not yet finished
         self.created = int(time.time())
         self._idle: asyncio.Event | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         """Serve with `engine` (its LLMEngine built and warmed up): the server is now ready."""
         llm = engine.engine
-        self.engine = engine
+        config = llm.config
+        runner = llm.runner
+        limits = self.limits.resolve(max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                                     num_kv_tokens=getattr(runner, "num_pages", 0) * getattr(runner, "page_size", 0))
+        self.pool = tokenizer_pool.TokenizerPool(llm.tokenizer, max_jobs=limits.max_tokenize_jobs,
+                                                 workers=self.tokenizer_workers)
         self.tokenizer = llm.tokenizer
-        self.capacity = llm.config.max_num_seqs
-        self.ctx = protocol.Context(self.model_name, llm.config.max_model_len, llm.runner.config.vocab_size)
+        self.capacity = config.max_num_seqs
+        self.admission = Admission(config.max_num_seqs + limits.max_queue, limits.max_queued_tokens)
+        self.ctx = protocol.Context(self.model_names, config.max_model_len, llm.runner.config.vocab_size, limits,
+                                    allow_priority=self.scheduling_policy == "priority")
+        self.engine = engine
         self.metrics.ready.set(1)
+
+    def problem(self) -> str | None:
+        """Why the server cannot serve now ("warming_up", "shutting_down", "engine_dead",
+        "engine_hung"), or None."""
+        if self.fatal is not None:
+            return self.fatal
+        if self.shutting_down:
+            return "shutting_down"
+        if self.engine is None:
+            return "warming_up"
+        return watchdog.engine_problem(self.engine, self.step_timeout)
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.shutting_down and not self.engine.errored
+        return self.problem() is None
 
     def check_ready(self) -> None:
-        if self.shutting_down:
+        problem = self.problem()
+        if problem == "shutting_down":
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if self.engine is None:
+        if problem == "warming_up":
             raise APIError(503, "the model is loading and warming up; retry shortly", code="warming_up",
                            headers={"Retry-After": "5"})
-        if self.engine.errored:
-            raise APIError(503, f"the engine loop died: {self.engine.error!r}", code="engine_unavailable")
+        if problem is not None:  # the details are in the log, not for clients
+            raise APIError(503, watchdog.CLIENT_MESSAGE, code="engine_unavailable", headers={"Retry-After": "10"})
+
+    async def wait_idle(self) -> None:
+        """Until no engine request is in flight."""
+        while self.num_in_flight:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
 
     async def drain(self, grace: float) -> None:
         """Stop taking requests (503), let in-flight ones finish for `grace` seconds, abort the
-        rest, and stop the engine thread."""
+        rest, and stop the engine thread (not waiting for a hung one)."""
         self.shutting_down = True
         self.metrics.ready.set(0)
-        if self.num_in_flight:
-            self._idle = asyncio.Event()
+        if self.fatal is None:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), grace)
+                await asyncio.wait_for(self.wait_idle(), grace)
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown, 30.0, abort=True)
+            await asyncio.to_thread(self.engine.shutdown, 30.0 if self.fatal is None else 1.0, abort=True)
+        if self.pool is not None:
+            self.pool.shutdown()
 
-    def _begin(self, count: int) -> None:
-        if self.num_in_flight + count > self.capacity + self.max_queue:
-            raise APIError(429, f"too many requests waiting ({self.num_in_flight} in flight, limit "
-                                f"{self.capacity + self.max_queue}); retry later", code="queue_full",
-                           headers={"Retry-After": "1"})
-        self.num_in_flight += count
+    def _begin(self, seqs: int, tokens: int) -> None:
+        self.admission.take(seqs, tokens)
+        self.num_in_flight += seqs
         self.metrics.in_flight.set(self.num_in_flight)
 
-    def _end(self, count: int) -> None:
-        self.num_in_flight -= count
+    def _end(self, seqs: int, tokens: int) -> None:
+        self.admission.give_back(seqs, tokens)
+        self.num_in_flight -= seqs
         self.metrics.in_flight.set(self.num_in_flight)
         if self.num_in_flight == 0 and self._idle is not None:
             self._idle.set()
@@ -106,8 +163,8 @@ STATE = web.AppKey("state", ServerState)
 
 
 def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
-    """The aiohttp app around `state`. Run it with `handler_cancellation=True` so that a client
-    that goes away cancels (and so aborts) its request."""
+    """The aiohttp app around `state`. Run it with `state.timeouts.runner_kwargs()` (among them
+    `handler_cancellation=True`, so that a client that goes away cancels, so aborts, its request)."""
     app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
     app[STATE] = state
     app.router.add_get("/health", health)
@@ -117,7 +174,16 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.cleanup_ctx.append(_watchdog)
     return app
+
+
+async def _watchdog(app: web.Application):
+    task = asyncio.ensure_future(watchdog.watch(app[STATE]))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 # ------------------------------------------------------------------------------ middlewares
@@ -134,6 +200,8 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         response = await handler(request)
     except APIError as e:
         response = e.response()
+        if e.status == 408:  # the rest of a trickled body is not worth reading
+            response.force_close()
     except web.HTTPException as e:  # aiohttp's own: 404 route, 405 method, 413 body too large
         if e.status < 400:
             raise
@@ -152,47 +220,32 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 @web.middleware
 async def _auth(request: web.Request, handler) -> web.StreamResponse:
     keys = request.app[STATE].api_keys
+    request[TENANT] = ""
     if keys and request.path not in _OPEN_PATHS:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         given = token.strip().encode("utf-8", "replace")
         # compare against every key (no early exit) so timing says nothing about which matched
-        ok = scheme.lower() == "bearer" and sum(hmac.compare_digest(given, k) for k in keys) > 0
-        if not ok:
+        matches = [hmac.compare_digest(given, k) for k in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
+        request[TENANT] = tenant_of_key(keys[matches.index(True)])
     return await handler(request)
-
-
-async def _json_body(request: web.Request) -> dict:
-    raw = await request.read()  # raises 413 past client_max_size
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise bad_request(f"the body is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
-    if b"\\u" in raw:  # an escaped lone surrogate would break the tokenizer and our own replies
-        try:
-            json.dumps(body, ensure_ascii=False).encode()
-        except UnicodeEncodeError as e:
-            raise bad_request(f"the body holds an invalid unicode escape (a lone surrogate): {e.reason}") from None
-    return body
 
 
 # ------------------------------------------------------------------------------ simple routes
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    if state.ready:
+    problem = request.app[STATE].problem()
+    if problem is None:
         return web.json_response({"status": "ok"})
-    status = "shutting_down" if state.shutting_down else "warming_up" if state.engine is None else "engine_dead"
-    return web.json_response({"status": status}, status=503)
+    return web.json_response({"status": problem}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.engine is not None:
+    if state.engine is not None and state.problem() is None:
         with contextlib.suppress(EngineDeadError):
             stats = await state.engine.stats()
             records = state.engine.engine.runner.records.copy()  # a C-level copy: safe beside the thread
@@ -204,37 +257,58 @@ async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_ready()
     return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jserve",
-        "max_model_len": state.ctx.max_model_len}]})
+        "id": name, "object": "model", "created": state.created, "owned_by": "jserve",
+        "max_model_len": state.ctx.max_model_len} for name in state.model_names]})
 
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_ready()
-    body = await _json_body(request)
+    body = await read_json(request, state.timeouts.body)
+    fields.check_fields(body, fields.TOKENIZE)
     protocol.check_model(body, state.ctx)
     if "messages" in body:
         add_gen = protocol._bool(body, "add_generation_prompt", True)
-        _, ids = protocol.encode_chat(state.tokenizer, protocol.parse_messages(body), add_gen)
+        _, ids = await _render(state, protocol.parse_messages(body), add_gen)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise bad_request(f"prompt must be a string (or give messages), got {protocol._show(prompt)}",
                               param="prompt")
-        ids = state.tokenizer.encode(prompt, add_special_tokens=protocol._bool(body, "add_special_tokens", True))
+        add_special = protocol._bool(body, "add_special_tokens", True)
+        ids = await _encode(state, prompt, add_special)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.ctx.max_model_len})
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_ready()
-    body = await _json_body(request)
+    body = await read_json(request, state.timeouts.body)
+    fields.check_fields(body, fields.DETOKENIZE)
     protocol.check_model(body, state.ctx)
     tokens = body.get("tokens")
     if tokens == []:
         return web.json_response({"prompt": ""})
     ids = protocol._token_ids(tokens, "tokens", state.tokenizer.vocab_size)
-    return web.json_response({"prompt": state.tokenizer.decode(ids)})
+    return web.json_response({"prompt": await state.pool.run(4 * len(ids), tokenizer_pool.decode, ids)})
+
+
+# ------------------------------------------------------------------------------ tokenization
+
+async def _encode(state: ServerState, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    """`text`'s ids, refused unread if it cannot fit; large text is encoded off the event loop."""
+    size = len(text.encode("utf-8"))
+    tokenizer_pool.check_text_size(size, state.ctx.limits.max_input_tokens, state.pool.max_token_bytes, param)
+    return await state.pool.run(size, tokenizer_pool.encode, text, add_special_tokens)
+
+
+async def _render(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    size = protocol.messages_bytes(messages)
+    tokenizer_pool.check_text_size(size, state.ctx.limits.max_input_tokens, state.pool.max_token_bytes, "messages")
+    try:
+        return await state.pool.run(size, tokenizer_pool.render_chat, messages, add_generation_prompt)
+    except tokenizer_pool.ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from None
 
 
 # ------------------------------------------------------------------------------ generation
@@ -242,13 +316,22 @@ async def detokenize(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.check_ready()
-    req = protocol.parse_completion(await _json_body(request), state.ctx, state.tokenizer)
+    body = await read_json(request, state.timeouts.body)
+    req = protocol.parse_completion(body, state.ctx)
+    state.admission.check(req.num_seqs, 0)  # before tokenizing: a full server does no work for it
+    for i, (text, ids) in enumerate(req.prompts):
+        if ids is None:
+            req.prompts[i] = (text, await _encode(state, text, True))
+    protocol.check_prompts(req, state.ctx)
     return await run_generation(request, state, req)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.check_ready()
-    req = protocol.parse_chat(await _json_body(request), state.ctx, state.tokenizer)
+    body = await read_json(request, state.timeouts.body)
+    req = protocol.parse_chat(body, state.ctx)
+    state.admission.check(req.num_seqs, 0)
+    req.prompts = [await _render(state, req.messages, req.add_generation_prompt)]
+    protocol.check_prompts(req, state.ctx)
     return await run_generation(request, state, req)
-

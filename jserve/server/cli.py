@@ -2,22 +2,49 @@
 
 The port opens at once (GET /health answers 503 while the model loads and warms up); on SIGTERM
 the server answers 503, lets in-flight requests finish for `--grace-period` seconds, aborts the
-rest and exits 0.
+rest and exits 0. If the engine dies or a step hangs past `--step-timeout`, in-flight requests
+end with an error and the process exits 1, for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+from jserve.server.http import Timeouts
+from jserve.server.limits import Limits
+from jserve.server.watchdog import DEFAULT_STEP_TIMEOUT
+
 logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAMES = ("smollm2-135m-instruct", "SmolLM2-135M-Instruct")
+
+_d = Limits()
+_LIMIT_HELP = {
+    "max_queue": f"sequences (n times prompts) allowed to wait beyond --max-num-seqs (default {_d.max_queue})",
+    "max_queued_tokens": "prompt + max_tokens tokens over all admitted sequences (default: 8x the KV pool's tokens, "
+                         "at least max-num-seqs x max-model-len)",
+    "max_input_tokens": "prompt tokens per prompt (default: max-model-len - 1)",
+    "max_total_tokens": "prompt + max_tokens per sequence (default: max-model-len)",
+    "max_n": f"sequences per request, n times the prompts (default {_d.max_n})",
+    "max_prompts": f"prompts per /v1/completions request (default {_d.max_prompts})",
+    "max_stop": f"stop strings per request (default {_d.max_stop})",
+    "max_stop_chars": f"characters per stop string (default {_d.max_stop_chars})",
+    "max_stop_token_ids": f"stop_token_ids per request (default {_d.max_stop_token_ids})",
+    "max_logprobs": f"logprobs / top_logprobs (default {_d.max_logprobs})",
+    "max_cache_salt_chars": f"characters of cache_salt (default {_d.max_cache_salt_chars})",
+    "max_tokenize_jobs": f"large inputs queued for the tokenizer process (default {_d.max_tokenize_jobs})",
+}
+del _d
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -27,18 +54,37 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", default=None, help="checkpoint folder, HF folder, .gguf or name "
                    "(default: SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` "
-                   "(default: the model folder's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may pass as `model`, the first in responses (default: the model "
+                   "folder's name; for the default model smollm2-135m-instruct and SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable); "
                    "default: the comma-separated keys in $JSERVE_API_KEY (kept out of the process list); "
                    "none: no auth")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests allowed to wait beyond --max-num-seqs before answering 429")
     p.add_argument("--max-body-bytes", type=parse_bytes, default="4MiB", help="larger bodies get 413")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: a request's `priority` is refused (400); priority: lower values run first")
+    p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
+                   help="seconds one engine step may run before the engine counts as hung and the server exits 1 "
+                        "(0: never)")
+    p.add_argument("--tokenizer-workers", type=int, default=1,
+                   help="processes that tokenize large inputs off the event loop (0: tokenize inline)")
+    g = p.add_argument_group("limits (429 past the admission ones, 400 past the per-request ones)")
+    for field in dataclasses.fields(Limits):
+        g.add_argument("--" + field.name.replace("_", "-"), type=int, default=None, help=_LIMIT_HELP[field.name])
+    g = p.add_argument_group("connections")
+    defaults = Timeouts()
+    g.add_argument("--keepalive-timeout", type=float, default=defaults.keepalive,
+                   help="seconds a connection may stay idle, or take to send a request's headers")
+    g.add_argument("--body-timeout", type=float, default=defaults.body,
+                   help="seconds a request body may take to arrive (then 408)")
+    g.add_argument("--write-timeout", type=float, default=defaults.write,
+                   help="seconds a stream may wait on a client that stopped reading (then it is aborted)")
+    g.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                   help="open connections; past them a new one gets 503")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     p.add_argument("--seed", type=int, default=0)
@@ -50,13 +96,43 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def serve_command(args: argparse.Namespace) -> int:
     from jserve import distributed
 
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    limits(args)  # bad values fail before the model loads
     if not distributed.from_args(args):  # a follower process of a multi-host run: no HTTP
         distributed.follow(_load(args))
         return 0
-    asyncio.run(serve(args))
+    code = asyncio.run(serve(args))
+    if code:  # the engine died: a hung engine thread would keep a normal exit waiting
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return 0
+
+
+def limits(args: argparse.Namespace) -> Limits:
+    """The `Limits` the flags give (unset ones keep their defaults); ValueError for a bad one."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)
+             if getattr(args, f.name, None) is not None}
+    for name, value in given.items():
+        lowest = 0 if name in ("max_queue", "max_logprobs") else 1
+        if value < lowest:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {lowest}, got {value}")
+    return Limits(**given)
+
+
+def timeouts(args: argparse.Namespace) -> Timeouts:
+    for name in ("keepalive_timeout", "body_timeout", "write_timeout", "max_connections"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    return Timeouts(keepalive=args.keepalive_timeout, body=args.body_timeout, write=args.write_timeout,
+                    max_connections=args.max_connections)
+
+
+def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """--served-model-name, else the --model folder's name, else the default model's names."""
+    if args.served_model_name:
+        return tuple(args.served_model_name)
+    return (Path(args.model).stem,) if args.model else DEFAULT_MODEL_NAMES
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -87,23 +163,32 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from jserve.async_engine import AsyncLLMEngine
     from jserve.server.app import ServerState, build_app
-
-    name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
-    state = ServerState(name, api_keys=api_keys(args), max_queue=args.max_queue)
-    runner = web.AppRunner(build_app(state, max_body_bytes=args.max_body_bytes), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    logger.warning("listening on http://%s:%d (warming up)", args.host, args.port)
+    from jserve.server.http import CappedSite
+    from jserve.server.watchdog import HUNG
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    def on_fatal(problem: str) -> None:
+        logger.error("exiting with status 1 (%s) for the supervisor to restart the server", problem)
+        stop.set()
+
+    names = served_model_names(args)
+    state = ServerState(names, api_keys=api_keys(args), limits=limits(args), timeouts=timeouts(args),
+                        scheduling_policy=args.scheduling_policy, step_timeout=args.step_timeout,
+                        tokenizer_workers=args.tokenizer_workers, on_fatal=on_fatal)
+    runner = web.AppRunner(build_app(state, max_body_bytes=args.max_body_bytes), **state.timeouts.runner_kwargs())
+    await runner.setup()
+    await CappedSite(runner, args.host, args.port, max_connections=state.timeouts.max_connections).start()
+    logger.warning("listening on http://%s:%d (warming up)", args.host, args.port)
+
     # A daemon thread, not to_thread: a signal during loading must not wait for the load to end.
     loaded: asyncio.Future = loop.create_future()
 
@@ -122,10 +207,12 @@ async def serve(args: argparse.Namespace) -> None:
         frozen = freeze_startup_heap()
         state.attach(AsyncLLMEngine(llm.engine))
         logger.warning("ready: serving %s on http://%s:%d (%d startup objects frozen out of the garbage "
-                       "collector)", name, args.host, args.port, frozen)
+                       "collector)", ", ".join(names), args.host, args.port, frozen)
         await stopping
-    logger.warning("shutting down (grace period %.0f s)", args.grace_period)
+    if state.fatal is None:
+        logger.warning("shutting down (grace period %.0f s)", args.grace_period)
     await state.drain(args.grace_period)
-    if loaded.done() and loaded.exception() is None:
+    if loaded.done() and loaded.exception() is None and state.fatal != HUNG:
         loaded.result().engine.runner.stop_followers()  # the engine thread has stopped: no step in flight
     await runner.cleanup()
+    return 1 if state.fatal is not None else 0

@@ -1,5 +1,10 @@
 """Running a validated completions / chat request: one engine stream per prompt, merged, sent as
-one JSON body or as SSE chunks in OpenAI's shapes, with usage and jserve timings."""
+one JSON body or as SSE chunks in OpenAI's shapes, with usage and jserve timings.
+
+The request is admitted (`Admission`: sequences and tokens) for as long as it runs. Each SSE write
+must drain within the write timeout; a client that stops reading loses its connection and its
+request is aborted, which frees its pages.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from jserve.async_engine import EngineDeadError
 from jserve.request import RequestOutput
 from jserve.server import protocol
 from jserve.server.errors import APIError, error_body
+from jserve.server.tenancy import TENANT, engine_salt
+from jserve.server.watchdog import CLIENT_MESSAGE
 
 # Set on a request whose client went away (the metrics count it as 499).
 DISCONNECTED = web.RequestKey("disconnected", bool) if hasattr(web, "RequestKey") else "jserve_disconnected"
@@ -24,11 +31,11 @@ if TYPE_CHECKING:
     from jserve.server.app import ServerState
 
 
-async def _merge(state: "ServerState", rids: list[str], req: protocol.GenerateRequest
+async def _merge(state: "ServerState", rids: list[str], req: protocol.GenerateRequest, salt: str | None
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) from every prompt's stream as they come; closing this closes
     (so aborts) them all."""
-    gens = [state.engine.generate(rid, ids, req.params, prompt=text, priority=req.priority)
+    gens = [state.engine.generate(rid, ids, req.params, prompt=text, priority=req.priority, cache_salt=salt)
             for rid, (text, ids) in zip(rids, req.prompts)]
     if len(gens) == 1:
         async with contextlib.aclosing(gens[0]) as gen:
@@ -65,8 +72,8 @@ async def _merge(state: "ServerState", rids: list[str], req: protocol.GenerateRe
 
 
 def _engine_error(e: Exception) -> APIError:
-    if isinstance(e, EngineDeadError):
-        return APIError(503, f"the engine is not running: {e}", code="engine_unavailable")
+    if isinstance(e, EngineDeadError):  # the cause is in the log, not for clients
+        return APIError(503, CLIENT_MESSAGE, code="engine_unavailable", headers={"Retry-After": "10"})
     return APIError(400, str(e))  # ValueError: the engine rejected the request and said why
 
 
@@ -114,11 +121,14 @@ async def run_generation(request: web.Request, state: "ServerState", req: protoc
     head = {"id": request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": created, "model": state.model_name}
     tok = state.tokenizer
-    state._begin(len(rids))
+    seqs, tokens = req.num_seqs, req.cost_tokens(state.ctx.limits.max_total_tokens)
+    state._begin(seqs, tokens)
+    salt = engine_salt(request.get(TENANT, ""), req.cache_salt)
+    write_timeout = state.timeouts.write
     response: web.StreamResponse | None = None
     last_time = None
     try:
-        async with contextlib.aclosing(_merge(state, rids, req)) as stream:
+        async with contextlib.aclosing(_merge(state, rids, req, salt)) as stream:
             try:
                 async for p, out in stream:
                     now = time.monotonic()
@@ -138,14 +148,16 @@ async def run_generation(request: web.Request, state: "ServerState", req: protoc
                             chunks.append(_chunk(req, ch, c, offset, tok))
                     if req.stream and chunks:
                         if response is None:  # headers go out with the first output: errors before it get a status
-                            response = await _start_sse(request, request_id)
+                            response = await _start_sse(request, request_id, write_timeout)
                         for chunk in chunks:
-                            await _send(response, {**head, "choices": [chunk], **_null_usage(req)})
+                            await _send(request, response, {**head, "choices": [chunk], **_null_usage(req)},
+                                        write_timeout)
             except (ValueError, EngineDeadError) as e:
+                error = _engine_error(e)
                 if response is None:
-                    raise _engine_error(e) from None
-                await _send(response, error_body(_engine_error(e).status, str(e)))
-                await response.write(b"data: [DONE]\n\n")
+                    raise error from None
+                await _send(request, response, error.body(), write_timeout)
+                await _write(request, response, b"data: [DONE]\n\n", write_timeout)
                 return response
         usage = _usage(state, rids, req, choices)
         for rid in rids:
@@ -157,32 +169,48 @@ async def run_generation(request: web.Request, state: "ServerState", req: protoc
                     "choices": [_final_choice(req, ch, tok) for ch in choices.values()], "usage": usage}
             return web.json_response(body, headers=_timing_headers(usage, request_id))
         if response is None:
-            response = await _start_sse(request, request_id)
+            response = await _start_sse(request, request_id, write_timeout)
         if req.include_usage:
-            await _send(response, {**head, "choices": [], "usage": usage})
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            await _send(request, response, {**head, "choices": [], "usage": usage}, write_timeout)
+        await _write(request, response, b"data: [DONE]\n\n", write_timeout)
+        await _bounded(request, response.write_eof(), write_timeout)
         return response
-    except ConnectionResetError:  # the client went away mid-stream: closing the stream aborted it
+    except ConnectionResetError:  # the client went away (or stopped reading): closing the stream aborted it
         request[DISCONNECTED] = True
         return response if response is not None else web.Response(status=499)
     finally:
-        state._end(len(rids))
+        state._end(seqs, tokens)
 
 
 def _null_usage(req: protocol.GenerateRequest) -> dict:
     return {"usage": None} if req.include_usage else {}
 
 
-async def _start_sse(request: web.Request, request_id: str) -> web.StreamResponse:
+async def _start_sse(request: web.Request, request_id: str, timeout: float) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "x-request-id": request_id})
-    await response.prepare(request)
+    await _bounded(request, response.prepare(request), timeout)
     return response
 
 
-async def _send(response: web.StreamResponse, obj: dict) -> None:
-    await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+async def _send(request: web.Request, response: web.StreamResponse, obj: dict, timeout: float) -> None:
+    await _write(request, response, b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n", timeout)
+
+
+async def _write(request: web.Request, response: web.StreamResponse, data: bytes, timeout: float) -> None:
+    await _bounded(request, response.write(data), timeout)
+
+
+async def _bounded(request: web.Request, write, timeout: float) -> None:
+    """Await `write`; past `timeout` seconds (0: never) the client is not reading: drop the
+    connection and raise ConnectionResetError (the caller's stream then aborts the request)."""
+    try:
+        await asyncio.wait_for(write, timeout or None)
+    except asyncio.TimeoutError:
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
+        raise ConnectionResetError(f"the client read nothing for {timeout:g} s") from None
 
 
 def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, tok: Any) -> dict:

@@ -1,7 +1,10 @@
 """OpenAI request bodies -> validated prompts and `SamplingParams`; OpenAI response and chunk shapes.
 
 Every check raises `APIError(400)` naming the field and the bad value; `SamplingParams`' own
-ValueErrors (which start with the field's name) are mapped the same way.
+ValueErrors (which start with the field's name) are mapped the same way. Validation runs in two
+phases around tokenization (which may go to a worker process): `parse_completion` / `parse_chat`
+check every field and leave text prompts untokenized; `check_prompts` then checks the token ids
+and lengths against the model and the limits.
 """
 
 from __future__ import annotations
@@ -10,12 +13,11 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from jserve.request import MAX_LOGPROBS, Logprob, SamplingParams
+from jserve.request import Logprob, SamplingParams
+from jserve.server import fields
 from jserve.server.errors import APIError, bad_request
+from jserve.server.limits import Limits
 
-MAX_N = 64  # samples per request (n times the number of prompts)
-MAX_PROMPTS = 64
-MAX_STOP = 16
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -24,22 +26,44 @@ class GenerateRequest:
     """One validated /v1/completions or /v1/chat/completions body."""
 
     chat: bool
-    prompts: list[tuple[str | None, list[int]]]  # (text if known, token ids) per prompt
+    # (text if known, token ids) per prompt; ids are None until the text is tokenized
+    prompts: list[tuple[str | None, list[int] | None]]
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
     priority: int = 0
+    cache_salt: str | None = None  # the client's; the engine gets it mixed with the tenant
     top_logprobs: int | None = None  # chat: alternatives listed per token (None: no logprobs)
+    messages: list[dict] | None = None  # chat: rendered into prompts[0] by the chat template
+    add_generation_prompt: bool = True
+
+    @property
+    def num_seqs(self) -> int:
+        """Engine sequences this request runs: n per prompt."""
+        return self.params.n * len(self.prompts)
+
+    def cost_tokens(self, max_total_tokens: int) -> int:
+        """Tokens its sequences may come to hold: prompt plus max_tokens (or what the context
+        leaves), per sequence."""
+        n, max_tokens = self.params.n, self.params.max_tokens
+        return sum(n * (min(len(ids) + max_tokens, max_total_tokens) if max_tokens is not None else max_total_tokens)
+                   for _, ids in self.prompts)
 
 
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What validation needs to know about the served model."""
 
-    model_name: str
+    model_names: tuple[str, ...]  # the first is the one responses name
     max_model_len: int
     vocab_size: int  # of the model (token ids the engine accepts)
+    limits: Limits  # resolved (`Limits.resolve`)
+    allow_priority: bool = False  # --scheduling-policy priority
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
 
 # ------------------------------------------------------------------------------ field readers
@@ -106,36 +130,61 @@ def check_model(body: dict, ctx: Context) -> None:
         return  # OpenAI requires it; we serve one model, so a missing name is harmless
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
-    if model != ctx.model_name:
-        raise APIError(400, f"The model `{_show(model)[1:-1]}` does not exist; this server serves "
-                            f"`{ctx.model_name}`.", param="model", code="model_not_found")
+    if model not in ctx.model_names:
+        served = ", ".join(f"`{m}`" for m in ctx.model_names)
+        raise APIError(400, f"The model `{_show(model)[1:-1]}` does not exist; this server serves {served}.",
+                       param="model", code="model_not_found")
 
 
 # ------------------------------------------------------------------------------ requests
 
+def _stop(body: dict, limits: Limits) -> list[str] | str | None:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _type_error("stop", "a string or a list of strings", stop)
+    if len(items) > limits.max_stop:
+        raise bad_request(f"stop may hold at most {limits.max_stop} strings, got {len(items)}", param="stop")
+    for s in items:
+        if len(s) > limits.max_stop_chars:
+            raise bad_request(f"each stop string may be at most {limits.max_stop_chars} characters, got one of "
+                              f"{len(s)}: {_show(s)}", param="stop")
+    return stop
+
+
+def _stop_token_ids(body: dict, ctx: Context) -> list[int] | None:
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        return None
+    limit = ctx.limits.max_stop_token_ids
+    if not isinstance(stop_ids, list) or len(stop_ids) > limit:
+        raise _type_error("stop_token_ids", f"a list of at most {limit} token ids", stop_ids)
+    for t in stop_ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise _type_error("stop_token_ids", "a list of integer token ids", t)
+        if not 0 <= t < ctx.vocab_size:
+            raise bad_request(f"token id {_show(t)} in stop_token_ids is outside the vocabulary "
+                              f"[0, {ctx.vocab_size})", param="stop_token_ids")
+    return list(stop_ids)
+
+
 def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int | None,
               num_prompts: int) -> SamplingParams:
-    n = _int(body, "n", 1, 1, MAX_N)
-    if n * num_prompts > MAX_N:
-        raise bad_request(f"n * number of prompts must be at most {MAX_N}, got {n} * {num_prompts}", param="n")
+    limits = ctx.limits
+    n = _int(body, "n", 1, 1, limits.max_n)
+    if n * num_prompts > limits.max_n:
+        raise bad_request(f"n * number of prompts must be at most {limits.max_n}, got {n} * {num_prompts}",
+                          param="n")
     best_of = _int(body, "best_of")
     if best_of is not None and best_of != n:
         raise bad_request(f"best_of != n is not supported, got best_of={best_of}", param="best_of")
     bias = body.get("logit_bias")
     if bias not in (None, {}):
         raise bad_request("logit_bias is not supported", param="logit_bias")
-    stop = body.get("stop")
-    if isinstance(stop, list) and len(stop) > MAX_STOP:
-        raise bad_request(f"stop may hold at most {MAX_STOP} strings, got {len(stop)}", param="stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise _type_error("stop", "a string or a list of strings", stop)
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or len(stop_ids) > 64:
-            raise _type_error("stop_token_ids", "a list of at most 64 token ids", stop_ids)
-        for t in stop_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63:
-                raise _type_error("stop_token_ids", "a list of non-negative token ids", stop_ids)
+    stop = _stop(body, limits)
+    stop_ids = _stop_token_ids(body, ctx)
     temperature = _float(body, "temperature", 1.0)
     if 0 < temperature < 1e-5:
         temperature = 0.0  # as greedy: dividing logits by it would overflow
@@ -165,33 +214,56 @@ def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int
         raise bad_request(str(e), param=first if first in kwargs else None) from None
 
 
-def _common(body: dict, ctx: Context) -> dict:
+def _common(body: dict, ctx: Context, allowed: frozenset[str]) -> dict:
+    fields.check_fields(body, allowed)
     check_model(body, ctx)
     _str(body, "user")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
+    fields.check_fields(options or {}, fields.STREAM_OPTIONS, "stream_options")
     include_usage = _bool(options or {}, "include_usage")
-    return dict(stream=stream, include_usage=include_usage, priority=_int(body, "priority", 0, -2**31, 2**31 - 1))
+    priority = _int(body, "priority", 0, -2**31, 2**31 - 1)
+    if priority != 0 and not ctx.allow_priority:
+        raise bad_request(f"priority is not accepted (got {priority}): this server schedules first come, first "
+                          f"served (start it with --scheduling-policy priority to allow it)", param="priority")
+    cache_salt = _str(body, "cache_salt")
+    if cache_salt is not None and not 0 < len(cache_salt) <= ctx.limits.max_cache_salt_chars:
+        raise bad_request(f"cache_salt must be 1 to {ctx.limits.max_cache_salt_chars} characters, got "
+                          f"{len(cache_salt)}", param="cache_salt")
+    return dict(stream=stream, include_usage=include_usage, priority=priority, cache_salt=cache_salt)
 
 
-def _check_lengths(prompts: list[tuple[str | None, list[int]]], max_tokens: int | None, ctx: Context) -> None:
-    limit = ctx.max_model_len
-    for _, ids in prompts:
-        if len(ids) >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt has "
-                              f"{len(ids)} tokens (it must be shorter to leave room for output).",
-                              param="prompt", code="context_length_exceeded")
-        if max_tokens is not None and len(ids) + max_tokens > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                              f"completion). Please reduce the prompt or max_tokens.",
+def check_prompts(req: GenerateRequest, ctx: Context) -> None:
+    """The tokenized prompts against the vocabulary, --max-input-tokens and --max-total-tokens."""
+    limits = ctx.limits
+    max_tokens = req.params.max_tokens
+    param = "messages" if req.chat else "prompt"
+    for _, ids in req.prompts:
+        assert ids is not None, "tokenize the prompts first"
+        if not ids:
+            raise bad_request(f"{param} is empty: give at least one token", param=param)
+        bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise bad_request(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {ctx.vocab_size})",
+                              param=param)
+        if len(ids) > limits.max_input_tokens:
+            room = " (it must be shorter to leave room for output)" if limits.max_input_tokens == \
+                limits.max_total_tokens - 1 else ""
+            raise bad_request(f"This model's maximum context length is {limits.max_total_tokens} tokens and a prompt "
+                              f"may have at most {limits.max_input_tokens}, but the prompt has {len(ids)} "
+                              f"tokens{room}.", param=param, code="context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > limits.max_total_tokens:
+            raise bad_request(f"This model's maximum context length is {limits.max_total_tokens} tokens. However, "
+                              f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
+                              f"for the completion). Please reduce the prompt or max_tokens.",
                               param="max_tokens", code="context_length_exceeded")
 
 
-def parse_completion(body: dict, ctx: Context, tokenizer: Any) -> GenerateRequest:
-    common = _common(body, ctx)
+def parse_completion(body: dict, ctx: Context) -> GenerateRequest:
+    """Every field of a /v1/completions body; text prompts are left for the tokenizer."""
+    common = _common(body, ctx, fields.COMPLETIONS)
     if "prompt" not in body:
         raise bad_request("prompt is required", param="prompt")
     prompt = body["prompt"]
@@ -206,29 +278,23 @@ def parse_completion(body: dict, ctx: Context, tokenizer: Any) -> GenerateReques
     else:
         raise _type_error("prompt", "a string, a list of strings, a list of token ids or a list of token-id "
                                     "lists (non-empty)", prompt)
-    if len(items) > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", param="prompt")
-    prompts = []
+    if len(items) > ctx.limits.max_prompts:
+        raise bad_request(f"at most {ctx.limits.max_prompts} prompts per request, got {len(items)}", param="prompt")
+    prompts: list[tuple[str | None, list[int] | None]] = []
     for item in items:
         if isinstance(item, str):
-            ids = tokenizer.encode(item)
-            if not ids:
+            if not item:
                 raise bad_request("prompt is empty: give at least one token", param="prompt")
-            bad = [t for t in ids if t >= ctx.vocab_size]
-            if bad:
-                raise bad_request(f"prompt token id {bad[0]} is outside the model's vocabulary "
-                                  f"[0, {ctx.vocab_size})", param="prompt")
-            prompts.append((item, ids))
+            prompts.append((item, None))
         else:
             prompts.append((None, _token_ids(item, "prompt", ctx.vocab_size)))
     if body.get("suffix") not in (None, ""):
         raise bad_request("suffix is not supported", param="suffix")
     echo = _bool(body, "echo")
-    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = _int(body, "logprobs", None, 0, ctx.limits.max_logprobs)
     if echo and logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", param="echo")
     max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
-    _check_lengths(prompts, max_tokens, ctx)
     params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=logprobs, num_prompts=len(prompts))
     return GenerateRequest(chat=False, prompts=prompts, params=params, echo=echo, **common)
 
@@ -242,16 +308,18 @@ def parse_messages(body: dict) -> list[dict]:
         name = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _type_error(name, "an object with 'role' and 'content'", m)
+        fields.check_fields(m, fields.MESSAGE, name)
         role = m.get("role")
         if role not in _ROLES:
             raise bad_request(f"{name}.role must be one of {', '.join(_ROLES)}, got {_show(role)}", param=name)
         content = m.get("content")
         if isinstance(content, list):
             parts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise bad_request(f"{name}.content parts must be {{'type': 'text', 'text': str}}, got "
-                                      f"{_show(part)}", param=name)
+                                      f"{_show(part)}", param=f"{name}.content")
+                fields.check_fields(part, fields.CONTENT_PART, f"{name}.content[{j}]")
                 parts.append(part["text"])
             content = "".join(parts)
         elif content is None:
@@ -259,42 +327,35 @@ def parse_messages(body: dict) -> list[dict]:
         elif not isinstance(content, str):
             raise _type_error(f"{name}.content", "a string, a list of text parts or null", content)
         msg = {"role": role, "content": content}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        for key in ("name", "tool_call_id"):
+            value = _str(m, key) if key in m else None
+            if value is not None:
+                msg[key] = value
         out.append(msg)
     return out
 
 
-def encode_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except ValueError as e:
-        raise bad_request(f"chat template: {e}", param="messages") from None
-    except Exception as e:  # noqa: BLE001 - jinja2 errors raised by the template (raise_exception)
-        raise bad_request(f"chat template: {type(e).__name__}: {e}", param="messages") from None
-    return text, tokenizer.encode(text, add_special_tokens=False)
+def messages_bytes(messages: list[dict]) -> int:
+    """UTF-8 bytes of the text the messages hold (the size the chat template will render)."""
+    return sum(len(v.encode()) for m in messages for v in m.values())
 
 
-def parse_chat(body: dict, ctx: Context, tokenizer: Any) -> GenerateRequest:
-    common = _common(body, ctx)
+def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
+    """Every field of a /v1/chat/completions body; the messages are left for the chat template."""
+    common = _common(body, ctx, fields.CHAT)
     messages = parse_messages(body)
-    text, ids = encode_chat(tokenizer, messages, _bool(body, "add_generation_prompt", True))
-    bad = [t for t in ids if t >= ctx.vocab_size]
-    if bad:
-        raise bad_request(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {ctx.vocab_size})",
-                          param="messages")
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
     want_logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", None, 0, ctx.limits.max_logprobs)
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (top or 0) if want_logprobs else None
     max_tokens = _int(body, "max_completion_tokens", None, 1, 2**31 - 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1, 2**31 - 1)
-    prompts = [(text, ids)]
-    _check_lengths(prompts, max_tokens, ctx)
     params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=top_logprobs, num_prompts=1)
-    return GenerateRequest(chat=True, prompts=prompts, params=params, top_logprobs=top_logprobs, **common)
+    return GenerateRequest(chat=True, prompts=[(None, None)], params=params, top_logprobs=top_logprobs,
+                           messages=messages, add_generation_prompt=add_generation_prompt, **common)
 
 
 # ------------------------------------------------------------------------------ response shapes

@@ -1,0 +1,53 @@
+"""Which body fields each route implements; any other field is a 400 naming it, never dropped.
+
+A client that sends `response_format` or `tools` must learn that it did not get JSON mode or
+tool calls. OpenAI fields the server lacks are accepted only with a value that asks for nothing
+(null, or their default, e.g. `"response_format": {"type": "text"}`), as some clients always send
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jserve.server.errors import bad_request
+
+_SAMPLING = frozenset({
+    "model", "n", "best_of", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
+    "frequency_penalty", "user", "logit_bias", "stream", "stream_options", "logprobs",
+    # vLLM's extra sampling parameters
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids", "min_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "cache_salt"})
+
+COMPLETIONS = _SAMPLING | {"prompt", "echo", "suffix"}
+CHAT = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt"}
+TOKENIZE = frozenset({"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
+DETOKENIZE = frozenset({"model", "tokens"})
+STREAM_OPTIONS = frozenset({"include_usage"})
+MESSAGE = frozenset({"role", "content", "name", "tool_call_id"})
+CONTENT_PART = frozenset({"type", "text"})
+
+# OpenAI fields not implemented here, with the values that ask for nothing (null always does).
+_HARMLESS: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (), "store": (False,), "metadata": ({},),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "service_tier": ("auto",),
+    "web_search_options": (), "verbosity": (), "prompt_cache_key": (), "safety_identifier": (),
+    # in a message echoed back from a chat response
+    "tool_calls": ([],), "refusal": (), "annotations": ([],),
+}
+
+
+def check_fields(obj: dict, allowed: frozenset[str], where: str = "") -> None:
+    """400 naming the first key of `obj` that is not in `allowed` and asks for something."""
+    for key, value in obj.items():
+        if key in allowed:
+            continue
+        if value is None and key in _HARMLESS or value in _HARMLESS.get(key, ()):
+            continue
+        name = f"{where}.{key}" if where else key
+        shown = name if len(name) <= 64 else name[:61] + "..."
+        what = ("an OpenAI field this server does not implement" if key in _HARMLESS
+                else "not a field this server knows")
+        raise bad_request(f"unsupported field `{shown}`: {what} (it is refused rather than ignored)",
+                          param=shown, code="unsupported_field")
