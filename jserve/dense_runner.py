@@ -19,7 +19,7 @@ from flax import nnx
 
 from jserve import buckets
 from jserve.config import ModelConfig
-from jserve.model import DenseAttention, init_cache, model_graphdef, model_params
+from jserve.model import DenseAttention, ModelOps, XlaOps, init_cache, model_graphdef, model_params, params_layout
 from jserve.sampler import SamplingArrays, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
@@ -32,25 +32,28 @@ class DenseRunner:
                  batch_buckets: Sequence[int] = buckets.DENSE_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  length_buckets: Sequence[int] = buckets.DEFAULT_LENGTH_BUCKETS,
-                 linear: Any = None, tied_head: Any = None):
-        """`linear`, `tied_head`: the model's hooks (`LlamaModel.__call__`) for params whose layer
-        weights and embedding are not plain arrays (the paged runner's packed ones, shared here)."""
+                 ops: ModelOps | None = None):
+        """`params`: checkpoint weights (stacked) or a model state; `ops`: the model's operations
+        for them (a paged runner's `ops.with_attention(...)`, to share its prepared weights), whose
+        attention this runner replaces with its own; default `XlaOps` over the params' layout."""
         self.config = config
-        # Stacked (checkpoint) params are split per layer once, here (see LlamaModel).
         self.params = params if "layers" in params else model_params(config, params)
+        layout = params_layout(self.params)
+        self.stacked = layout == "stacked"
         self.max_model_len = max_model_len
         self.batch_buckets = tuple(batch_buckets)
         self.token_buckets = buckets.clip(token_buckets, max_model_len)
         self.length_buckets = buckets.clip(length_buckets, max_model_len)
         self.kv_dtype = self.params["embed"].dtype
-        self.graphdef = model_graphdef(config)
+        self.graphdef = model_graphdef(config, layout)
         self._shapes_seen: set[tuple] = set()
         self.num_compilations = 0
-        attention = DenseAttention(config.sliding_window)
-        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef, attention, linear, tied_head),
+        attention = DenseAttention(config.sliding_window, stacked=self.stacked)
+        ops = (ops or XlaOps(attention, scan=self.stacked)).with_attention(attention)
+        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef, ops),
                                 static_argnames=("num_logprobs", "num_prompt_logprobs"),
                                 donate_argnames=("cache",))
-        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef, attention, linear, tied_head),
+        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef, ops),
                                static_argnames=("num_logprobs",), donate_argnames=("cache",))
 
     @property
@@ -79,7 +82,7 @@ class DenseRunner:
             positions[i, :len(p)] = np.arange(len(p))
             last[i, 0] = len(p) - 1
         c = self.config
-        cache = init_cache(c.num_layers, B, c.num_kv_heads, S, c.head_dim, self.kv_dtype)
+        cache = init_cache(c.num_layers, B, c.num_kv_heads, S, c.head_dim, self.kv_dtype, stacked=self.stacked)
         sampling = SamplingArrays.build(rows, B)
         self._count(("prefill", B, T, S, num_logprobs, num_prompt_logprobs))
         out, plp, cache = self._prefill(self.params, tokens, positions, last, cache, sampling.as_tuple(),
@@ -90,8 +93,7 @@ class DenseRunner:
     def decode(self, last_tokens: Sequence[int], positions: Sequence[int], rows: Sequence[tuple],
                cache: Any, *, num_logprobs: int = 0):
         """One decode step for the group; positions >= cache length mark finished rows."""
-        B = cache[0][0].shape[0]
-        S = cache[0][0].shape[2]
+        B, _, S, _ = cache[0][0].shape if not self.stacked else cache[0].shape[1:]
         tokens = np.zeros((B, 1), np.int32)
         pos = np.full((B, 1), S, np.int32)
         tokens[:len(last_tokens), 0] = last_tokens
@@ -103,23 +105,21 @@ class DenseRunner:
         return jax.device_get(out), cache
 
 
-def _prefill_step(graphdef, attention, linear, tied_head, params, tokens, positions, last, cache, sampling,
+def _prefill_step(graphdef, ops, params, tokens, positions, last, cache, sampling,
                   *, num_logprobs, num_prompt_logprobs):
     model = nnx.merge(graphdef, params)
     if num_prompt_logprobs is None:
-        logits, cache = model(tokens, positions, cache, positions, attention, logits_index=last,
-                              linear=linear, tied_head=tied_head)
+        logits, cache = model(tokens, positions, cache, positions, ops, logits_index=last)
         return sample(logits[:, 0], *sampling, num_logprobs=num_logprobs), None, cache
-    logits, cache = model(tokens, positions, cache, positions, attention, linear=linear,
-                          tied_head=tied_head)  # [batch, tokens, vocab]
+    logits, cache = model(tokens, positions, cache, positions, ops)  # [batch, tokens, vocab]
     final = jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0]
     next_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     plp = prompt_logprobs(logits, next_tokens, num_logprobs=num_prompt_logprobs)
     return sample(final, *sampling, num_logprobs=num_logprobs), plp, cache
 
 
-def _decode_step(graphdef, attention, linear, tied_head, params, tokens, positions, cache, sampling, *,
+def _decode_step(graphdef, ops, params, tokens, positions, cache, sampling, *,
                  num_logprobs):
     model = nnx.merge(graphdef, params)
-    logits, cache = model(tokens, positions, cache, positions, attention, linear=linear, tied_head=tied_head)
+    logits, cache = model(tokens, positions, cache, positions, ops)
     return sample(logits[:, 0], *sampling, num_logprobs=num_logprobs), cache

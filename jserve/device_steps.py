@@ -1,9 +1,8 @@
 """The functions the paged runner jits (`jserve.runner`): one step, and several decode steps.
 
 Pure device code: they take the params, the KV pages (donated) and the step's arrays, and return
-the sampler's outputs and the new pages. The runner binds the model's graph, the attention
-backend and the CPU kernels (layer matmuls, head, fused decode layers) with `functools.partial`
-and compiles one shape per bucket.
+the sampler's outputs and the new pages. The runner binds the model's graph and its backend's
+`ModelOps` with `functools.partial` and compiles one shape per bucket.
 """
 
 from __future__ import annotations
@@ -17,17 +16,14 @@ from jserve.request import MAX_LOGPROBS
 from jserve.sampler import sample
 
 
-def step(graphdef, attention, tied_head, linear, decoder_layers, params, kv, tokens, positions, meta, last,
-         sampling, history):
+def step(graphdef, ops, params, kv, tokens, positions, meta, last, sampling, history):
     """One step: the model over each row's tokens, then the sampler at each row's `last` token."""
     model = nnx.merge(graphdef, params)
-    logits, kv = model(tokens, positions, kv, meta, attention, logits_index=jnp.maximum(last, 0)[:, None],
-                       tied_head=tied_head, linear=linear, decoder_layers=decoder_layers)
+    logits, kv = model(tokens, positions, kv, meta, ops, logits_index=jnp.maximum(last, 0)[:, None])
     return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv
 
 
-def decode_steps(graphdef, attention, tied_head, linear, decoder_layers, page_size, vocab_size, max_steps,
-                 params, kv, tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
+def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
     """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
     early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
     padded row: no query, its K/V write into the null page."""
@@ -53,8 +49,7 @@ def decode_steps(graphdef, attention, tied_head, linear, decoder_layers, page_si
         page = jnp.take_along_axis(pages, (pos // page_size)[:, None], axis=1)[:, 0]
         slots = jnp.where(live, page * page_size + pos % page_size, 0)
         meta = PagedMeta(slots, pos, live.astype(jnp.int32), pages)
-        logits, kv = model(token[:, None], pos[:, None], kv, meta, attention, logits_index=zeros,
-                           tied_head=tied_head, linear=linear, decoder_layers=decoder_layers)
+        logits, kv = model(token[:, None], pos[:, None], kv, meta, ops, logits_index=zeros)
         out = sample_step(logits[:, 0], j, ids)
         new = out["tokens"]
         buffers = jax.tree.map(lambda buf, x: buf.at[j].set(x), buffers, out)

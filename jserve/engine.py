@@ -37,7 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
-    page_size: int | None = None  # None: kv_cache.default_page_size(backend), 64 on CPU, else 16
+    page_size: int | None = None  # None: the backend's default_page_size, 64 native CPU, else 16
     num_pages: int | None = None  # None: from kv_cache_bytes / memory_fraction
     kv_cache_bytes: int | None = None  # explicit KV budget per device (the default on CPU: 512 MiB)
     memory_fraction: float = 0.9  # of accelerator memory, when neither of the above is given
@@ -344,11 +344,9 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     """Size the page pool, build the runner (warming it up if asked) and the engine."""
     import jax.numpy as jnp
 
-    from jserve import buckets
+    from jserve import backends, buckets
     from jserve.dense_runner import DenseRunner
-    from jserve.kv_cache import default_page_size, device_memory_bytes, plan_memory
-    from jserve.model import model_params
-    from jserve.model.paged_attention import default_backend
+    from jserve.kv_cache import device_memory_bytes, plan_memory
 
     mesh, dp, plan_config = None, 1, model_config
     if config.mesh is not None:
@@ -362,16 +360,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     if config.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {config.kv_cache_dtype!r}")
     kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
-    backend = config.backend or default_backend()
-    page_size = config.page_size if config.page_size is not None else default_page_size(backend)
-    if backend == "gpu":
-        from pallas_kernels.paged_attention import gpu as gpu_kernel
-
-        if not gpu_kernel.supports(kv_dtype, model_config.head_dim, page_size):
-            logger.warning("the Mosaic GPU attention kernel needs a bfloat16 or float16 KV cache, "
-                           "head_dim a multiple of 64 and page_size a multiple of 8 (got %s, %d, "
-                           "%d): attention runs the slower XLA gather path; try "
-                           "kv_cache_dtype='bfloat16'", kv_dtype, model_config.head_dim, page_size)
+    backend = backends.create(config.backend, mesh=mesh)  # resolved here, once
+    page_size = config.page_size if config.page_size is not None else backend.default_page_size
     num_pages = config.num_pages
     if num_pages is None:
         device = None if config.kv_cache_bytes is not None else device_memory_bytes()
@@ -387,14 +377,12 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         num_pages = plan.num_pages * dp
     if mesh is not None:
         # Pad/replicate heads for tp and put every weight in its sharding (jserve.sharding).
-        model_config, per_layer = place_params(model_config, params, mesh)
+        model_config, params = place_params(model_config, params, mesh, layout=backend.param_layout)
         num_pages -= num_pages % dp
-    else:
-        per_layer = model_params(model_config, params)  # split once, shared by both runners
     seqs = config.max_num_seqs // dp
     batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < seqs] + [seqs]
-    runner = Runner(model_config, per_layer, num_pages=num_pages, page_size=page_size,
-                    max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=config.backend,
+    runner = Runner(model_config, params, num_pages=num_pages, page_size=page_size,
+                    max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
                     mesh=mesh, decode_steps=config.num_scheduler_steps)
     if runner.multiprocess:
@@ -408,5 +396,5 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         runner.warmup()
     # The runner's params (its weights may be packed for the native CPU matmuls): one copy.
     scorer = DenseRunner(model_config, runner.params, max_model_len=config.max_model_len, batch_buckets=(1,),
-                         linear=runner.linear, tied_head=runner.tied_head)
+                         ops=runner.ops)
     return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=scorer)

@@ -57,18 +57,6 @@ class MemoryPlan:
         return max(self.num_pages - 1, 0) // self.pages_per_sequence
 
 
-def default_page_size(backend: str) -> int:
-    """Tokens per KV page when the user gives none: 64 on the native CPU kernel, else 16 (vLLM's).
-
-    On a CPU, decode attention reads each row's pages from wherever they sit in the pool, at the
-    machine's bandwidth for scattered chunks of page_size * head_dim values, which grows with the
-    chunk. SmolLM2 (head_dim 64, float32), the whole decode step at 16 rows, pages scattered
-    (`scripts/bench_page_layout.py`): 365 cached tokens 70.4 ms with 16-token pages, 59.4 with 64;
-    1000 cached tokens 117.1 and 95.1 ms. The price is prefix caching in steps of 64 tokens.
-    """
-    return 64 if backend == "cpu" else 16
-
-
 def activation_bytes(config: ModelConfig, max_num_batched_tokens: int) -> int:
     """A generous bound on one step's live activations: hidden, MLP and float32 logits per token."""
     per_token = 4 * (4 * config.hidden_size + 2 * config.intermediate_size + 2 * config.vocab_size)
@@ -118,15 +106,24 @@ def device_memory_bytes(device: Any | None = None) -> int | None:
 
 
 def init_kv_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16,
-                  sharding: Any = None) -> tuple[tuple[jax.Array, jax.Array], ...]:
-    """Zeroed pages, one (k_pages, v_pages) pair per layer."""
+                  sharding: Any = None, *, layout: str = "per_layer") -> Any:
+    """Zeroed pages: one (k_pages, v_pages) pair per layer, each [num_kv_heads, num_pages,
+    page_size, head_dim] (`layout` "per_layer"), or one pair for all layers, [num_kv_heads,
+    num_layers * num_pages, page_size, head_dim] ("folded", see
+    `jserve.model.paged_attention.PagedAttention`)."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
-    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+    if layout not in ("per_layer", "folded"):
+        raise ValueError(f"layout must be 'per_layer' or 'folded', got {layout!r}")
+    folded = layout == "folded"
+    pages = num_pages * (config.num_layers if folded else 1)
+    shape = (config.num_kv_heads, pages, page_size, config.head_dim)
 
     def zeros():
         return jnp.zeros(shape, dtype, device=sharding) if sharding is not None else jnp.zeros(shape, dtype)
 
+    if folded:
+        return (zeros(), zeros())
     return tuple((zeros(), zeros()) for _ in range(config.num_layers))
 
 

@@ -24,15 +24,12 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jserve import buckets, cpu_kernels, device_steps, step_rows
+from jserve import backends, buckets, device_steps, step_rows
+from jserve.backends import Backend
 from jserve.config import ModelConfig
 from jserve.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
-from jserve.huge_pages import Advice as HugePagesAdvice
-from jserve.kv_cache import init_kv_pages
-from jserve.model import model_graphdef, model_params
-from jserve.model.paged_attention import PagedAttention, default_backend
+from jserve.model import model_graphdef
 from jserve.sampler import SamplingArrays, penalty_history
-from pallas_kernels.paged_attention import native
 
 logger = logging.getLogger(__name__)
 
@@ -59,36 +56,40 @@ class Runner:
     """Owns params, KV pages and the compiled steps."""
 
     def __init__(self, config: ModelConfig, params: dict[str, jax.Array], *, num_pages: int,
-                 page_size: int = 16, max_model_len: int, kv_dtype: Any = None, backend: str | None = None,
+                 page_size: int | None = None, max_model_len: int, kv_dtype: Any = None,
+                 backend: Backend | str | None = None,
                  batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
                  huge_pages: bool = True, decode_steps: int = 1):
-        """With a ('dp', 'tp') `mesh`, `params` must already be laid out and placed for it
-        (`jserve.sharding.place_params`); buckets, `max_num_batched_tokens` and page ids are then
-        per data-parallel group, and `num_pages` counts all groups' pages. `native_matmuls=False`
-        keeps the layer matmuls and the LM head on XLA's dots even where the native CPU kernels
-        would run them (tests and benchmarks compare the two). `huge_pages` backs the weights and KV
-        pages of a CPU runner with transparent huge pages where the OS allows (`jserve.huge_pages`,
-        in the background). `decode_steps` > 1 compiles `execute_decode_steps` for every decode
-        batch bucket too (one device mesh group, one process only)."""
+        """`backend`: a `jserve.backends.Backend`, or its name for `backends.create` (with
+        `native_matmuls` and `huge_pages`, see there); it decides the page size (when None), the
+        params' and pages' layout and every operation. `params`: checkpoint weights (stacked) or a
+        model state in the backend's layout. With a ('dp', 'tp') `mesh`, `params` must already be
+        laid out and placed for it (`jserve.sharding.place_params`); buckets,
+        `max_num_batched_tokens` and page ids are then per data-parallel group, and `num_pages`
+        counts all groups' pages. `decode_steps` > 1 compiles `execute_decode_steps` for every
+        decode batch bucket too (one device mesh group, one process only)."""
         self.config = config
         self.mesh = mesh
+        self.backend = backends.create(backend, mesh=mesh, native_matmuls=native_matmuls, huge_pages=huge_pages)
         self.dp = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape))["dp"]
         if num_pages % self.dp:
             raise ValueError(f"num_pages ({num_pages}) must be a multiple of dp ({self.dp})")
         self.pages_per_group = num_pages // self.dp
-        # Stacked (checkpoint) params are split per layer once, here (see LlamaModel).
-        self.params = params if "layers" in params else model_params(config, params)
-        self.page_size = page_size
+        # The real weights' bytes and count (the step's floor), not those of padded packed panels.
+        leaves = jax.tree.leaves(params)
+        self.param_bytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
+        self.num_params = sum(int(x.size) for x in leaves)
+        self.params = self.backend.prepare_params(config, params)
+        self.page_size = page_size or self.backend.default_page_size
         self.num_pages = num_pages
         self.max_model_len = max_model_len
-        self.backend = backend or default_backend()
-        self.batch_buckets = tuple(batch_buckets)
+        self.batch_buckets = self.backend.batch_buckets(batch_buckets)
         self.token_buckets = buckets.clip(token_buckets, min(max_num_batched_tokens, max_model_len))
         # The page-table width is fixed: the kernels loop over live pages only, so a wider table
         # costs nothing and saves a bucket dimension (and its compilations).
-        self.max_pages = math.ceil(max_model_len / page_size)
+        self.max_pages = math.ceil(max_model_len / self.page_size)
         if mesh is not None:
             from jserve.sharding import kv_sharding as make_kv_sharding
 
@@ -97,40 +98,22 @@ class Runner:
             # Committed to a device from the start: the step returns committed (donated) pages, and
             # a first call with uncommitted ones would compile each shape a second time later.
             kv_sharding = jax.sharding.SingleDeviceSharding(_device_of(self.params))
-        self.kv = init_kv_pages(config, num_pages, page_size, kv_dtype or params["embed"].dtype, kv_sharding)
-        leaves = jax.tree.leaves(self.params)
-        self.param_bytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
-        self.num_params = sum(int(x.size) for x in leaves)
-        graphdef = model_graphdef(config)
-        attention = PagedAttention(self.backend, config.sliding_window, mesh)
-        # Build the native CPU attention kernel now, not while tracing a step (decode and prefill
-        # chunks run on it, see pallas_kernels.paged_attention.ops).
-        self.native_attention = self.backend == "cpu" and native.available()
-        if not self.native_attention and 1 in self.batch_buckets and len(self.batch_buckets) > 1:
-            # Batch 1 pays off with the native kernel (SmolLM2, 256 context: 28 ms vs 38 ms at
-            # batch 2); the Pallas interpret kernel took 1.5 s at batch 1 (bench_decode_step.py).
-            self.batch_buckets = tuple(b for b in self.batch_buckets if b != 1)
-        # Native matmuls on the CPU backend, unsharded, float32 or bfloat16 weights (built now, not
-        # while tracing).
-        native_ok = native_matmuls and self.backend == "cpu" and mesh is None
-        self.params, self.linear, self.tied_head = cpu_kernels.native_matmul_params(
-            config, self.params, enabled=native_ok)
-        self.native_matmuls, self.native_head = self.linear is not None, self.tied_head is not None
-        self.decoder_layers = cpu_kernels.native_decoder_layers(
-            config, enabled=self.native_matmuls and self.native_attention)
+        kv_dtype = kv_dtype or self.params["embed"].dtype
+        self.backend.check(config, kv_dtype, self.page_size)
+        self.kv = self.backend.init_kv(config, num_pages, self.page_size, kv_dtype, kv_sharding)
+        self.kv_itemsize = jax.tree.leaves(self.kv)[0].dtype.itemsize
+        self.ops = self.backend.ops(config)
+        self.graphdef = model_graphdef(config, self.backend.param_layout)
         # On a background thread (see jserve.huge_pages); huge_pages.wait() says what it did.
-        self.huge_pages = HugePagesAdvice((self.params, self.kv) if huge_pages else ())
-        hooks = (graphdef, attention, self.tied_head, self.linear, self.decoder_layers)
-        step = functools.partial(device_steps.step, *hooks)
-        jit_kwargs: dict = {"donate_argnames": ("kv",)}
+        self.huge_pages = self.backend.advise_memory((self.params, self.kv))
+        self._jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
 
-            jit_kwargs["out_shardings"] = (NamedSharding(mesh, P()),
-                                           jax.tree.map(lambda _: kv_sharding, self.kv))
-        self._step = jax.jit(step, **jit_kwargs)
-        # Some CPU step shapes compile with XLA's Eigen dots instead of YNNPACK's (step_fn).
-        self._step_eigen = jax.jit(step, compiler_options=cpu_kernels.EIGEN_DOTS, **jit_kwargs)
+            self._jit_kwargs["out_shardings"] = (NamedSharding(mesh, P()),
+                                                 jax.tree.map(lambda _: kv_sharding, self.kv))
+        self._step = functools.partial(device_steps.step, self.graphdef, self.ops)
+        self._steps: dict[tuple, Any] = {}  # compiler options -> the jitted step
         if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
             raise ValueError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
         if decode_steps > 1 and (self.dp > 1 or jax.process_count() > 1):
@@ -139,7 +122,7 @@ class Runner:
                              f"{jax.process_count()} processes")
         self.decode_steps = decode_steps
         self._decode_steps = jax.jit(functools.partial(
-            device_steps.decode_steps, *hooks, page_size, config.vocab_size, decode_steps),
+            device_steps.decode_steps, self.graphdef, self.ops, self.page_size, config.vocab_size, decode_steps),
             donate_argnames=("kv",))
         self._seen: set[tuple] = set()
         self.num_compilations = 0
@@ -347,18 +330,16 @@ class Runner:
         return out
 
     def step_fn(self, batch: int, tokens: int):
-        """The jitted step for a (global batch, tokens) shape (see EIGEN_DECODE_BATCHES)."""
-        rows = batch // self.dp
-        if self.native_matmuls:
-            return self._step  # no XLA dot is left to pick a library for (cpu_kernels)
-        if tokens == 1:
-            eigen = self.native_attention and rows in cpu_kernels.EIGEN_DECODE_BATCHES
-        else:
-            eigen = self.backend in ("cpu", "cpu_pallas") and rows in cpu_kernels.EIGEN_PREFILL_BATCHES
-        return self._step_eigen if eigen else self._step
+        """The jitted step for a (global batch, tokens) shape, with the backend's compiler options."""
+        options = self.backend.compiler_options(batch // self.dp, tokens) or {}
+        key = tuple(sorted(options.items()))
+        if key not in self._steps:
+            kwargs = dict(self._jit_kwargs, compiler_options=options) if options else self._jit_kwargs
+            self._steps[key] = jax.jit(self._step, **kwargs)
+        return self._steps[key]
 
     def _compiled_count(self) -> int | None:
-        sizes = [_cache_size(f) for f in (self._step, self._step_eigen, self._decode_steps)]
+        sizes = [_cache_size(f) for f in (*self._steps.values(), self._decode_steps)]
         return None if None in sizes else sum(sizes)
 
     def follow(self) -> int:
@@ -402,7 +383,7 @@ class Runner:
     def _cost(self, rows) -> tuple[int, int]:
         """The bytes and FLOPs a step needs at minimum: the physical floor for metrics (MBU/MFU)."""
         return step_rows.cost(self.config, rows, param_bytes=self.param_bytes, num_params=self.num_params,
-                              kv_itemsize=self.kv[0][0].dtype.itemsize)
+                              kv_itemsize=self.kv_itemsize)
 
     def _count(self, key: tuple, compiled: bool | None) -> None:
         """Count a compilation: the jitted step's cache grew (or, where JAX does not tell, a new

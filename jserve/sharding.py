@@ -314,29 +314,31 @@ def restore_sharding(mesh, name: str, shape: tuple[int, ...], layout: HeadLayout
     return NamedSharding(mesh, P())
 
 
-def place_params(config: ModelConfig, stacked: Mapping[str, Any], mesh) -> tuple[ModelConfig, dict]:
+def place_params(config: ModelConfig, stacked: Mapping[str, Any], mesh, *,
+                 layout: str = "list") -> tuple[ModelConfig, dict]:
     """Lay out restored (stacked) weights for `mesh`'s tp and put each in its sharding.
 
     Runs as one jitted function whose outputs are sharded, so no device holds a whole weight
-    that it does not keep. Returns the laid-out config and the model's per-layer params
-    (`jserve.model.model_params` layout).
+    that it does not keep. Returns the laid-out config and the model's params in `layout`
+    (`jserve.model.model_params`).
     """
     import jax
 
     from jserve.model import model_params
 
-    layout = head_layout(config, mesh_sizes(mesh)["tp"])
-    new_config = laid_out_config(config, layout)
+    head_layout_ = head_layout(config, mesh_sizes(mesh)["tp"])
+    new_config = laid_out_config(config, head_layout_)
 
     def lay_out(p):
-        return model_params(new_config, lay_out_params(config, layout, p))
+        return model_params(new_config, lay_out_params(config, head_layout_, p), layout)
 
     mesh_devices = set(mesh.devices.flat)
     stacked = {k: v if isinstance(v, jax.Array) and set(v.sharding.device_set) == mesh_devices
-               else jax.device_put(v, restore_sharding(mesh, k, v.shape, layout)) for k, v in stacked.items()}
+               else jax.device_put(v, restore_sharding(mesh, k, v.shape, head_layout_)) for k, v in stacked.items()}
     shapes = jax.eval_shape(lay_out, dict(stacked))
     shardings = jax.tree_util.tree_map_with_path(
-        lambda path, v: param_sharding(mesh, str(path[-1].key), v.shape), shapes)
+        lambda path, v: param_sharding(mesh, str(path[-1].key), v.shape,
+                                       stacked=layout == "stacked" and str(path[0].key) == "layers"), shapes)
     return new_config, jax.jit(lay_out, out_shardings=shardings)(dict(stacked))
 
 

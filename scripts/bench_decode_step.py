@@ -34,6 +34,7 @@ variants named as usual and the others' suffixed `@dtype`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -50,13 +51,13 @@ import jax.numpy as jnp  # noqa: E402
 
 from jserve.checkpoint import load_checkpoint, resolve_model  # noqa: E402
 from jserve.engine import EngineConfig, build_engine  # noqa: E402
-from jserve.kv_cache import default_page_size  # noqa: E402
+from jserve.backends import NativeCpuBackend  # noqa: E402
+from jserve.backends.native_cpu import EIGEN_DOTS, NativeCpuOps  # noqa: E402
 from jserve.llm import enable_compilation_cache  # noqa: E402
-from jserve.model import model_graphdef  # noqa: E402
+from jserve.kv_cache import write_kv  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
 from jserve import buckets  # noqa: E402
 from jserve.model.llama import LAYER_MATMULS  # noqa: E402
-from jserve.cpu_kernels import EIGEN_DOTS, native_linear  # noqa: E402
 from jserve.device_steps import step as device_step  # noqa: E402
 from jserve.runner import GREEDY, PREFILL_BATCH_BUCKETS  # noqa: E402
 from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
@@ -78,8 +79,24 @@ PARTS = {"-attention": {"attention"}, "-layer matmuls": {"linear"}, "-head": {"h
 class _NoAttention(PagedAttention):
     """Writes the new K/V as the real backend does, then returns the queries as the output."""
 
-    def _local(self, q, k, v, k_pages, v_pages, meta):
-        return (q, *self._write(k, v, k_pages, v_pages, meta))
+    def _local(self, layer, q, k, v, k_pages, v_pages, meta):
+        B, T, K, D = k.shape
+        return (q, *write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D), meta.slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class _StrippedOps(NativeCpuOps):
+    """The native backend's operations with some replaced by stand-ins (--breakdown)."""
+
+    stripped: frozenset = frozenset()
+
+    def linear(self, x, w, out_features):
+        return _no_linear(x, w, out_features) if "linear" in self.stripped else super().linear(x, w, out_features)
+
+    def head(self, x, table, tied):
+        if "head" in self.stripped:
+            return _no_linear(x, table, self.config.vocab_size)
+        return super().head(x, table, tied)
 
 
 def _no_linear(x, w, out_features):
@@ -95,7 +112,7 @@ class _NoTokenizer:
 
 def natural_params(runner, config):
     """The runner's params with packed layer weights unpacked to [in, out] (for XLA's dots)."""
-    if not runner.native_matmuls:
+    if not runner.backend.native_matmuls:
         return runner.params
     c = config
     widths = {"wq": c.num_heads * c.head_dim, "wk": c.num_kv_heads * c.head_dim,
@@ -114,18 +131,11 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, fu
     these XLA options, the native matmuls over the runner's packed params or XLA's dots over
     unpacked ones (`params`), the runner's fused decode layers or not; the parts in `stripped`
     replaced by stand-ins (see --breakdown)."""
-    packed = native_matmuls and runner.native_matmuls
-    head = runner.tied_head if packed else None
-    linear = native_linear if packed else None
-    layers = runner.decoder_layers if packed and fused else None
-    attention = PagedAttention(backend, config.sliding_window)
-    if "attention" in stripped:
-        attention = _NoAttention(backend, config.sliding_window)
-    if "linear" in stripped:
-        linear = _no_linear
-    if "head" in stripped:
-        head = functools.partial(_no_linear, out_features=config.vocab_size)
-    step = functools.partial(device_step, model_graphdef(config), attention, head, linear, layers)
+    attention = (_NoAttention if "attention" in stripped else PagedAttention)(backend, config.sliding_window)
+    packed = native_matmuls and runner.backend.native_matmuls
+    ops = _StrippedOps(attention, config=config, fused=packed and fused and runner.ops.fused,
+                       stripped=frozenset(stripped))
+    step = functools.partial(device_step, runner.graphdef, ops)
     new = max(len(r[1]) for r in rows)
     if new == 1:
         batch, width = buckets.pick(runner.batch_buckets, len(rows)), 1
@@ -157,7 +167,7 @@ def bench(runners, config, variants, batch, context, new, runs, bandwidth, peak,
         for name in [*variants, *(parts if dtype == first else ())]:
             start = time.perf_counter()
             base = VARIANTS[name if name in VARIANTS else BREAKDOWN_BASE]
-            packed = base[2] and runner.native_matmuls
+            packed = base[2] and runner.backend.native_matmuls
             label = name if dtype == first else f"{name}@{dtype}"
             compiled[label] = compile_variant(runner, config, runner.params if packed else natural,
                                               *base, rows, parts.get(name, frozenset()))
@@ -213,7 +223,7 @@ def main(argv=None):
     enable_compilation_cache()
     config, params, _ = load_checkpoint(resolve_model(args.model))
     max_len = max(args.context) + max(args.tokens)
-    page_size = default_page_size("cpu")
+    page_size = NativeCpuBackend.default_page_size
     runners = {}
     for dtype in dict.fromkeys(args.dtype):
         engine = build_engine(config, {k: v.astype(dtype) for k, v in params.items()}, _NoTokenizer(), [],

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jserve import cpu_kernels
+from jserve.backends import NativeCpuBackend
+from jserve.backends.native_cpu import fused_layers_supported
 from jserve.config import ModelConfig
 from jserve.kv_cache import init_kv_pages
 from jserve.model import model_graphdef
 from jserve.model.llama import LlamaModel
-from jserve.model.paged_attention import PagedAttention, PagedMeta
+from jserve.model.paged_attention import PagedMeta
 from pallas_kernels.decoder_layer import native
 from pallas_kernels.native_build import _cpu_flags
 
@@ -51,20 +52,20 @@ def _pages(config: ModelConfig, num_pages: int, dtype, seed: int):
                   jax.random.normal(keys[2 * i + 1], shape).astype(dtype)) for i in range(config.num_layers))
 
 
-def _step(config, params, hooks, cache, tokens, positions, meta):
+def _step(config, params, ops, cache, tokens, positions, meta):
     model = nnx.merge(model_graphdef(config), params)
-    return model(tokens, positions, cache, meta, PagedAttention("cpu", config.sliding_window),
-                 logits_index=jnp.zeros((tokens.shape[0], 1), jnp.int32), **hooks)
+    return model(tokens, positions, cache, meta, ops, logits_index=jnp.zeros((tokens.shape[0], 1), jnp.int32))
 
 
 def _run(config, dtype, contexts, *, seed=0):
     """Logits and pages from one decode step of rows with these cached lengths (None: a padded
     row), fused and not."""
     num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in contexts if c is not None) + 2
-    packed, linear, head = cpu_kernels.native_matmul_params(config, _params(config, dtype), enabled=True)
-    assert linear is not None and head is not None
-    layers = cpu_kernels.native_decoder_layers(config, enabled=True)
-    assert layers is not None
+    backend = NativeCpuBackend()
+    packed = backend.prepare_params(config, _params(config, dtype))
+    assert backend.native_matmuls and backend.native_head
+    fused = backend.ops(config)
+    assert fused.fused
     B, max_pages = len(contexts), max(-(-(c + 1) // PAGE) for c in contexts if c is not None)
     rng = np.random.RandomState(seed)
     table = np.zeros((B, max_pages), np.int32)
@@ -81,10 +82,9 @@ def _run(config, dtype, contexts, *, seed=0):
     positions = jnp.asarray(starts[:, None])
     meta = PagedMeta(jnp.asarray(slots), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(table))
     out = {}
-    for name, hooks in {"model": dict(linear=linear, tied_head=head),
-                        "fused": dict(linear=linear, tied_head=head, decoder_layers=layers)}.items():
+    for name, ops in {"model": dataclasses.replace(fused, fused=False), "fused": fused}.items():
         cache = _pages(config, num_pages, dtype, seed)
-        step = jax.jit(lambda p, c, t, pos, m, h=hooks: _step(config, p, h, c, t, pos, m), donate_argnums=(1,))
+        step = jax.jit(lambda p, c, t, pos, m, o=ops: _step(config, p, o, c, t, pos, m), donate_argnums=(1,))
         logits, cache = step(packed, cache, tokens, positions, meta)
         out[name] = (np.asarray(logits, np.float32), [np.asarray(p, np.float32) for kv in cache for p in kv])
     return out, lens
@@ -136,21 +136,26 @@ t._assert_fused_matches(t.TINY, jnp.bfloat16, [300, 2], seed=2)
 
 
 def test_unsupported_models_keep_the_model_path():
-    assert cpu_kernels.native_decoder_layers(dataclasses.replace(TINY, qkv_bias=True), enabled=True) is None
-    assert cpu_kernels.native_decoder_layers(dataclasses.replace(TINY, qk_norm=True), enabled=True) is None
-    assert cpu_kernels.native_decoder_layers(TINY, enabled=False) is None
-    hook = cpu_kernels.native_decoder_layers(TINY, enabled=True)
-    x = jnp.zeros((2, 1, TINY.hidden_size))
-    assert hook(None, x, None, None, init_kv_pages(TINY, 4, PAGE, jnp.float16), None) is None  # pages
-    prefill = jnp.zeros((2, 3, TINY.hidden_size))
-    assert hook(None, prefill, None, None, init_kv_pages(TINY, 4, PAGE, jnp.float32), None) is None
+    assert not fused_layers_supported(dataclasses.replace(TINY, qkv_bias=True))
+    assert not fused_layers_supported(dataclasses.replace(TINY, qk_norm=True))
+    assert fused_layers_supported(TINY)
+    plain = NativeCpuBackend(native_matmuls=False)
+    plain.prepare_params(TINY, _params(TINY, jnp.float32))
+    assert not plain.ops(TINY).fused  # nothing packed: no fused layers
+    backend = NativeCpuBackend()
+    backend.prepare_params(TINY, _params(TINY, jnp.float32))
+    ops = backend.ops(TINY)
+    decode, prefill = jnp.zeros((2, 1, TINY.hidden_size)), jnp.zeros((2, 3, TINY.hidden_size))
+    assert ops.takes_fused(decode, init_kv_pages(TINY, 4, PAGE, jnp.float32))
+    assert not ops.takes_fused(decode, init_kv_pages(TINY, 4, PAGE, jnp.float16))  # float16 pages
+    assert not ops.takes_fused(prefill, init_kv_pages(TINY, 4, PAGE, jnp.float32))
     assert not native.supports(num_heads=6, num_kv_heads=2, head_dim=12)
     assert not native.supports(num_heads=34, num_kv_heads=2, head_dim=16)
 
 
 def test_bad_shapes_are_refused_with_the_reason():
     config = TINY
-    packed, _, _ = cpu_kernels.native_matmul_params(config, _params(config, jnp.float32), enabled=True)
+    packed = NativeCpuBackend().prepare_params(config, _params(config, jnp.float32))
     w = packed["layers"][0]
     weights = tuple(w[name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
     k, v = init_kv_pages(config, 4, PAGE, jnp.float32)[0]

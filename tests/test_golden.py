@@ -64,7 +64,8 @@ def test_teacher_forced_logits_match_reference(smollm2_llm, golden):
     """Top-5 logits at every prompt position and every reference step, within 1e-3 relative."""
     llm = smollm2_llm
     config = llm.config
-    model = nnx.merge(model_graphdef(config), llm.runner.params)
+    runner = llm.runner
+    model = nnx.merge(runner.graphdef, runner.params)
     T = 96
     for case in golden["cases"]:
         ids = case["prompt_ids"] + case["greedy_ids"]
@@ -72,11 +73,11 @@ def test_teacher_forced_logits_match_reference(smollm2_llm, golden):
         tokens[0, :len(ids)] = ids
         positions = np.full((1, T), T, np.int32)
         positions[0, :len(ids)] = np.arange(len(ids))
-        cache = init_cache(config.num_layers, 1, config.num_kv_heads, T, config.head_dim)
-        # The runner's params may hold packed weights: its hooks read them.
-        logits, _ = model(jnp.asarray(tokens), jnp.asarray(positions), cache, jnp.asarray(positions),
-                          DenseAttention(config.sliding_window), linear=llm.runner.linear,
-                          tied_head=llm.runner.tied_head)
+        stacked = runner.backend.param_layout == "stacked"
+        cache = init_cache(config.num_layers, 1, config.num_kv_heads, T, config.head_dim, stacked=stacked)
+        # The runner's params may hold packed weights: its backend's operations read them.
+        ops = runner.ops.with_attention(DenseAttention(config.sliding_window, stacked=stacked))
+        logits, _ = model(jnp.asarray(tokens), jnp.asarray(positions), cache, jnp.asarray(positions), ops)
         logits = np.asarray(logits[0])
         P = len(case["prompt_ids"])
         refs = [(j, s) for j, s in enumerate(case["prompt_positions"])]

@@ -91,7 +91,7 @@ for dtype in (jnp.float32, jnp.bfloat16):
 
 def test_native_linear_takes_a_tuple_of_weights():
     # The model's hook: a tuple of packed weights is one call, a tuple with a plain weight is not.
-    from jserve.cpu_kernels import native_linear
+    from jserve.backends.native_cpu import native_linear
     from jserve.model.llama import xla_linear
 
     rng = np.random.default_rng(1)
@@ -108,8 +108,10 @@ def test_native_linear_takes_a_tuple_of_weights():
 
 
 def test_embedding_rows_from_the_packed_transpose():
-    # The runner's native head packs the embedding's transpose; the model's lookup reads the panels.
-    from jserve.model.llama import embed_rows
+    # The native CPU backend packs the embedding's transpose; its lookup reads the panels.
+    from jserve.backends.native_cpu import NativeCpuOps
+
+    embed_rows = NativeCpuOps(None).embed
 
     embed = jnp.asarray(np.random.default_rng(0).standard_normal((50, 8)), jnp.float32)
     tokens = jnp.array([[0, 23, 24, 49], [7, 47, 48, 1]], jnp.int32)  # across 24- and 48-lane panels

@@ -9,29 +9,34 @@ from flax import nnx
 
 from jserve.checkpoint import read_params
 from jserve.dense_runner import DenseRunner
-from jserve.model import DenseAttention, init_cache, model_graphdef, model_params
+from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
 
 from conftest import DATA
 
 ARCHS = ["llama2", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "smollm2"]
 
 
-def _forward(config, params, ids: np.ndarray) -> np.ndarray:
+def _forward(config, params, ids: np.ndarray, layout: str = "list") -> np.ndarray:
+    """The model's logits over a contiguous cache: its layers unrolled ("list") or scanned over
+    stacked weights ("stacked")."""
     B, T = ids.shape
-    model = nnx.merge(model_graphdef(config), model_params(config, {k: jnp.asarray(v) for k, v in params.items()}))
+    stacked = layout == "stacked"
+    model = nnx.merge(model_graphdef(config, layout),
+                      model_params(config, {k: jnp.asarray(v) for k, v in params.items()}, layout))
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-    cache = init_cache(config.num_layers, B, config.num_kv_heads, T, config.head_dim)
-    logits, _ = model(jnp.asarray(ids), jnp.asarray(positions), cache, jnp.asarray(positions),
-                      DenseAttention(config.sliding_window))
+    cache = init_cache(config.num_layers, B, config.num_kv_heads, T, config.head_dim, stacked=stacked)
+    ops = XlaOps(DenseAttention(config.sliding_window, stacked=stacked), scan=stacked)
+    logits, _ = model(jnp.asarray(ids), jnp.asarray(positions), cache, jnp.asarray(positions), ops)
     return np.asarray(logits)
 
 
+@pytest.mark.parametrize("layout", ["list", "stacked"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_transformers(arch):
+def test_logits_match_transformers(arch, layout):
     folder = DATA / "arch" / arch
     ref = np.load(folder / "reference.npz")
     config, params = read_params(folder)
-    logits = _forward(config, params, ref["input_ids"])
+    logits = _forward(config, params, ref["input_ids"], layout)
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
 
 

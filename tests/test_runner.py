@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jserve.backends import NativeCpuBackend, XlaBackend
+from jserve.backends.native_cpu import EIGEN_DOTS
 from jserve.checkpoint import read_params
 from jserve.dense_runner import DenseRunner
 from jserve.runner import GREEDY, Runner
@@ -91,15 +93,16 @@ def test_cpu_steps_use_native_matmuls_or_eigen_dots_and_match_the_reference(nati
               max_num_batched_tokens=8)
     runner = Runner(config, params, backend="cpu", native_matmuls=native_matmuls, **kw)
     ref = Runner(config, params, backend="reference", **kw)
-    assert runner.native_attention and not ref.native_attention
-    assert runner.native_matmuls == runner.native_head == native_matmuls
-    assert not ref.native_matmuls and not ref.native_head
+    assert isinstance(runner.backend, NativeCpuBackend) and isinstance(ref.backend, XlaBackend)
+    assert runner.backend.native_attention
+    assert runner.backend.native_matmuls == runner.backend.native_head == native_matmuls
     if native_matmuls:
         # Layer weights and the tied embedding packed once; every layer matmul and the LM head on
         # the packed kernel: in a prefill chunk q/k/v and gate/up as one call each, in decode all
         # the layers as one call (pallas_kernels.decoder_layer); one jit (no XLA dot left to pick
         # a library for).
-        assert runner.params["layers"][0]["wq"].ndim == 3 and ref.params["layers"][0]["wq"].ndim == 2
+        assert runner.params["layers"][0]["wq"].ndim == 3  # packed; the reference's are stacked
+        assert ref.params["layers"]["wq"].shape == (config.num_layers, *params["wq"].shape[1:])
         assert runner.params["embed"].ndim == 3 and ref.params["embed"].ndim == 2
         for batch, tokens in ((1, 1), (2, 1), (8, 1), (1, 8)):
             hlo = _step_hlo(runner, batch, tokens)
@@ -111,15 +114,17 @@ def test_cpu_steps_use_native_matmuls_or_eigen_dots_and_match_the_reference(nati
                 assert hlo.count(f"@{native_layer.TARGET}(") == 0, (batch, tokens)
                 assert hlo.count(f"@{native_matmul.TARGET}(") == 2 * config.num_layers + 1, (batch, tokens)
                 assert hlo.count(f"@{native_matmul.TARGET_MANY}(") == 2 * config.num_layers, (batch, tokens)
-            assert runner.step_fn(batch, tokens) is runner._step
+            assert runner.backend.compiler_options(batch, tokens) is None
         _check_batch_8_matches_the_reference(runner, ref)
         return
-    assert runner.step_fn(4, 1) is runner._step  # 2-4 rows: Eigen's logits dot is slow
+    options = runner.backend.compiler_options
+    assert options(4, 1) is None  # 2-4 rows: Eigen's logits dot is slow
     assert 1 in Runner(config, params, backend="cpu", num_pages=8, max_model_len=16).batch_buckets
     assert 1 not in Runner(config, params, backend="cpu_pallas", num_pages=8, max_model_len=16).batch_buckets
-    assert runner.step_fn(8, 1) is runner._step_eigen
-    assert runner.step_fn(2, 1) is runner._step and runner.step_fn(2, 8) is runner._step
-    assert runner.step_fn(1, 8) is runner._step_eigen  # one-row prefill (the prompts below)
+    assert options(8, 1) == EIGEN_DOTS
+    assert options(2, 1) is None and options(2, 8) is None
+    assert options(1, 8) == EIGEN_DOTS  # one-row prefill (the prompts below)
+    assert runner.step_fn(8, 1) is runner.step_fn(1, 8) is not runner.step_fn(2, 1)
     _check_batch_8_matches_the_reference(runner, ref)
 
 
@@ -135,7 +140,7 @@ def _check_batch_8_matches_the_reference(runner, ref):
             out = r.execute([(len(s) - 1, [s[-1]], pg) for s, pg in zip(seen, pages)], [GREEDY] * 5)
             for s, t in zip(seen, out["tokens"].tolist()):
                 s.append(int(t))
-        tokens[r.backend] = seen
+        tokens[r.backend.name] = seen
     assert tokens["cpu"] == tokens["reference"]
     assert runner.num_compilations_after_warmup == 0
     assert runner.records[-1].bucket == (8, 1)
@@ -160,6 +165,8 @@ def test_step_records_count_real_tokens_bytes_and_flops():
 
 _FRESH_PROCESS = r"""
 import sys, threading
+from jserve.backends import NativeCpuBackend, XlaBackend
+from jserve.backends.native_cpu import EIGEN_DOTS
 from jserve.checkpoint import read_params
 from jserve.runner import GREEDY, Runner
 from jserve.sampler import SamplingArrays, penalty_history
@@ -230,7 +237,7 @@ def test_bfloat16_weights_stay_bfloat16_on_the_native_matmuls():
     kw = dict(num_pages=16, page_size=4, max_model_len=32, backend="cpu", max_num_batched_tokens=8,
               batch_buckets=(1, 2), token_buckets=(8,), kv_dtype=jnp.bfloat16)
     native, xla = Runner(config, params, **kw), Runner(config, params, native_matmuls=False, **kw)
-    assert native.native_matmuls and native.native_head and not xla.native_matmuls
+    assert native.backend.native_matmuls and native.backend.native_head and not xla.backend.native_matmuls
     assert native.params["layers"][0]["w_gate"].dtype == jnp.bfloat16 == native.params["embed"].dtype
     assert native.params["layers"][0]["w_gate"].ndim == 3 and native.params["embed"].ndim == 3
     assert native.param_bytes == sum(v.size * 2 for v in params.values())  # the step's floor reads these

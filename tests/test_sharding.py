@@ -98,7 +98,7 @@ def test_head_layout_keeps_each_query_with_its_kv_head(tp):
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
 def test_laid_out_params_give_the_same_logits(tp):
     """Padding and replication alone (one device, dense attention) change nothing."""
-    from jserve.model import DenseAttention, init_cache, model_graphdef, model_params
+    from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
 
     params = _stacked(TINY)
     lay = head_layout(TINY, tp)
@@ -109,7 +109,7 @@ def test_laid_out_params_give_the_same_logits(tp):
     def logits(config, stacked):
         model = nnx.merge(model_graphdef(config), model_params(config, stacked))
         cache = init_cache(config.num_layers, 2, config.num_kv_heads, 16, config.head_dim)
-        return model(tokens, positions, cache, positions, DenseAttention())[0]
+        return model(tokens, positions, cache, positions, XlaOps(DenseAttention()))[0]
 
     ref = jax.jit(lambda p: logits(TINY, p))(params)
     got = jax.jit(lambda p: logits(cfg, lay_out_params(TINY, lay, p)))(params)

@@ -15,18 +15,25 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class DenseAttention:
-    """Callable attention backend (see `jserve.model.llama.Attention`)."""
+    """Callable attention over a contiguous cache (see `jserve.model.llama.Attention`).
+
+    `stacked`: the cache is one `(k, v)` pair with a leading layer axis (`init_cache(...,
+    stacked=True)`), for a scanned layer stack whose layer index is traced; else one pair per
+    layer.
+    """
 
     sliding_window: int | None = None
+    stacked: bool = False
 
     def __call__(self, layer, q, k, v, cache, positions):
-        k_cache, v_cache = cache[layer]  # [batch, kv_heads, max_len, head_dim]
+        k_cache, v_cache = (cache[0][layer], cache[1][layer]) if self.stacked else cache[layer]
         write = jax.vmap(lambda c, new, pos: c.at[:, pos].set(new, mode="drop"))
         k_cache = write(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), positions)
         v_cache = write(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), positions)
         out = dense_attention(q, k_cache, v_cache, positions, sliding_window=self.sliding_window)
-        cache = cache[:layer] + ((k_cache, v_cache),) + cache[layer + 1:]
-        return out, cache
+        if self.stacked:
+            return out, (cache[0].at[layer].set(k_cache), cache[1].at[layer].set(v_cache))
+        return out, cache[:layer] + ((k_cache, v_cache),) + cache[layer + 1:]
 
 
 def dense_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
@@ -59,6 +66,10 @@ def dense_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positi
 
 
 def init_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
-               dtype=jnp.float32) -> tuple:
+               dtype=jnp.float32, *, stacked: bool = False) -> tuple:
+    """Zeroed `[batch, num_kv_heads, max_len, head_dim]` K and V per layer (`stacked`: one pair
+    with a leading layer axis)."""
     shape = (batch, num_kv_heads, max_len, head_dim)
+    if stacked:
+        return (jnp.zeros((num_layers, *shape), dtype), jnp.zeros((num_layers, *shape), dtype))
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers))

@@ -1,14 +1,16 @@
 """Flax NNX decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
 
-Per-layer weights are stacked along a leading `num_layers` axis (one array per weight kind),
-which keeps checkpoints to a few dozen arrays and makes a layer scan possible. Attention over
-the KV cache is delegated to an `Attention` backend passed in by the caller, so the same model
-runs over a contiguous cache (offline generation) or a paged one (the engine).
+`DecoderLayer` is the one definition of a layer; `LlamaModel` embeds, runs the layer stack and
+the head. How each operation runs (XLA dots or native kernels, the stack unrolled, scanned or
+fused) is the caller's `ModelOps` (`jserve.backends`); attention over the KV cache is its
+`Attention`, so the same model runs over a contiguous cache (offline generation, `XlaOps`) or a
+paged one (the engine). Checkpoints stack per-layer weights along a leading `num_layers` axis.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import dataclasses
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +23,47 @@ from jserve.config import ModelConfig, rope_inv_freq
 class Attention(Protocol):
     """Writes a layer's new K/V into its cache and attends the queries over it."""
 
-    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any,
+    def __call__(self, layer: Any, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any,
                  meta: Any) -> tuple[jax.Array, Any]:
-        """q [batch, tokens, num_heads, head_dim]; k, v [batch, tokens, num_kv_heads, head_dim].
+        """q [batch, tokens, num_heads, head_dim]; k, v [batch, tokens, num_kv_heads, head_dim];
+        `layer` the layer's index (a Python int, or a traced int32 inside a scanned stack).
 
         Returns the attention output [batch, tokens, num_heads, head_dim] and the updated cache.
         """
+        ...
+
+
+class ModelOps(Protocol):
+    """What runs the model's operations: a backend's choice (`jserve.backends`) or `XlaOps`.
+
+    The model is the one definition of the computation; an implementation decides how the
+    layer matmuls, the embedding and head, attention and the layer stack are executed.
+    """
+
+    attention: Attention
+
+    def linear(self, x: jax.Array, w: Any, out_features: Any) -> Any:
+        """x [..., in] @ w for a layer weight as the params hold it; given a tuple of weights (and
+        of widths), the tuple of products of the one x."""
+        ...
+
+    def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """The embedding rows of `tokens` from the table as the params hold it."""
+        ...
+
+    def head(self, x: jax.Array, table: jax.Array, tied: bool) -> jax.Array:
+        """Float32 logits [rows, vocab] from hidden states [rows, hidden]: `table` is the
+        embedding (tied, as the params hold it) or `lm_head` [hidden, vocab]."""
+        ...
+
+    def run_layers(self, layers: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Any,
+                   meta: Any) -> tuple[jax.Array, Any]:
+        """Apply every decoder layer in turn (`unrolled_layers`, `scanned_layers` or a fused
+        implementation of the same contract)."""
+        ...
+
+    def with_attention(self, attention: Attention) -> "ModelOps":
+        """The same operations with another attention (and cache), e.g. a contiguous one."""
         ...
 
 
@@ -67,39 +104,102 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float | None = 
 
 
 _GLOBAL = ("embed", "final_norm", "lm_head")
+LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LAYOUTS = ("list", "stacked")  # per-layer weights: one module per layer, or one with a layer axis
 
 
 class DecoderLayer(nnx.Module):
-    """One layer's weights (the forward pass lives in `LlamaModel.__call__`)."""
+    """One layer's weights and its forward pass: the one definition of a layer.
 
-    def __init__(self, c: ModelConfig, dtype, rngs: nnx.Rngs):
+    With `stack` L the weights carry a leading layer axis of L (the checkpoint layout), for a
+    stack that scans over them (`scanned_layers`); a scanned step sees one layer's slice.
+    """
+
+    def __init__(self, c: ModelConfig, dtype, rngs: nnx.Rngs, stack: int | None = None):
         D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
         qd, kvd = c.num_heads * hd, c.num_kv_heads * hd
-        self.attn_norm = _param(rngs, (D,), dtype, None)
-        self.wq = _param(rngs, (D, qd), dtype)
-        self.wk = _param(rngs, (D, kvd), dtype)
-        self.wv = _param(rngs, (D, kvd), dtype)
-        self.wo = _param(rngs, (qd, D), dtype)
+        lead = () if stack is None else (stack,)
+
+        def param(shape, scale: float | None = 0.02):
+            return _param(rngs, lead + shape, dtype, scale)
+
+        self.config = c
+        self.attn_norm = param((D,), None)
+        self.wq, self.wk, self.wv, self.wo = param((D, qd)), param((D, kvd)), param((D, kvd)), param((qd, D))
         if c.qkv_bias:
-            self.bq = _param(rngs, (qd,), dtype, 0.0)
-            self.bk = _param(rngs, (kvd,), dtype, 0.0)
-            self.bv = _param(rngs, (kvd,), dtype, 0.0)
+            self.bq, self.bk, self.bv = param((qd,), 0.0), param((kvd,), 0.0), param((kvd,), 0.0)
         if c.o_bias:
-            self.bo = _param(rngs, (D,), dtype, 0.0)
+            self.bo = param((D,), 0.0)
         if c.qk_norm:
-            self.q_norm = _param(rngs, (hd,), dtype, None)
-            self.k_norm = _param(rngs, (hd,), dtype, None)
-        self.mlp_norm = _param(rngs, (D,), dtype, None)
-        self.w_gate = _param(rngs, (D, F), dtype)
-        self.w_up = _param(rngs, (D, F), dtype)
-        self.w_down = _param(rngs, (F, D), dtype)
+            self.q_norm, self.k_norm = param((hd,), None), param((hd,), None)
+        self.mlp_norm = param((D,), None)
+        self.w_gate, self.w_up, self.w_down = param((D, F)), param((D, F)), param((F, D))
         if c.mlp_bias:
-            self.b_gate = _param(rngs, (F,), dtype, 0.0)
-            self.b_up = _param(rngs, (F,), dtype, 0.0)
-            self.b_down = _param(rngs, (D,), dtype, 0.0)
+            self.b_gate, self.b_up, self.b_down = param((F,), 0.0), param((F,), 0.0), param((D,), 0.0)
+
+    def matmul_weights(self) -> tuple[Any, ...]:
+        """The layer's matmul weights in `LAYER_MATMULS` order, as the params hold them."""
+        return tuple(getattr(self, name)[...] for name in LAYER_MATMULS)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Any, layer: Any, meta: Any,
+                 ops: ModelOps) -> tuple[jax.Array, Any]:
+        """x [batch, tokens, hidden] -> the layer's output and the cache with its K/V written.
+
+        `layer` is the layer's index for `ops.attention` (an int, or traced inside a scan).
+        """
+        c = self.config
+        B, T, _ = x.shape
+        D, F, qd, kvd = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
+                         c.num_kv_heads * c.head_dim)
+        lin = ops.linear
+        h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
+        q, k, v = lin(h, (self.wq[...], self.wk[...], self.wv[...]), (qd, kvd, kvd))
+        if c.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        q = q.reshape(B, T, c.num_heads, c.head_dim)
+        k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, self.q_norm[...], c.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], c.rms_norm_eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        attn, cache = ops.attention(layer, q, k, v, cache, meta)
+        out = lin(attn.reshape(B, T, qd), self.wo[...], D)
+        if c.o_bias:
+            out = out + self.bo[...]
+        x = x + out
+        h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps)
+        gate, up = lin(h, (self.w_gate[...], self.w_up[...]), (F, F))
+        if c.mlp_bias:
+            gate, up = gate + self.b_gate[...], up + self.b_up[...]
+        down = lin(jax.nn.silu(gate) * up, self.w_down[...], D)
+        if c.mlp_bias:
+            down = down + self.b_down[...]
+        return x + down, cache
 
 
-LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+def unrolled_layers(layers: Any, x, cos, sin, cache, meta, ops: ModelOps):
+    """The stack as a Python loop over a list of layers (one traced copy of the layer each)."""
+    for i, layer in enumerate(layers):
+        x, cache = layer(x, cos, sin, cache, i, meta, ops)
+    return x, cache
+
+
+def scanned_layers(layers: DecoderLayer, x, cos, sin, cache, meta, ops: ModelOps):
+    """The stack as `jax.lax.scan` over one `DecoderLayer` with stacked weights: one traced copy
+    of the layer whatever the depth. The cache rides in the carry, whole; `ops.attention` must
+    address a layer's pages inside it by the traced index (see `jserve.backends.xla`)."""
+    graphdef, state = nnx.split(layers)
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+
+    def body(carry, xs):
+        h, kv = carry
+        weights, i = xs
+        return nnx.merge(graphdef, weights)(h, cos, sin, kv, i, meta, ops), None
+
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (state, jnp.arange(num_layers, dtype=jnp.int32)))
+    return x, cache
 
 
 def xla_linear(x: jax.Array, w, out_features):
@@ -108,142 +208,124 @@ def xla_linear(x: jax.Array, w, out_features):
     return tuple(x @ wi for wi in w) if isinstance(w, tuple) else x @ w
 
 
-def embed_rows(embed: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The embedding rows of `tokens`, from the table as the params hold it: [vocab, hidden], or,
-    where the runner's native CPU head reads it, its transpose packed as [vocab / P, hidden, P]
-    panels (`pallas_kernels.matmul.native.pack(embed.T)`: token t is panel t // P, lane t % P)."""
-    if embed.ndim == 3:
-        lanes = embed.shape[2]
-        return embed[tokens // lanes, :, tokens % lanes]
-    return embed[tokens]
-
-
 def xla_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
     """Float32 logits [rows, vocab] = x [rows, hidden] @ embed [vocab, hidden].T, as an XLA dot.
 
     Written E @ x.T, not x @ E.T: at one row XLA:CPU runs the former as a matrix-vector product
-    over E's contiguous rows (5 ms for SmolLM2's 113 MB E) and the latter as a transposing copy
-    fused with the dot (17 ms); from two rows on both become the same dot.
+    over E's contiguous rows and the latter as a transposing copy fused with the dot (3x slower,
+    docs/performance.md); from two rows on both become the same dot.
     """
     flat = jax.lax.dot_general(embed, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return flat.T
 
 
+@dataclasses.dataclass(frozen=True)
+class XlaOps:
+    """`ModelOps` as plain XLA: dots, a table lookup, and the stack unrolled or scanned."""
+
+    attention: Attention
+    scan: bool = False  # the layers as `scanned_layers` (stacked weights) instead of unrolled
+
+    def linear(self, x, w, out_features):
+        return xla_linear(x, w, out_features)
+
+    def embed(self, table, tokens):
+        return table[tokens]
+
+    def head(self, x, table, tied):
+        if tied:
+            return xla_tied_head(x, table)
+        return jnp.dot(x, table, preferred_element_type=jnp.float32)
+
+    def run_layers(self, layers, x, cos, sin, cache, meta):
+        return (scanned_layers if self.scan else unrolled_layers)(layers, x, cos, sin, cache, meta, self)
+
+    def with_attention(self, attention: Attention) -> "XlaOps":
+        """These operations over another cache (a contiguous one: no fused native stack)."""
+        return dataclasses.replace(self, attention=attention)
+
+
 class LlamaModel(nnx.Module):
     """Decoder-only transformer; `__call__` returns float32 logits and the updated cache.
 
-    Each layer's weights are separate arrays (`layers[i].wq`, ...): slicing one stacked array per
-    layer inside the step made XLA copy every weight on each call (*measured* 4.4x slower for 30
-    matmuls on CPU). Checkpoints store them stacked; `model_params` converts.
+    `layout` "list" holds each layer's weights as separate arrays (`layers[i].wq`, ...), for a
+    stack that runs unrolled or as a fused native call; "stacked" holds one `DecoderLayer` whose
+    weights carry a leading layer axis (the checkpoint layout), for `scanned_layers`.
+    `model_params` converts a checkpoint into either.
     """
 
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 layout: str = "list"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         rngs = rngs or nnx.Rngs(0)
         c = config
         self.config = c
         self.embed = _param(rngs, (c.vocab_size, c.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(c, dtype, rngs) for _ in range(c.num_layers)])
+        if layout == "stacked":
+            self.layers = DecoderLayer(c, dtype, rngs, stack=c.num_layers)
+        else:
+            self.layers = nnx.List([DecoderLayer(c, dtype, rngs) for _ in range(c.num_layers)])
         self.final_norm = _param(rngs, (c.hidden_size,), dtype, None)
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), dtype)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Any, meta: Any,
-                 attention: Attention, *, logits_index: jax.Array | None = None,
-                 tied_head: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-                 linear: Callable[[jax.Array, jax.Array, int], jax.Array] | None = None,
-                 decoder_layers: Callable[..., tuple[jax.Array, Any] | None] | None = None
-                 ) -> tuple[jax.Array, Any]:
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Any, meta: Any, ops: ModelOps, *,
+                 logits_index: jax.Array | None = None) -> tuple[jax.Array, Any]:
         """Run the decoder.
 
         Args:
           tokens: int32 [batch, tokens].
           positions: int32 [batch, tokens], absolute positions (rotary and causal mask).
-          cache, meta: the attention backend's KV state and per-step metadata.
-          attention: the backend that writes K/V and attends.
+          cache, meta: the attention's KV state and per-step metadata.
+          ops: how the operations run (`ModelOps`: a backend's, or `XlaOps`).
           logits_index: optional int32 [batch, n]: only these token positions get logits
             (decode and prefill need just the last one; prompt logprobs need all).
-          tied_head: with tied embeddings, computes float32 logits [rows, vocab] from the final
-            hidden states [rows, hidden] and the embedding as the params hold it (default
-            `xla_tied_head`, for [vocab, hidden]; the runner's native CPU head reads it packed,
-            see `embed_rows`).
-          linear: computes `x @ w` for the layer weights named in `LAYER_MATMULS`, given x
-            [..., in], the weight as the params hold it and the output width; given a tuple of
-            weights and one of widths (q/k/v, gate/up: the products of one x), the tuple of
-            products (default `xla_linear`; the runner's native CPU path holds them packed and
-            runs a tuple as one call, see `pallas_kernels.matmul.native`).
-          decoder_layers: optionally runs all the layers instead of the code below:
-            `decoder_layers(layers, x, cos, sin, cache, meta)` with the layers' weights, the
-            hidden states [batch, tokens, hidden] and `rotary_tables`' cos and sin, returns
-            (x, cache), or None for a step it does not take (the runner's native CPU decode
-            layers, `jserve.cpu_kernels.native_decoder_layers`).
         Returns:
           float32 logits [batch, tokens or n, vocab] and the new cache.
         """
         c = self.config
-        B, T = tokens.shape
-        lin = linear or xla_linear
-        D, F, qd, kvd = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
-                         c.num_kv_heads * c.head_dim)
-        x = embed_rows(self.embed[...], tokens)  # [batch, tokens, hidden]
+        B = tokens.shape[0]
+        x = ops.embed(self.embed[...], tokens)  # [batch, tokens, hidden]
         cos, sin = rotary_tables(positions, jnp.asarray(np.asarray(rope_inv_freq(c), np.float32)))
-        fused = decoder_layers(self.layers, x, cos, sin, cache, meta) if decoder_layers else None
-        for i, w in enumerate(self.layers if fused is None else ()):
-            h = rms_norm(x, w.attn_norm[...], c.rms_norm_eps)
-            q, k, v = lin(h, (w.wq[...], w.wk[...], w.wv[...]), (qd, kvd, kvd))
-            if c.qkv_bias:
-                q, k, v = q + w.bq[...], k + w.bk[...], v + w.bv[...]
-            q = q.reshape(B, T, c.num_heads, c.head_dim)
-            k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
-            v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
-            if c.qk_norm:
-                q = rms_norm(q, w.q_norm[...], c.rms_norm_eps)
-                k = rms_norm(k, w.k_norm[...], c.rms_norm_eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            attn, cache = attention(i, q, k, v, cache, meta)
-            out = lin(attn.reshape(B, T, qd), w.wo[...], D)
-            if c.o_bias:
-                out = out + w.bo[...]
-            x = x + out
-            h = rms_norm(x, w.mlp_norm[...], c.rms_norm_eps)
-            gate, up = lin(h, (w.w_gate[...], w.w_up[...]), (F, F))
-            if c.mlp_bias:
-                gate, up = gate + w.b_gate[...], up + w.b_up[...]
-            down = lin(jax.nn.silu(gate) * up, w.w_down[...], D)
-            if c.mlp_bias:
-                down = down + w.b_down[...]
-            x = x + down
-        if fused is not None:
-            x, cache = fused
+        x, cache = ops.run_layers(self.layers, x, cos, sin, cache, meta)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
-        if c.tie_word_embeddings:
-            n = x.shape[1]
-            logits = (tied_head or xla_tied_head)(x.reshape(B * n, -1), self.embed[...]).reshape(B, n, -1)
-        else:
-            logits = jnp.dot(x, self.lm_head[...], preferred_element_type=jnp.float32)
-        return logits, cache
+        n = x.shape[1]
+        table = self.embed[...] if c.tie_word_embeddings else self.lm_head[...]
+        logits = ops.head(x.reshape(B * n, -1), table, c.tie_word_embeddings)
+        return logits.reshape(B, n, -1), cache
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every weight as stored in checkpoints (per-layer weights stacked on axis 0)."""
-    model = nnx.eval_shape(lambda: LlamaModel(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: LlamaModel(config, rngs=nnx.Rngs(0), layout="stacked"))
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     shapes = {k: tuple(v.shape) for k, v in pure.items() if k != "layers"}
-    for name, v in pure["layers"][0].items():
-        shapes[name] = (config.num_layers, *v.shape)
+    shapes.update({name: tuple(v.shape) for name, v in pure["layers"].items()})
     return shapes
 
 
-def model_params(config: ModelConfig, stacked: dict[str, Any]) -> dict[str, Any]:
-    """Checkpoint layout (stacked per-layer weights) -> the model's state for `nnx.merge`."""
+def model_params(config: ModelConfig, stacked: dict[str, Any], layout: str = "list") -> dict[str, Any]:
+    """Checkpoint layout (stacked per-layer weights) -> the model's state for `nnx.merge` with
+    `model_graphdef(config, layout)`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     layer_names = [k for k in stacked if k not in _GLOBAL]
     out: dict[str, Any] = {k: stacked[k] for k in _GLOBAL if k in stacked}
-    out["layers"] = {i: {k: stacked[k][i] for k in layer_names} for i in range(config.num_layers)}
+    if layout == "stacked":
+        out["layers"] = {k: stacked[k] for k in layer_names}
+    else:
+        out["layers"] = {i: {k: stacked[k][i] for k in layer_names} for i in range(config.num_layers)}
     return out
 
 
-def model_graphdef(config: ModelConfig):
+def params_layout(params: dict[str, Any]) -> str:
+    """Which layout a model state (`model_params`' result) has."""
+    return "list" if 0 in params["layers"] else "stacked"
+
+
+def model_graphdef(config: ModelConfig, layout: str = "list"):
     """The model's structure without weights (for `nnx.merge(graphdef, model_params(...))`)."""
-    return nnx.graphdef(nnx.eval_shape(lambda: LlamaModel(config)))
+    return nnx.graphdef(nnx.eval_shape(lambda: LlamaModel(config, layout=layout)))

@@ -1,0 +1,111 @@
+"""Every backend's layer stack against the model's own layers, and the scanned stack's HLO.
+
+The reference is `LlamaModel` itself: its `DecoderLayer`s unrolled as plain XLA ops over a
+contiguous cache (`XlaOps(DenseAttention())`), one forward over the whole sequence. Each backend
+runs the same weights its own way (packed native matmuls, the fused native decode layers, a
+scanned stack over folded pages, Pallas interpret-mode attention) through chunked prefill and
+decode over scattered pages, and must give the same log-probabilities.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jserve import backends
+from jserve.checkpoint import read_params
+from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
+from jserve.runner import GREEDY, Runner
+from jserve.sampler import SamplingArrays, penalty_history
+
+from conftest import DATA
+
+WANTS_LOGPROBS = GREEDY + (1.0, 0.0, 0.0, 1)  # no penalties; top logprobs on
+
+# name: (backend name, backend options)
+BACKENDS = {
+    "native fused": ("cpu", {}),
+    "native xla dots": ("cpu", {"native_matmuls": False}),
+    "xla scanned reference": ("reference", {}),
+    "xla unrolled reference": ("reference", {"scan": False}),
+    "xla scanned pallas": ("cpu_pallas", {}),
+}
+
+
+def _load(arch):
+    config, params = read_params(DATA / "arch" / arch)
+    return config, {k: jnp.asarray(v) for k, v in params.items()}
+
+
+def _model_logprobs(config, params, ids):
+    """Log-probabilities at every position from the model's own unrolled layers."""
+    T = len(ids)
+    model = nnx.merge(model_graphdef(config), model_params(config, params))
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    cache = init_cache(config.num_layers, 1, config.num_kv_heads, T, config.head_dim)
+    logits, _ = model(jnp.asarray([ids], jnp.int32), positions, cache, positions,
+                      XlaOps(DenseAttention(config.sliding_window)))
+    return np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+
+
+@pytest.mark.parametrize("arch", ["smollm2", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_backend_stacks_match_the_models_own_layers(arch, name):
+    config, params = _load(arch)
+    kernel, options = BACKENDS[name]
+    backend = backends.create(kernel, **options)
+    runner = Runner(config, params, num_pages=24, page_size=4, max_model_len=32, backend=backend,
+                    max_num_batched_tokens=8, batch_buckets=(1, 2), token_buckets=(8,))
+    if name == "native fused" and arch == "smollm2":
+        assert runner.ops.fused  # no biases, no q/k norms: the decode steps take the fused call
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, config.vocab_size, 14)]
+    pages = [7, 3, 12, 5]  # out of order; page 0 is the null page
+    steps = [runner.execute([(0, ids[:8], pages[:2])], [WANTS_LOGPROBS]),  # two prefill chunks
+             runner.execute([(8, ids[8:11], pages[:3])], [WANTS_LOGPROBS])]
+    for n in range(11, 14):  # decode, fed the sequence's own tokens
+        steps.append(runner.execute([(n, [ids[n]], pages[:n // 4 + 1])], [WANTS_LOGPROBS]))
+    want = _model_logprobs(config, params, ids)
+    for pos, out in zip([7, 10, 11, 12, 13], steps):
+        top = np.sort(want[pos])[::-1][:5]
+        np.testing.assert_allclose(out["top_logprobs"][0][:5], top, atol=2e-4, err_msg=f"position {pos}")
+
+
+def _decode_hlo(runner, batch):
+    tokens, positions, meta, last = runner._pack([None] * batch, batch, 1)
+    sampling = SamplingArrays.build([], batch).as_tuple()
+    history = penalty_history([None] * batch, batch, runner.max_model_len, runner.config.vocab_size)
+    return runner.step_fn(batch, 1).lower(runner.params, runner.kv, tokens, positions, meta, last,
+                                          sampling, history).compile().as_text()
+
+
+def test_scanned_stack_has_no_cache_sized_copy_and_one_layer_body():
+    """The XLA backend's decode step: the layers in one while loop whose body is compiled once
+    (the HLO does not grow with depth), the folded pages carried through it and written in place
+    (donated, aliased to the output, never copied)."""
+    config, params = _load("llama3")
+    num_pages, page = 64, 4
+    sizes = {}
+    for layers in (config.num_layers, 4 * config.num_layers):
+        deep = {k: (jnp.concatenate([v] * (layers // config.num_layers)) if v.shape[0] == config.num_layers
+                    and k not in ("embed", "lm_head", "final_norm") else v) for k, v in params.items()}
+        cfg = config.__class__(**{**config.__dict__, "num_layers": layers})
+        runner = Runner(cfg, deep, num_pages=num_pages, page_size=page, max_model_len=32, backend="reference",
+                        batch_buckets=(4,), token_buckets=(8,), max_num_batched_tokens=8)
+        k_pages, v_pages = runner.kv
+        assert k_pages.shape == (cfg.num_kv_heads, layers * num_pages, page, cfg.head_dim)
+        hlo = _decode_hlo(runner, 4)
+        cache = rf"f32\[{cfg.num_kv_heads},{layers * num_pages},{page},{cfg.head_dim}\]"
+        copies = [line for line in hlo.splitlines() if re.search(cache + r"\S* copy\(", line)]
+        assert not copies, copies
+        flat = rf"f32\[{cfg.num_kv_heads},{layers * num_pages * page},{cfg.head_dim}\]"
+        assert not [line for line in hlo.splitlines() if re.search(flat + r"\S* copy\(", line)]
+        header = hlo.splitlines()[0]
+        assert len(re.findall(r"\{\d+\}: \(\d+, \{\}, (?:may|must)-alias\)", header)) == 2, header  # K and V
+        sizes[layers] = (len(hlo.splitlines()), hlo.count(" while("))
+    (small, loops), (deep_size, deep_loops) = sizes.values()
+    assert loops == deep_loops >= 1 and deep_size < 1.05 * small, sizes
