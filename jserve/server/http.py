@@ -34,8 +34,10 @@ class Timeouts:
     max_connections: int = 1024
 
     def runner_kwargs(self) -> dict:
-        """`web.AppRunner` keyword arguments for these limits."""
-        return dict(handler_cancellation=True, keepalive_timeout=self.keepalive or 3630.0)
+        """`web.AppRunner` keyword arguments for these limits. After an early answer (408, 413)
+        aiohttp reads and drops what is left of the body before closing, so that the client sees
+        the answer rather than a reset; 1 s of that (aiohttp's default: 10 s), not more."""
+        return dict(handler_cancellation=True, keepalive_timeout=self.keepalive or 3630.0, lingering_time=1.0)
 
 
 _REFUSAL = json.dumps(error_body(503, "too many open connections; retry later", code="too_many_connections")).encode()
