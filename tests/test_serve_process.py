@@ -2,7 +2,8 @@
 
 The engine is the tiny random SmolLM2-shaped model (tests/data/arch/smollm2) beside the real
 SmolLM2 tokenizer, prompted with token ids and built without warm-up: its shapes come from the
-persistent compilation cache the suite shares.
+persistent compilation cache the suite shares. $FAIL_AT_STEP makes its step raise there (a
+fault injected mid-batch).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from conftest import DATA, free_port, wait_healthy
 
 
 _SERVE = '''
+import os
 import sys
 import jax.numpy as jnp
 import jserve.cli
@@ -39,49 +41,102 @@ class Tiny:
         # test_async_engine's knobs: the shapes come from the persistent compilation cache
         cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, page_size=4, num_pages=400,
                            backend="cpu", warmup=False)
-        self.engine = build_engine(config, {k: jnp.asarray(v) for k, v in params.items()},
-                                   Tokenizer.load(sys.argv[2]), [], cfg)
+        self.engine = engine = build_engine(config, {k: jnp.asarray(v) for k, v in params.items()},
+                                            Tokenizer.load(sys.argv[2]), [], cfg)
+        fail_at, step = int(os.environ.get("FAIL_AT_STEP", 0)), engine.step
+
+        def faulty_step():
+            if fail_at and engine.num_steps >= fail_at:
+                raise RuntimeError("injected fault")
+            return step()
+
+        engine.step = faulty_step
 
 
 cli._load = Tiny
-sys.exit(jserve.cli.main(["serve", "--port", sys.argv[3], "--served-model-name", "tiny", "--grace-period", "30"]))
+sys.exit(jserve.cli.main(["serve", "--port", sys.argv[3], "--served-model-name", "tiny", *sys.argv[4:]]))
 '''
 
 
-def test_sigterm_drains_and_exits_zero(smollm2_checkpoint):
-    """`jserve serve` in a subprocess (a tiny engine, no warm-up): SIGTERM -> 503, the stream in flight
-    finishes, exit status 0."""
+def _start(checkpoint, *args: str, **env: str):
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(DATA / "arch" / "smollm2"), str(smollm2_checkpoint),
-                             str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(DATA / "arch" / "smollm2"), str(checkpoint), str(port),
+                             *args], env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, [proc], 60)
+    return proc, url
+
+
+async def _stream(session, url: str, body: dict, first: asyncio.Event | None = None) -> list:
+    """The events of one streamed completion ("[DONE]" for the end marker)."""
+    events = []
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.strip():
+                events.append("[DONE]" if line.strip() == b"data: [DONE]" else json.loads(line[6:]))
+                if first is not None:
+                    first.set()
+    return events
+
+
+def test_sigterm_under_load_drains_and_exits_zero(smollm2_checkpoint):
+    """SIGTERM with three streams and a plain request in flight: /health and new requests get
+    503, every in-flight request finishes within the grace period, exit status 0."""
+    proc, url = _start(smollm2_checkpoint, "--grace-period", "30")
     try:
-        wait_healthy(url, [proc], 60)
-
-        async def stream_and_terminate():
+        async def load_and_terminate():
             async with aiohttp.ClientSession() as session:
-                # Long enough that the drain outlasts the 0.3 s below (30 tokens once took longer
-                # than that; with the native decode kernel the tiny model drained them sooner).
-                body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 600, "ignore_eos": True, "stream": True,
+                # Long enough that the drain outlasts the 0.3 s below: four sequences at once take
+                # several seconds for 150 tokens in this un-warmed process.
+                body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 150, "ignore_eos": True,
                         "stream_options": {"include_usage": True}}
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    lines = [await resp.content.readline()]
-                    proc.send_signal(signal.SIGTERM)
-                    await asyncio.sleep(0.3)
-                    async with session.get(url + "/health") as health:
-                        assert health.status == 503
-                    lines += [line async for line in resp.content]
-            return [json.loads(x[6:]) for x in lines if x.strip() and x.strip() != b"data: [DONE]"], lines
+                firsts = [asyncio.Event() for _ in range(3)]
+                streams = [asyncio.ensure_future(_stream(session, url, body, e)) for e in firsts]
+                plain = asyncio.ensure_future(session.post(url + "/v1/completions", json={**body, "max_tokens": 100}))
+                await asyncio.gather(*(e.wait() for e in firsts))
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                async with session.get(url + "/health") as health:
+                    assert health.status == 503 and (await health.json())["status"] == "shutting_down"
+                async with session.post(url + "/v1/completions", json={"prompt": [5], "max_tokens": 1}) as late:
+                    assert late.status == 503 and (await late.json())["error"]["code"] == "shutting_down"
+                resp = await plain
+                return await asyncio.gather(*streams), (resp.status, await resp.json())
 
-        chunks, lines = asyncio.run(stream_and_terminate())
-        assert lines[-2].strip() == b"data: [DONE]"
-        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-        assert chunks[-1]["usage"]["completion_tokens"] == 600  # finished within the grace period
+        streams, (status, plain) = asyncio.run(load_and_terminate())
+        for events in streams:
+            assert events[-1] == "[DONE]"
+            assert events[-3]["choices"][0]["finish_reason"] == "length"
+            assert events[-2]["usage"]["completion_tokens"] == 150  # finished within the grace period
+        assert status == 200 and plain["usage"]["completion_tokens"] == 100
         assert proc.wait(60) == 0
         # The loaded engine's objects were frozen out of the garbage collector (freeze_startup_heap).
         frozen = re.search(r"\((\d+) startup objects frozen", proc.stderr.read())
         assert frozen and int(frozen.group(1)) > 10_000, frozen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_a_fault_mid_batch_ends_requests_cleanly_and_exits_one(smollm2_checkpoint):
+    """The step raises while two streams run: each ends with a generic error event and [DONE],
+    the pages are all given back, and the process exits 1 (for its supervisor to restart it)."""
+    proc, url = _start(smollm2_checkpoint, FAIL_AT_STEP="30")
+    try:
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                body = {"prompt": [5, 6, 7], "max_tokens": 600, "ignore_eos": True}
+                return await asyncio.gather(*(_stream(session, url, body) for _ in range(2)))
+
+        for events in asyncio.run(run()):
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_unavailable", events[-3:]
+            assert "injected" not in json.dumps(events)
+        assert proc.wait(30) == 1
+        log = proc.stderr.read()
+        assert "injected fault" in log  # the cause is logged
+        assert re.search(r"requests left in flight: 0, pages in use: 0", log), log[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
