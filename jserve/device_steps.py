@@ -16,11 +16,19 @@ from jserve.request import MAX_LOGPROBS
 from jserve.sampler import sample
 
 
-def step(graphdef, ops, params, kv, tokens, positions, meta, last, sampling, history):
-    """One step: the model over each row's tokens, then the sampler at each row's `last` token."""
+def forward(graphdef, ops, params, kv, tokens, positions, meta, last):
+    """The model over each row's tokens: float32 logits [batch, vocab] at each row's `last` token,
+    and the new pages."""
     model = nnx.merge(graphdef, params)
     logits, kv = model(tokens, positions, kv, meta, ops, logits_index=jnp.maximum(last, 0)[:, None])
-    return sample(logits[:, 0], *sampling, penalties=history, num_logprobs=MAX_LOGPROBS), kv
+    return logits[:, 0], kv
+
+
+def sample_rows(logits, sampling, history):
+    """The sampler over a step's logits [batch, vocab]: compiled once per batch size, apart from
+    `forward` (whose shapes also vary with the tokens per row), which more than halves the
+    compilation time of a warm-up."""
+    return sample(logits, *sampling, penalties=history, num_logprobs=MAX_LOGPROBS)
 
 
 def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):

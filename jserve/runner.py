@@ -112,8 +112,9 @@ class Runner:
 
             self._jit_kwargs["out_shardings"] = (NamedSharding(mesh, P()),
                                                  jax.tree.map(lambda _: kv_sharding, self.kv))
-        self._step = functools.partial(device_steps.step, self.graphdef, self.ops)
-        self._steps: dict[tuple, Any] = {}  # compiler options -> the jitted step
+        self._step = functools.partial(device_steps.forward, self.graphdef, self.ops)
+        self._steps: dict[tuple, Any] = {}  # compiler options -> the jitted forward
+        self._sample = jax.jit(device_steps.sample_rows)
         if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
             raise ValueError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
         if decode_steps > 1 and (self.dp > 1 or jax.process_count() > 1):
@@ -325,12 +326,13 @@ class Runner:
         return self._device_step(inputs)
 
     def _device_step(self, inputs):
-        args = self._place(inputs)
-        out, self.kv = self.step_fn(*args[0][0].shape)(self.params, self.kv, *args[0], args[1], args[2])
-        return out
+        (tokens, positions, meta, last), sampling, history = self._place(inputs)
+        logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, positions, meta, last)
+        return self._sample(logits, sampling, history)
 
     def step_fn(self, batch: int, tokens: int):
-        """The jitted step for a (global batch, tokens) shape, with the backend's compiler options."""
+        """The jitted forward (`device_steps.forward`) for a (global batch, tokens) shape, with the
+        backend's compiler options; its logits go to the sampler, a jitted function of its own."""
         options = self.backend.compiler_options(batch // self.dp, tokens) or {}
         key = tuple(sorted(options.items()))
         if key not in self._steps:
@@ -339,7 +341,7 @@ class Runner:
         return self._steps[key]
 
     def _compiled_count(self) -> int | None:
-        sizes = [_cache_size(f) for f in (*self._steps.values(), self._decode_steps)]
+        sizes = [_cache_size(f) for f in (*self._steps.values(), self._sample, self._decode_steps)]
         return None if None in sizes else sum(sizes)
 
     def follow(self) -> int:

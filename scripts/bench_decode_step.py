@@ -6,7 +6,7 @@ pages are scattered, see bench_page_layout.py) and feeds `tokens` new ones (1: d
 prefill chunk). Each variant is the same
 step compiled with:
   - attention: "cpu" (the native kernel) or "cpu_pallas" (Pallas interpret mode);
-  - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `cpu_kernels.EIGEN_DOTS`);
+  - dots: "ynn" (XLA:CPU's default, YNNPACK) or "eigen" (YNNPACK off, `backends.native_cpu.EIGEN_DOTS`);
   - the layer matmuls and the tied LM head: the native kernel over packed weights on "native"
     (the runner's default on CPU, where no dot library is then left to choose), XLA's dots over
     unpacked weights otherwise ("cpu/..." keep the native attention kernel);
@@ -19,7 +19,7 @@ one input column broadcast to the output width; LM head: the same), so the step'
 into attention, layer matmuls, head and the rest (all three replaced). The floor is the runner's
 own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (DESIGN §6:
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
-batches in `cpu_kernels.EIGEN_DECODE_BATCHES` and `EIGEN_PREFILL_BATCHES`; this script measures them.
+batches in `backends.native_cpu.EIGEN_DECODE_BATCHES` and `EIGEN_PREFILL_BATCHES`; this script measures them.
 
     python scripts/bench_decode_step.py [--batch 1 2 4 8 16 32] [--context 256 1024] [--out step.json]
     python scripts/bench_decode_step.py --batch 1 2 --context 0 --tokens 16 128 512
@@ -34,7 +34,6 @@ variants named as usual and the others' suffixed `@dtype`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -58,9 +57,8 @@ from jserve.kv_cache import write_kv  # noqa: E402
 from jserve.model.paged_attention import PagedAttention  # noqa: E402
 from jserve import buckets  # noqa: E402
 from jserve.model.llama import LAYER_MATMULS  # noqa: E402
-from jserve.device_steps import step as device_step  # noqa: E402
+from jserve.device_steps import forward as device_step  # noqa: E402
 from jserve.runner import GREEDY, PREFILL_BATCH_BUCKETS  # noqa: E402
-from jserve.sampler import SamplingArrays, penalty_history  # noqa: E402
 from pallas_kernels.matmul import native as native_matmul  # noqa: E402
 
 # name: (attention backend, XLA options, native matmuls over packed weights, fused decode layers).
@@ -84,11 +82,12 @@ class _NoAttention(PagedAttention):
         return (q, *write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D), meta.slots))
 
 
-@dataclasses.dataclass(frozen=True)
 class _StrippedOps(NativeCpuOps):
     """The native backend's operations with some replaced by stand-ins (--breakdown)."""
 
-    stripped: frozenset = frozenset()
+    def __init__(self, *args, stripped=frozenset(), **kwargs):
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "stripped", frozenset(stripped))
 
     def linear(self, x, w, out_features):
         return _no_linear(x, w, out_features) if "linear" in self.stripped else super().linear(x, w, out_features)
@@ -144,10 +143,7 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, fu
         width = buckets.pick(runner.token_buckets, new)
     rows = rows + [None] * (batch - len(rows))
     tokens, positions, meta, last = runner._pack(rows, batch, width)
-    sampling = SamplingArrays.build([GREEDY] * batch, batch).as_tuple()
-    history = penalty_history([None] * batch, batch, runner.max_model_len, config.vocab_size)
-    lowered = jax.jit(step, donate_argnums=(1,)).lower(params, runner.kv, tokens, positions,
-                                                       meta, last, sampling, history)
+    lowered = jax.jit(step, donate_argnums=(1,)).lower(params, runner.kv, tokens, positions, meta, last)
     compiled = lowered.compile(compiler_options=options)
     return lambda _runner_params, *args: compiled(params, *args)
 

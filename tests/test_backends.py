@@ -21,7 +21,6 @@ from jserve import backends
 from jserve.checkpoint import read_params
 from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
 from jserve.runner import GREEDY, Runner
-from jserve.sampler import SamplingArrays, penalty_history
 
 from conftest import DATA
 
@@ -77,10 +76,8 @@ def test_backend_stacks_match_the_models_own_layers(arch, name):
 
 def _decode_hlo(runner, batch):
     tokens, positions, meta, last = runner._pack([None] * batch, batch, 1)
-    sampling = SamplingArrays.build([], batch).as_tuple()
-    history = penalty_history([None] * batch, batch, runner.max_model_len, runner.config.vocab_size)
-    return runner.step_fn(batch, 1).lower(runner.params, runner.kv, tokens, positions, meta, last,
-                                          sampling, history).compile().as_text()
+    return runner.step_fn(batch, 1).lower(runner.params, runner.kv, tokens, positions, meta,
+                                          last).compile().as_text()
 
 
 def test_scanned_stack_has_no_cache_sized_copy_and_one_layer_body():

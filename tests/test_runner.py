@@ -12,7 +12,6 @@ from jserve.backends.native_cpu import EIGEN_DOTS
 from jserve.checkpoint import read_params
 from jserve.dense_runner import DenseRunner
 from jserve.runner import GREEDY, Runner
-from jserve.sampler import SamplingArrays, penalty_history
 from pallas_kernels.decoder_layer import native as native_layer
 from pallas_kernels.matmul import native as native_matmul
 
@@ -80,10 +79,7 @@ def test_compilations_are_counted_and_stop_after_warmup():
 
 def _step_hlo(runner, batch, tokens):
     arrays = runner._pack([None] * batch, batch, tokens)
-    sampling = SamplingArrays.build([], batch).as_tuple()
-    history = penalty_history([None] * batch, batch, runner.max_model_len, runner.config.vocab_size)
-    return runner.step_fn(batch, tokens).lower(runner.params, runner.kv, *arrays, sampling,
-                                               history).as_text()
+    return runner.step_fn(batch, tokens).lower(runner.params, runner.kv, *arrays).as_text()
 
 
 @pytest.mark.parametrize("native_matmuls", [True, False])
@@ -169,7 +165,6 @@ from jserve.backends import NativeCpuBackend, XlaBackend
 from jserve.backends.native_cpu import EIGEN_DOTS
 from jserve.checkpoint import read_params
 from jserve.runner import GREEDY, Runner
-from jserve.sampler import SamplingArrays, penalty_history
 from pallas_kernels.matmul import native as native_matmul
 
 config, params = read_params(sys.argv[1])
