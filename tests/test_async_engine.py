@@ -360,3 +360,27 @@ def test_a_failing_step_ends_every_stream_with_the_error():
     assert stats["errored"] and not stats["is_running"] and stats["num_steps"] == 3
     assert a.errored and not a.is_running and isinstance(a.error, RuntimeError)
     assert a.shutdown(5) and not fake.requests  # their pages were handed back
+
+
+def test_a_hung_step_is_visible_and_fail_ends_every_stream():
+    gate = threading.Semaphore(2)  # two steps, then the third blocks until the gate opens
+    fake = FakeEngine(gate=gate)
+    a = AsyncLLMEngine(fake)
+    assert a.iteration_seconds() == 0.0  # asleep: nothing to do
+
+    async def main():
+        streams = [asyncio.ensure_future(collect(a, f"h{i}", [i], SamplingParams(max_tokens=10))) for i in range(3)]
+        while fake.num_steps < 2 or a.iteration_seconds() < 0.2:  # the third step is stuck
+            await asyncio.sleep(0.01)
+        a.fail("a step ran past the step timeout")
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) and "step timeout" in str(r) for r in results), results
+        with pytest.raises(EngineDeadError):
+            await collect(a, "later", [1], SamplingParams())
+        with pytest.raises(EngineDeadError):  # the engine is not ours to read while a step hangs
+            await a.stats()
+
+    asyncio.run(main())
+    assert a.errored and a.iteration_seconds() == 0.0
+    gate.release(100)  # the step returns: the thread sees it was failed, frees the pages and ends
+    assert a.shutdown(5) and not fake.requests
