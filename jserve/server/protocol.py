@@ -286,6 +286,9 @@ def parse_completion(body: dict, ctx: Context) -> GenerateRequest:
             if not item:
                 raise bad_request("prompt is empty: give at least one token", param="prompt")
             prompts.append((item, None))
+        elif isinstance(item, list) and len(item) > ctx.limits.max_input_tokens:  # refused before a walk over it
+            raise bad_request(f"a prompt may have at most {ctx.limits.max_input_tokens} tokens, but the prompt has "
+                              f"{len(item)}", param="prompt", code="context_length_exceeded")
         else:
             prompts.append((None, _token_ids(item, "prompt", ctx.vocab_size)))
     if body.get("suffix") not in (None, ""):
