@@ -69,7 +69,7 @@ class DenseRunner:
                 num_logprobs: int = 0, num_prompt_logprobs: int | None = None):
         """Run the prompts of one group; returns (sample outputs, prompt logprobs or None, cache).
 
-        `rows` are per-prompt sampling tuples (see `SamplingArrays.build`).
+        `rows` are per-prompt `(SamplingParams, step)` (see `SamplingArrays.build`).
         """
         B = buckets.pick(self.batch_buckets, len(prompts))
         T = buckets.pick(self.token_buckets, max(len(p) for p in prompts))
@@ -85,7 +85,7 @@ class DenseRunner:
         cache = init_cache(c.num_layers, B, c.num_kv_heads, S, c.head_dim, self.kv_dtype, stacked=self.stacked)
         sampling = SamplingArrays.build(rows, B)
         self._count(("prefill", B, T, S, num_logprobs, num_prompt_logprobs))
-        out, plp, cache = self._prefill(self.params, tokens, positions, last, cache, sampling.as_tuple(),
+        out, plp, cache = self._prefill(self.params, tokens, positions, last, cache, sampling,
                                         num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs)
         out = jax.device_get(out)
         return out, (jax.device_get(plp) if plp is not None else None), cache
@@ -100,7 +100,7 @@ class DenseRunner:
         pos[:len(positions), 0] = positions
         sampling = SamplingArrays.build(rows, B)
         self._count(("decode", B, S, num_logprobs))
-        out, cache = self._decode(self.params, tokens, pos, cache, sampling.as_tuple(),
+        out, cache = self._decode(self.params, tokens, pos, cache, sampling,
                                   num_logprobs=num_logprobs)
         return jax.device_get(out), cache
 
@@ -110,16 +110,16 @@ def _prefill_step(graphdef, ops, params, tokens, positions, last, cache, samplin
     model = nnx.merge(graphdef, params)
     if num_prompt_logprobs is None:
         logits, cache = model(tokens, positions, cache, positions, ops, logits_index=last)
-        return sample(logits[:, 0], *sampling, num_logprobs=num_logprobs), None, cache
+        return sample(logits[:, 0], sampling, num_logprobs=num_logprobs), None, cache
     logits, cache = model(tokens, positions, cache, positions, ops)  # [batch, tokens, vocab]
     final = jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0]
     next_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     plp = prompt_logprobs(logits, next_tokens, num_logprobs=num_prompt_logprobs)
-    return sample(final, *sampling, num_logprobs=num_logprobs), plp, cache
+    return sample(final, sampling, num_logprobs=num_logprobs), plp, cache
 
 
 def _decode_step(graphdef, ops, params, tokens, positions, cache, sampling, *,
                  num_logprobs):
     model = nnx.merge(graphdef, params)
     logits, cache = model(tokens, positions, cache, positions, ops)
-    return sample(logits[:, 0], *sampling, num_logprobs=num_logprobs), cache
+    return sample(logits[:, 0], sampling, num_logprobs=num_logprobs), cache

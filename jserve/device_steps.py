@@ -28,7 +28,7 @@ def sample_rows(logits, sampling, history):
     """The sampler over a step's logits [batch, vocab]: compiled once per batch size, apart from
     `forward` (whose shapes also vary with the tokens per row), which more than halves the
     compilation time of a warm-up."""
-    return sample(logits, *sampling, penalties=history, num_logprobs=MAX_LOGPROBS)
+    return sample(logits, sampling, penalties=history, num_logprobs=MAX_LOGPROBS)
 
 
 def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
@@ -43,9 +43,7 @@ def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
     zeros = jnp.zeros((B, 1), jnp.int32)
 
     def sample_step(logits, j, ids):
-        step_sampling = list(sampling)
-        step_sampling[5] = sampling[5] + j  # the index of the token sampled, for per-row seeds
-        return sample(logits, *step_sampling, penalties=(ids, num_prompt), num_logprobs=MAX_LOGPROBS)
+        return sample(logits, sampling.at_step(j), penalties=(ids, num_prompt), num_logprobs=MAX_LOGPROBS)
 
     shapes = jax.eval_shape(sample_step, jax.ShapeDtypeStruct((B, vocab_size), jnp.float32), 0, ids)
     buffers = jax.tree.map(lambda x: jnp.zeros((max_steps,) + x.shape, x.dtype), shapes)

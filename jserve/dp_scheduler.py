@@ -10,45 +10,13 @@ step runs all groups' chunks in one call. Pure Python, like `scheduler.py`.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping, Sequence
 
 from jserve.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, StepPlan
 
 
-@dataclasses.dataclass
-class GroupedPlan:
-    """The groups' plans side by side; `chunks[i]` belongs to group `groups[i]`."""
-
-    plans: list[StepPlan]
-
-    @property
-    def chunks(self) -> list[ScheduledChunk]:
-        return [c for p in self.plans for c in p.chunks]
-
-    @property
-    def groups(self) -> list[int]:
-        return [g for g, p in enumerate(self.plans) for _ in p.chunks]
-
-    @property
-    def copies(self) -> list[tuple[int, int]]:
-        return [c for p in self.plans for c in p.copies]
-
-    @property
-    def preempted(self) -> list[Request]:
-        return [r for p in self.plans for r in p.preempted]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(p.num_batched_tokens for p in self.plans)
-
-    @property
-    def num_steps(self) -> int:
-        return max((p.num_steps for p in self.plans), default=1)
-
-
 class DataParallelScheduler:
-    """Routes requests to per-group `Scheduler`s and merges their plans (the Scheduler interface)."""
+    """Routes requests to per-group `Scheduler`s and merges their plans (`SchedulerProtocol`)."""
 
     def __init__(self, schedulers: Sequence[Scheduler]):
         if not schedulers:
@@ -116,8 +84,12 @@ class DataParallelScheduler:
         if g is not None:
             self.schedulers[g].finish_request(request_id, status)
 
-    def schedule(self) -> GroupedPlan:
-        return GroupedPlan([s.schedule() for s in self.schedulers])
+    def schedule(self) -> StepPlan:
+        """The groups' plans side by side: group g's chunks, then group g + 1's (`plan.groups`)."""
+        plans = [s.schedule() for s in self.schedulers]
+        return StepPlan(chunks=[c for p in plans for c in p.chunks], preempted=[r for p in plans for r in p.preempted],
+                        num_batched_tokens=sum(p.num_batched_tokens for p in plans),
+                        groups=[g for g, p in enumerate(plans) for _ in p.chunks])
 
     def next_decode_step(self, chunk: ScheduledChunk) -> ScheduledChunk | None:
         """The group's `Scheduler.next_decode_step` (the runner runs multi-step decode for one
@@ -125,10 +97,12 @@ class DataParallelScheduler:
         g = self._group.get(chunk.request.request_id)
         return None if g is None else self.schedulers[g].next_decode_step(chunk)
 
-    def update(self, plan: GroupedPlan, sampled: Mapping[str, int]) -> list[Request]:
+    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         changed = []
-        for s, p in zip(self.schedulers, plan.plans):
-            for request in s.update(p, sampled):
+        for g, s in enumerate(self.schedulers):
+            chunks = [c for c, group in zip(plan.chunks, plan.groups) if group == g]
+            part = StepPlan(chunks=chunks, preempted=[], num_batched_tokens=sum(c.num_tokens for c in chunks))
+            for request in s.update(part, sampled):
                 changed.append(request)
                 if request.is_finished:
                     self._group.pop(request.request_id, None)

@@ -20,9 +20,11 @@ import numpy as np
 
 from jserve.dp_scheduler import DataParallelScheduler
 from jserve.page_table import PageTable
-from jserve.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from jserve.request import GREEDY, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from jserve.runner import Runner
-from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerProtocol, StepPlan
+from jserve.steps import StepOutput, StepRow
+from jserve.stop import StopPolicy
 from jserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -99,12 +101,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_policy = StopPolicy(self.eos_token_ids, runner.config.vocab_size)
         dp = runner.dp
         self.page_tables = [PageTable(runner.pages_per_group, runner.page_size,
                                       enable_prefix_caching=config.enable_prefix_caching) for _ in range(dp)]
         self.page_table = self.page_tables[0]
+        self.scheduler: SchedulerProtocol
         if dp == 1:
-            self.scheduler: Any = Scheduler(config.scheduler_config(), self.page_table)
+            self.scheduler = Scheduler(config.scheduler_config(), self.page_table)
         else:  # one scheduler per data-parallel group, each with its share of seqs and tokens
             share = config.scheduler_config(dp)
             self.scheduler = DataParallelScheduler([Scheduler(share, t) for t in self.page_tables])
@@ -130,6 +134,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.stop_policy.validate(params)
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens but the context length is {limit}: "
@@ -179,13 +184,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the current output of every request that changed."""
         plan = self.scheduler.schedule()
-        if plan.copies:
-            raise RuntimeError("copy-on-write page copies are not supported by this engine")
         changed: dict[str, _Group] = {}
         if plan.num_steps > 1:
             self._decode_steps(plan, changed)
         elif plan.chunks:
-            out = self.runner.execute(*_runner_inputs(plan.chunks), getattr(plan, "groups", None))
+            out = self.runner.execute(self._step_rows(plan))
             self.num_steps += 1
             self._take(plan, out, changed)
         outputs = []
@@ -198,10 +201,22 @@ class LLMEngine:
                     self._sequences.pop(seq.request.request_id, None)
         return outputs
 
-    def _take(self, plan, out: dict, changed: dict[str, "_Group"]) -> None:
-        """Hand a step's samples (`out`: arrays with a row per chunk of `plan`) to the scheduler and
-        accept each new token (logprobs, text, stop checks)."""
-        sampled = {c.request.request_id: int(out["tokens"][i]) for i, c in enumerate(plan.chunks) if c.samples}
+    def _step_rows(self, plan: StepPlan) -> list[StepRow]:
+        """The runner's rows for a plan's chunks."""
+        rows = []
+        for chunk, group in zip(plan.chunks, plan.groups):
+            req = chunk.request
+            p = req.params
+            stop_ids, min_new = self.stop_policy.device_stops(p, len(req.output_token_ids))
+            history = (req.prompt_token_ids, req.output_token_ids) if chunk.samples and p.has_penalties else None
+            rows.append(StepRow(chunk.start, chunk.token_ids, chunk.page_ids, p, len(req.output_token_ids),
+                                history, group, chunk.num_steps, stop_ids, min_new))
+        return rows
+
+    def _take(self, plan: StepPlan, out: StepOutput, changed: dict[str, "_Group"]) -> None:
+        """Hand a step's samples (a row per chunk of `plan`) to the scheduler and accept each new
+        token (logprobs, text, stop checks)."""
+        sampled = {c.request.request_id: int(out.tokens[i]) for i, c in enumerate(plan.chunks) if c.samples}
         index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
         for req in self.scheduler.update(plan, sampled):
             seq = self._sequences.get(req.request_id)
@@ -210,13 +225,11 @@ class LLMEngine:
             self._accept(seq, out, index[req.request_id])
             changed[seq.group.request_id] = seq.group
 
-    def _decode_steps(self, plan, changed: dict[str, "_Group"]) -> None:
+    def _decode_steps(self, plan: StepPlan, changed: dict[str, "_Group"]) -> None:
         """Run a multi-step decode plan, then take its tokens step by step as single steps would."""
-        chunks = plan.chunks
-        stops = [self._device_stops(c.request) for c in chunks]
-        out = self.runner.execute_decode_steps(*_runner_inputs(chunks), stops, [c.num_steps for c in chunks])
-        valid = out.pop("num_valid")
-        live = list(enumerate(chunks))
+        out = self.runner.execute_decode_steps(self._step_rows(plan))
+        valid = out.num_valid
+        live = list(enumerate(plan.chunks))
         for j in range(int(valid.max())):
             if j:  # the requests that took step j - 1's token and go on
                 live = [(i, nxt) for i, c in live if j < valid[i]
@@ -224,68 +237,45 @@ class LLMEngine:
                 if not live:
                     break
             rows = [i for i, _ in live]
-            sub = dataclasses.replace(plan, chunks=[c for _, c in live], copies=[], num_batched_tokens=len(live))
+            sub = dataclasses.replace(plan, chunks=[c for _, c in live], groups=[plan.groups[i] for i in rows],
+                                      num_batched_tokens=len(live))
             self.num_steps += 1
-            self._take(sub, {key: value[j][rows] for key, value in out.items()}, changed)
+            self._take(sub, out.step(j).rows(rows), changed)
 
-    def _device_stops(self, req: Request) -> tuple[list[int], int]:
-        """The stop ids a multi-step decode checks on the device, and the samples before they count
-        (the host's `_check_stop` decides; this only spares the steps after a stop)."""
-        p = req.params
-        ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        return ids, max(0, p.min_tokens - len(req.output_token_ids))
-
-    def _accept(self, seq: _Sequence, out: dict, i: int) -> None:
+    def _accept(self, seq: _Sequence, out: StepOutput, i: int) -> None:
         req = seq.request
         token = req.output_token_ids[-1]
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(out, i, token, req.params.logprobs))
         delta = seq.detok.add([token])
         if not req.is_finished:  # the scheduler finishes requests that reach the context length
-            status = self._check_stop(seq, token, delta)
-            if status is not None:
+            new_from = len(seq.text)
+            seq.text += delta
+            stop = self.stop_policy.check(req.params, token, len(req.output_token_ids), seq.text, new_from)
+            if stop is not None:
+                if stop.text is not None:
+                    seq.text = stop.text
+                seq.stop_reason = stop.stop_reason
+                status = RequestStatus.FINISHED_STOPPED if stop.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
                 self.scheduler.finish_request(req.request_id, status)
         else:
             seq.text += delta
         if req.is_finished and not isinstance(seq.stop_reason, str):
             seq.text += seq.detok.flush()
 
-    def _check_stop(self, seq: _Sequence, token: int, delta: str) -> RequestStatus | None:
-        p = seq.request.params
-        prev_len = len(seq.text)
-        seq.text += delta
-        n = len(seq.request.output_token_ids)
-        if n >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            for s in p.stop:
-                at = seq.text.find(s, max(0, prev_len - len(s) + 1))  # only where the delta could complete it
-                if at >= 0:
-                    seq.text = seq.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
-                    seq.stop_reason = s
-                    return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and n >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _logprob_entry(self, out: dict, i: int, token: int, k: int) -> dict[int, Logprob]:
+    def _logprob_entry(self, out: StepOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
         decode = self.tokenizer.decode
         entry = {int(t): Logprob(float(lp), rank, decode([int(t)]))
-                 for rank, (t, lp) in enumerate(zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k]), 1)}
+                 for rank, (t, lp) in enumerate(zip(out.top_ids[i][:k], out.top_logprobs[i][:k]), 1)}
         if token not in entry:
-            entry[token] = Logprob(float(out["logprob"][i]), int(out["rank"][i]), decode([token]))
+            entry[token] = Logprob(float(out.logprob[i]), int(out.rank[i]), decode([token]))
         return entry
 
     def _score_prompt(self, ids: list[int], k: int) -> list:
         """Prompt logprobs from one full forward of the prompt (a separate scoring pass)."""
         if self.scorer is None:
             raise ValueError("prompt_logprobs is not available on this engine")
-        from jserve.runner import GREEDY
-
-        _, plp, _ = self.scorer.prefill([ids], [GREEDY], len(ids) + 1, num_prompt_logprobs=max(k, 1))
+        _, plp, _ = self.scorer.prefill([ids], [(GREEDY, 0)], len(ids) + 1, num_prompt_logprobs=max(k, 1))
         chosen, rank, top_ids, top_lps = plp
         decode = self.tokenizer.decode
         result: list = [None]
@@ -319,21 +309,6 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
         }
-
-
-def _runner_inputs(chunks) -> tuple[list, list, list]:
-    """The runner's rows, sampling rows and penalty histories for a plan's chunks."""
-    rows = [(c.start, c.token_ids, c.page_ids) for c in chunks]
-    sampling = [_sampling_row(c.request) for c in chunks]
-    penalties = [(c.request.prompt_token_ids, c.request.output_token_ids)
-                 if c.samples and c.request.params.has_penalties else None for c in chunks]
-    return rows, sampling, penalties
-
-
-def _sampling_row(req: Request) -> tuple:
-    p = req.params
-    return (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, len(req.output_token_ids),
-            p.repetition_penalty, p.presence_penalty, p.frequency_penalty, int(p.logprobs is not None))
 
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20

@@ -1,4 +1,4 @@
-"""Page table: the KV-cache pages each request owns, with refcounts, copy-on-write and a prefix cache.
+"""Page table: the KV-cache pages each request owns, with refcounts and a prefix cache.
 
 Pure Python (neither jax nor numpy): the scheduler drives it, the runner only reads `page_ids()`.
 
@@ -12,15 +12,18 @@ The scheduler's contract:
    pick a chunk `k <= len(prompt) - n` and call `allocate_prompt(rid, prompt, num_new_tokens=k,
    cache_salt=salt)`. It shares the cached pages (they count as computed) and gives slots to the
    next `k` tokens. None means the pool is short and nothing changed (`can_allocate_prompt` asks).
-2. Each step, for `k` more known tokens to compute: `allocate_slots(rid, k)`. None: short, nothing
-   changed (preempt someone). Otherwise the list of `(src, dst)` page copies the device must do
-   before the step writes K/V (copy-on-write of a partial last page shared after `fork`).
+2. Each step, for `k` more known tokens to compute: `allocate_slots(rid, k)`. False: short,
+   nothing changed (preempt someone).
 3. After the step ran: `mark_computed(rid, k)`. Pages that are now full and computed enter the
    prefix cache under sha256(parent page hash, the page's token ids, cache salt): tenants with
    different salts never share a page.
 4. After sampling: `append_tokens(rid, [token])`; its slot comes with the next `allocate_slots`.
-5. `fork(parent, child)` shares every page (parallel samples); `free(rid)` on finish, abort or
-   preemption (re-admit with prompt + output as the prompt; the prefix cache saves the recompute).
+5. `free(rid)` on finish, abort or preemption (re-admit with prompt + output as the prompt; the
+   prefix cache saves the recompute).
+
+Pages are shared only through the prefix cache, and only full ones: a write never lands in a
+shared page, so nothing is ever copied on write (parallel samples share their prompt's full
+pages through the cache and compute their own last partial page).
 
 Lookahead (multi-step decode): `allocate_slots(rid, 1, num_lookahead=n - 1)` also takes the pages
 for the `n - 1` tokens the device will sample and feed back within one call, before they are
@@ -191,22 +194,16 @@ class PageTable:
         """Adds known tokens (sampled ones); they get slots with a later `allocate_slots`."""
         self._seq(request_id).token_ids.extend(_as_token_ids(token_ids))
 
-    def _plan_slots(self, seq: _Sequence, num_new_tokens: int, num_lookahead: int = 0) -> tuple[int, bool]:
-        """Fresh pages needed for `num_new_tokens` more slots (and `num_lookahead` after them), and
-        whether the last page is copied first."""
+    def _plan_slots(self, seq: _Sequence, num_new_tokens: int, num_lookahead: int = 0) -> int:
+        """Fresh pages needed for `num_new_tokens` more slots (and `num_lookahead` after them)."""
         check_count("num_new_tokens", num_new_tokens)
         check_count("num_lookahead", num_lookahead)
         num_unallocated = len(seq.token_ids) - seq.num_allocated
         if num_new_tokens > num_unallocated:
             raise ValueError(f"num_new_tokens={num_new_tokens} exceeds the {num_unallocated} known "
                              "tokens without a slot (append_tokens first)")
-        if num_new_tokens + num_lookahead == 0:
-            return 0, False
-        # The first new slot lands in the last page if that is partial; shared, it must be copied.
-        # (A request holding lookahead pages was never forked: its partial page is its own.)
-        copy_last = seq.num_allocated % self.page_size != 0 and self.pool.refcount(seq.page_ids[-1]) > 1
         num_pages = _cdiv(seq.num_allocated + num_new_tokens + num_lookahead, self.page_size)
-        return max(0, num_pages - len(seq.page_ids)) + copy_last, copy_last
+        return max(0, num_pages - len(seq.page_ids))
 
     def can_allocate_slots(self, request_id: Hashable, num_new_tokens: int, *, num_lookahead: int = 0) -> bool:
         """Whether `allocate_slots` with these arguments would succeed now."""
@@ -215,34 +212,23 @@ class PageTable:
 
     def num_fresh_pages(self, request_id: Hashable, num_new_tokens: int, *, num_lookahead: int = 0) -> int:
         """Pages `allocate_slots` with these arguments would take from the pool."""
-        return self._plan_slots(self._seq(request_id), num_new_tokens, num_lookahead)[0]
+        return self._plan_slots(self._seq(request_id), num_new_tokens, num_lookahead)
 
     def allocate_slots(self, request_id: Hashable, num_new_tokens: int, *,
-                       num_lookahead: int = 0) -> list[tuple[int, int]] | None:
-        """Gives slots to the next `num_new_tokens` known tokens, adding pages as needed.
+                       num_lookahead: int = 0) -> bool:
+        """Gives slots to the next `num_new_tokens` known tokens, adding pages as needed; False
+        (and nothing changed) when the pool is short.
 
         `num_lookahead` more slots' pages are taken too, for tokens not known yet (multi-step
         decode): they become slots with later `allocate_slots` calls, after `append_tokens`.
-
-        Returns:
-          The `(src_page, dst_page)` copies the device must do before writing K/V (copy-on-write;
-          an empty list most of the time), or None when the pool is short, in which case nothing
-          changed.
         """
         seq = self._seq(request_id)
-        num_fresh, copy_last = self._plan_slots(seq, num_new_tokens, num_lookahead)
-        fresh = self.pool.allocate(num_fresh)
+        fresh = self.pool.allocate(self._plan_slots(seq, num_new_tokens, num_lookahead))
         if fresh is None:
-            return None
-        copies = []
-        if copy_last:
-            src, dst = seq.page_ids[-1], fresh.pop()
-            seq.page_ids[-1] = dst
-            self.pool.release([src])
-            copies.append((src, dst))
+            return False
         seq.page_ids.extend(fresh)
         seq.num_allocated += num_new_tokens
-        return copies
+        return True
 
     def mark_computed(self, request_id: Hashable, num_new_tokens: int) -> None:
         """Records that the step wrote K/V for the next `num_new_tokens` allocated tokens.
@@ -266,28 +252,7 @@ class PageTable:
             # False when another page already holds this prefix: that one stays the cached copy.
             self.pool.register(seq.page_ids[i], page_hash)
 
-    # Sharing and release.
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Makes `child_id` a copy of `parent_id` sharing every page (e.g. parallel samples).
-
-        The parent must have no allocated, uncomputed tokens. The first of them to write into a
-        shared partial last page gets a copy of it (see `allocate_slots`).
-        """
-        parent = self._seq(parent_id)
-        if child_id in self._seqs:
-            raise ValueError(f"duplicate request id {child_id!r}")
-        if parent.num_computed != parent.num_allocated:
-            raise ValueError(f"request {parent_id!r} has {parent.num_allocated - parent.num_computed} "
-                             "allocated tokens not yet computed: fork after mark_computed")
-        if len(parent.page_ids) != _cdiv(parent.num_allocated, self.page_size):
-            raise ValueError(f"request {parent_id!r} holds lookahead pages past its slots: fork "
-                             "before a multi-step decode, not during one")
-        for page in parent.page_ids:
-            self.pool.share(page)
-        self._seqs[child_id] = dataclasses.replace(
-            parent, token_ids=list(parent.token_ids), page_ids=list(parent.page_ids),
-            page_hashes=list(parent.page_hashes))
+    # Release.
 
     def free(self, request_id: Hashable) -> None:
         """Releases the request's pages; cached prefix pages stay reusable until evicted."""

@@ -82,6 +82,9 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+GREEDY = SamplingParams(temperature=0.0)  # what padded rows and plain argmax decoding use
+
+
 # A position's logprobs: {token_id: Logprob}, the sampled (or prompt) token always included.
 @dataclasses.dataclass(frozen=True)
 class Logprob:

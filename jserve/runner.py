@@ -1,9 +1,9 @@
 """The paged runner: params and KV pages on the device, one compiled step per bucket.
 
-A step takes rows of `(start, token_ids, page_ids)`: decode rows (one token) go to the decode step
-(batch bucket), longer chunks to the prefill step (rows x token buckets); the page table has a
-fixed width. Each step embeds, writes K/V into pages, runs paged attention, and samples, all in
-one jit with the pages donated. With `decode_steps` K > 1, `execute_decode_steps` runs up to K
+A step takes `StepRow`s (`jserve.steps`): decode rows (one token) go to the decode step (batch
+bucket), longer chunks to the prefill step (rows x token buckets); the page table has a fixed
+width. Each step runs the model's forward (its backend's operations, `jserve.backends`) in one
+jit with the pages donated, then the sampler, a jit of its own; a `StepOutput` comes back. With `decode_steps` K > 1, `execute_decode_steps` runs up to K
 decode steps in one call (multi-step decode): a device loop feeds each row's sampled token back
 and stops a row at its stop ids or its step count. Shapes come from `buckets.py`; compilations
 are counted so that a server can prove none happens after warm-up. Over a mesh, rows of
@@ -30,12 +30,12 @@ from jserve.config import ModelConfig
 from jserve.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
 from jserve.model import model_graphdef
 from jserve.sampler import SamplingArrays, penalty_history
+from jserve.steps import StepOutput, StepRow
+from jserve.stop import MAX_DEVICE_STOP_IDS
 
 logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
-GREEDY = (0.0, 0, 1.0, 0.0, 0, 0)  # a sampling row: temperature, top_k, top_p, min_p, seed, step
-MAX_STOP_IDS = 16  # stop ids per row a multi-step decode checks on the device (the host checks all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,101 +138,73 @@ class Runner:
         if self.multiprocess and mesh is None:
             raise ValueError("a multi-process run needs a mesh over all processes' devices")
 
-    def execute(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]],
-                sampling: Sequence[tuple], penalties: Sequence[tuple | None] | None = None,
-                groups: Sequence[int] | None = None) -> dict[str, np.ndarray]:
-        """Run one scheduler step.
+    def execute(self, rows: Sequence[StepRow]) -> StepOutput:
+        """Run one scheduler step: decode rows (one token) in decode calls, prefill chunks packed
+        into prefill calls, per data-parallel group (`StepRow.group`).
 
-        Args:
-          rows: per row `(start, token_ids, page_ids)`: compute tokens at positions
-            `start .. start+len(token_ids)-1`, whose pages (and the earlier ones) are `page_ids`.
-          sampling: per row a sampling tuple (see `SamplingArrays.build`).
-          penalties: per row `(prompt_ids, output_ids)` for rows with repetition / presence /
-            frequency penalties, else None.
-          groups: per row its data-parallel group (page ids are local to that group's pool);
-            default all 0.
-        Returns:
-          numpy arrays per row, in `rows` order, for the sample after each row's last token:
-          `tokens`, `logprob`, `rank`, `top_ids` and `top_logprobs` (`MAX_LOGPROBS` of them).
+        Returns one sample per row, in `rows` order: the sample after the row's last token.
         """
-        groups = list(groups) if groups is not None else [0] * len(rows)
-        if any(not 0 <= g < self.dp for g in groups):
-            raise ValueError(f"row groups must be in [0, {self.dp}), got {sorted(set(groups))}")
+        if not rows:
+            raise ValueError("no rows")
+        if any(not 0 <= r.group < self.dp for r in rows):
+            raise ValueError(f"row groups must be in [0, {self.dp}), got {sorted({r.group for r in rows})}")
         results: dict[int, dict] = {}
-        penalties = penalties or [None] * len(rows)
         # Per group: its decode rows, and its prefill chunks packed into calls.
-        decode = [[i for i, r in enumerate(rows) if len(r[1]) == 1 and groups[i] == g] for g in range(self.dp)]
+        decode = [[i for i, r in enumerate(rows) if r.num_tokens == 1 and r.group == g] for g in range(self.dp)]
         cap = self.batch_buckets[-1]
         for c in range(max(math.ceil(len(d) / cap) for d in decode)):
-            self._run(rows, sampling, [d[c * cap:(c + 1) * cap] for d in decode], results, "decode", penalties)
+            self._run(rows, [d[c * cap:(c + 1) * cap] for d in decode], results, "decode")
         packs = []
         for g in range(self.dp):
-            prefill = sorted((i for i, r in enumerate(rows) if len(r[1]) > 1 and groups[i] == g),
-                             key=lambda i: -len(rows[i][1]))
-            packs.append([[prefill[j] for j in p] for p in self._pack_prefill([len(rows[i][1]) for i in prefill])])
+            prefill = sorted((i for i, r in enumerate(rows) if r.num_tokens > 1 and r.group == g),
+                             key=lambda i: -rows[i].num_tokens)
+            packs.append([[prefill[j] for j in p] for p in self._pack_prefill([rows[i].num_tokens for i in prefill])])
         for c in range(max(len(p) for p in packs)):
             parts = [p[c] if c < len(p) else [] for p in packs]
             if self._fits(rows, parts):
-                self._run(rows, sampling, parts, results, "prefill", penalties)
+                self._run(rows, parts, results, "prefill")
             else:  # the groups' calls have different shapes: one call per group
                 for g, part in enumerate(parts):
                     if part:
-                        self._run(rows, sampling, [part if h == g else [] for h in range(self.dp)],
-                                  results, "prefill", penalties)
-        keys = results[0].keys() if results else ()
-        return {key: np.stack([results[i][key] for i in range(len(rows))]) for key in keys}
+                        self._run(rows, [part if h == g else [] for h in range(self.dp)], results, "prefill")
+        return StepOutput.from_arrays({key: np.stack([results[i][key] for i in range(len(rows))])
+                                       for key in results[0]})
 
-    def execute_decode_steps(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int]]],
-                             sampling: Sequence[tuple], penalties: Sequence[tuple | None] | None,
-                             stops: Sequence[tuple[Sequence[int], int]],
-                             num_steps: Sequence[int]) -> dict[str, np.ndarray]:
+    def execute_decode_steps(self, rows: Sequence[StepRow]) -> StepOutput:
         """Run up to `decode_steps` decode steps in one call, each row's sample fed back as its
         next token on the device (multi-step decode).
 
-        Args:
-          rows: per row `(start, [token], page_ids)`, one token each; `page_ids` cover positions
-            `start .. start + num_steps[i] - 1` (the scheduler's lookahead pages).
-          sampling: per row a sampling tuple, whose step is that of the row's first sample.
-          penalties: as for `execute` (the device appends each sample to the history).
-          stops: per row `(stop_ids, min_new)`: the row stops after sampling one of `stop_ids`
-            once it has sampled at least `min_new` tokens in this call (its EOS and stop ids,
-            `min_tokens` counted down). Only the first MAX_STOP_IDS are checked here: the host
-            checks all, and drops what follows a stop.
-          num_steps: per row, 1 .. `decode_steps`: the row stops after that many.
-        Returns:
-          numpy arrays as from `execute` with a leading axis of `decode_steps` (entry j of row i is
-          the row's (j+1)-th sample), and `num_valid` [rows]: the samples before the row stopped
-          (entries past them are meaningless).
+        Each row has one token, `num_steps` in 1 .. `decode_steps`, pages for every step's
+        position, and its `stop_ids` / `min_new` (only the first MAX_DEVICE_STOP_IDS ids are checked
+        here: the host checks all, and drops what follows a stop); penalties see each sample.
+        Returns a `StepOutput` with a leading axis of `decode_steps`, and `num_valid`.
         """
         K = self.decode_steps
         if not rows:
             raise ValueError("no rows")
         if len(rows) > self.batch_buckets[-1]:
             raise ValueError(f"{len(rows)} rows exceed the largest decode bucket {self.batch_buckets[-1]}")
-        if any(len(r[1]) != 1 for r in rows):
+        if any(r.num_tokens != 1 for r in rows):
             raise ValueError("a multi-step decode takes exactly one token per row")
-        if any(not 1 <= n <= K for n in num_steps):
-            raise ValueError(f"num_steps must be in [1, {K}], got {list(num_steps)}")
-        for (start, _, pages), n in zip(rows, num_steps):
-            if start + n > len(pages) * self.page_size:
-                raise ValueError(f"a row at position {start} running {n} steps needs "
-                                 f"{-(-(start + n) // self.page_size)} pages, got {len(pages)}")
+        if any(not 1 <= r.num_steps <= K for r in rows):
+            raise ValueError(f"num_steps must be in [1, {K}], got {[r.num_steps for r in rows]}")
+        for r in rows:
+            if r.start + r.num_steps > len(r.page_ids) * self.page_size:
+                raise ValueError(f"a row at position {r.start} running {r.num_steps} steps needs "
+                                 f"{-(-(r.start + r.num_steps) // self.page_size)} pages, got {len(r.page_ids)}")
         B = buckets.pick(self.batch_buckets, len(rows))
         placed = list(rows) + [None] * (B - len(rows))
         tokens, positions, meta, _ = self._pack(placed, B, 1)
         steps = np.zeros((B,), np.int32)
-        steps[:len(rows)] = num_steps
-        stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
+        steps[:len(rows)] = [r.num_steps for r in rows]
+        stop_ids = np.full((B, MAX_DEVICE_STOP_IDS), -1, np.int32)
         min_new = np.zeros((B,), np.int32)
-        for i, (ids, at_least) in enumerate(stops):
-            ids = list(ids)[:MAX_STOP_IDS]
+        for i, r in enumerate(rows):
+            ids = list(r.stop_ids)[:MAX_DEVICE_STOP_IDS]
             stop_ids[i, :len(ids)] = ids
-            min_new[i] = at_least
-        sampling_arrays = SamplingArrays.build(sampling, B).as_tuple()
-        history = penalty_history(list(penalties or [None] * len(rows)) + [None] * (B - len(rows)), B,
-                                  self.max_model_len, self.config.vocab_size)
-        inputs = (tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new,
-                  sampling_arrays, history)
+            min_new[i] = r.min_new
+        sampling, history = self._sampling(placed, B)
+        inputs = (tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new, sampling, history)
         cached = _cache_size(self._decode_steps)
         t0 = time.perf_counter()
         out, self.kv = self._decode_steps(self.params, self.kv, *inputs)
@@ -242,14 +214,19 @@ class Runner:
         valid = out.pop("num_valid")[:len(rows)]
         ran = int(valid.max())
         # Per step, the rows still running: their real tokens, bytes and FLOPs.
-        live = [[(start + j, [0]) for (start, _, _), n in zip(rows, valid) if j < n] for j in range(ran)]
+        live = [[StepRow(r.start + j, [0], ()) for r, n in zip(rows, valid) if j < n] for j in range(ran)]
         cost = [self._cost(step_rows) for step_rows in live]
-        real = int(valid.sum())
-        self._record(StepRecord("decode", (B, 1), real, B * ran, seconds, sum(c[0] for c in cost),
+        self._record(StepRecord("decode", (B, 1), int(valid.sum()), B * ran, seconds, sum(c[0] for c in cost),
                                 sum(c[1] for c in cost), steps=ran))
-        result = {key: value[:, :len(rows)] for key, value in out.items()}
-        result["num_valid"] = valid
-        return result
+        return StepOutput.from_arrays({**{key: value[:, :len(rows)] for key, value in out.items()},
+                                       "num_valid": valid})
+
+    def _sampling(self, rows: Sequence[StepRow | None], B: int):
+        """The rows' `SamplingArrays` and penalty history, padded to B rows."""
+        sampling = SamplingArrays.build([None if r is None else (r.sampling, r.sample_index) for r in rows], B)
+        history = penalty_history([None if r is None else r.history for r in rows], B, self.max_model_len,
+                                  self.config.vocab_size)
+        return sampling, history
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(rows per group, tokens) buckets of the prefill step: within the largest token bucket."""
@@ -262,7 +239,7 @@ class Runner:
         if len(live) <= 1:
             return True
         b = buckets.pick(PREFILL_BATCH_BUCKETS, max(len(p) for p in live))
-        t = buckets.pick(self.token_buckets, max(len(rows[i][1]) for p in live for i in p))
+        t = buckets.pick(self.token_buckets, max(rows[i].num_tokens for p in live for i in p))
         return b * t <= self.token_buckets[-1]
 
     def _pack_prefill(self, lengths: list[int]) -> list[list[int]]:
@@ -284,30 +261,25 @@ class Runner:
             groups.append([j])
         return groups
 
-    def _run(self, all_rows, all_sampling, parts, results, kind, all_penalties=None):
+    def _run(self, all_rows: Sequence[StepRow], parts, results, kind):
         """One call; `parts[g]` are the row indices of group g, placed in the g-th block of rows."""
         Bg = buckets.pick(self.batch_buckets if kind == "decode" else PREFILL_BATCH_BUCKETS,
                           max(1, max(len(p) for p in parts)))
         B = Bg * self.dp
         slot_of = {i: g * Bg + j for g, part in enumerate(parts) for j, i in enumerate(part)}
-        index = list(slot_of)
-        rows = [all_rows[i] for i in index]
-        T = 1 if kind == "decode" else buckets.pick(self.token_buckets, max(len(r[1]) for r in rows))
-        placed: list = [None] * B
-        sampling: list = [GREEDY] * B
-        penalties: list = [None] * B
+        rows = [all_rows[i] for i in slot_of]
+        T = 1 if kind == "decode" else buckets.pick(self.token_buckets, max(r.num_tokens for r in rows))
+        placed: list[StepRow | None] = [None] * B
         for i, slot in slot_of.items():
-            placed[slot], sampling[slot] = all_rows[i], all_sampling[i]
-            penalties[slot] = all_penalties[i] if all_penalties else None
+            placed[slot] = all_rows[i]
         arrays = self._pack(placed, B, T)
-        sampling_arrays = SamplingArrays.build(sampling, B).as_tuple()
-        history = penalty_history(penalties, B, self.max_model_len, self.config.vocab_size)
+        sampling, history = self._sampling(placed, B)
         cached = self._compiled_count()
         t0 = time.perf_counter()
-        out = jax.device_get(self._call(kind, B, T, (arrays, sampling_arrays, history)))
+        out = jax.device_get(self._call(kind, B, T, (arrays, sampling, history)))
         seconds = time.perf_counter() - t0
         self._count((kind, B, T), None if cached is None else self._compiled_count() > cached)
-        real = sum(len(r[1]) for r in rows)
+        real = sum(r.num_tokens for r in rows)
         self._record(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
         for i, slot in slot_of.items():
             results[i] = {key: value[slot] for key, value in out.items()}
@@ -354,8 +326,7 @@ class Runner:
             op, kind, B, T = (int(x) for x in broadcast(np.zeros(4, np.int32)))
             if op == STOP_OP:
                 return steps
-            template = (self._pack([None] * B, B, T), SamplingArrays.build([], B).as_tuple(),
-                        penalty_history([], B, self.max_model_len, self.config.vocab_size))
+            template = (self._pack([None] * B, B, T), *self._sampling([], B))
             jax.block_until_ready(self._device_step(broadcast(None, template)))
             steps += 1
 
@@ -378,8 +349,8 @@ class Runner:
 
         return jax.tree.map(put, tree)
 
-    def _pack(self, rows, B, T):
-        """rows: one `(start, token_ids, page_ids)` or None (padding) per batch row."""
+    def _pack(self, rows: Sequence[StepRow | None], B: int, T: int):
+        """rows: one `StepRow` or None (padding) per batch row."""
         return step_rows.pack(rows, B, T, max_pages=self.max_pages, page_size=self.page_size)
 
     def _cost(self, rows) -> tuple[int, int]:
@@ -406,14 +377,13 @@ class Runner:
         shapes = [("decode", b, 1) for b in self.batch_buckets]
         shapes += [("prefill", b, t) for b, t in self.prefill_shapes()]
         for kind, B, T in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
-            rows = [(0, [0] * T, [0] * self.max_pages)] * (B * self.dp)
+            rows = [StepRow(0, [0] * T, [0] * self.max_pages)] * (B * self.dp)
             parts = [list(range(g * B, (g + 1) * B)) for g in range(self.dp)]
-            self._run(rows, [GREEDY] * len(rows), parts, {}, kind)
+            self._run(rows, parts, {}, kind)
         if self.decode_steps > 1:
             for B in tqdm(self.batch_buckets, desc="warm-up (multi-step decode)", unit="shape",
                           disable=not progress):
-                rows = [(0, [0], [0] * self.max_pages)] * B
-                self.execute_decode_steps(rows, [GREEDY] * B, None, [((), 0)] * B, [self.decode_steps] * B)
+                self.execute_decode_steps([StepRow(0, [0], [0] * self.max_pages, num_steps=self.decode_steps)] * B)
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
         self.warmed_up = True

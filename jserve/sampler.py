@@ -14,10 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jserve.request import GREEDY, SamplingParams
 
+
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
-    """Per-row sampling parameters, host side (numpy), padded to the batch bucket."""
+    """Per-row sampling settings as arrays (a pytree), padded to the batch bucket: the one form
+    `SamplingParams` takes on its way to the device (built by `build`, read by `sample`)."""
 
     temperature: np.ndarray  # float32 [batch]
     top_k: np.ndarray  # int32 [batch], 0 = off
@@ -30,22 +34,33 @@ class SamplingArrays:
     frequency_penalty: np.ndarray  # float32 [batch], 0 = off
     logprobs: np.ndarray  # int32 [batch]: 1 if the row's request wants logprobs, else 0
 
-    DEFAULT_ROW = (0.0, 0, 1.0, 0.0, 0, 0, 1.0, 0.0, 0.0, 0)
-
     @classmethod
-    def build(cls, rows: Sequence[tuple], batch: int) -> "SamplingArrays":
-        """rows: (temperature, top_k, top_p, min_p, seed, step[, repetition, presence, frequency
-        [, logprobs]]) per real row (missing penalties: off; missing logprobs: not wanted); pads
-        to `batch` with greedy rows."""
-        d = cls.DEFAULT_ROW
-        full = [tuple(r) + d[len(r):] for r in rows] + [d] * (batch - len(rows))
-        cols = list(zip(*full))
-        types = (np.float32, np.int32, np.float32, np.float32, np.uint32, np.int32, np.float32, np.float32,
-                 np.float32, np.int32)
-        return cls(*(np.asarray(c, t) for c, t in zip(cols, types)))
+    def build(cls, rows: Sequence[tuple[SamplingParams, int] | None], batch: int) -> "SamplingArrays":
+        """rows: `(params, step)` per real row (step: the index of the token sampled within its
+        request, which a seeded row's random key folds in) or None for padding; pads to `batch`
+        with greedy rows."""
+        if len(rows) > batch:
+            raise ValueError(f"{len(rows)} rows exceed the batch of {batch}")
+        cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(cls)}
+        for row in list(rows) + [None] * (batch - len(rows)):
+            p, step = row if row is not None else (GREEDY, 0)
+            for name, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
+                                ("min_p", p.min_p), ("seed", (p.seed or 0) % 2**32), ("step", step),
+                                ("repetition_penalty", p.repetition_penalty),
+                                ("presence_penalty", p.presence_penalty),
+                                ("frequency_penalty", p.frequency_penalty),
+                                ("logprobs", int(p.logprobs is not None))):
+                cols[name].append(value)
+        return cls(**{name: np.asarray(values, _DTYPES[name]) for name, values in cols.items()})
 
-    def as_tuple(self) -> tuple:
-        return dataclasses.astuple(self)
+    def at_step(self, j) -> "SamplingArrays":
+        """The same rows `j` samples later (multi-step decode: per-row seeds fold in the step)."""
+        return dataclasses.replace(self, step=self.step + j)
+
+
+_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
+           "seed": np.uint32, "step": np.int32, "repetition_penalty": np.float32,
+           "presence_penalty": np.float32, "frequency_penalty": np.float32, "logprobs": np.int32}
 
 
 def penalty_history(rows: Sequence[tuple[Sequence[int], Sequence[int]] | None], batch: int,
@@ -143,22 +158,17 @@ def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           min_p: jax.Array, seed: jax.Array, step: jax.Array, repetition: jax.Array | None = None,
-           presence: jax.Array | None = None, frequency: jax.Array | None = None,
-           wants_logprobs: jax.Array | None = None,
-           penalties: tuple[jax.Array, jax.Array] | None = None, *, num_logprobs: int = 0):
+def sample(logits: jax.Array, sampling: SamplingArrays,
+           penalties: tuple[jax.Array, jax.Array] | None = None, *, num_logprobs: int = 0,
+           always_logprobs: bool = False):
     """Sample one token per row.
 
     Args:
       logits: float32 [batch, vocab].
-      temperature, top_p, min_p: float32 [batch]; top_k, step: int32 [batch]; seed: uint32 [batch].
-      repetition, presence, frequency: float32 [batch] penalties, applied when `penalties`
-        (history, num_prompt: see `penalty_history`) is given.
-      wants_logprobs: int32 [batch], nonzero where the row's request wants logprobs. When
-        given and no row does, the logprob outputs are zeros and cost nothing (the log-softmax
-        and top-k over the vocabulary take ~3 of the ~4 ms this function takes at batch 16 with
-        SmolLM2's 49152 tokens); when None they are always computed.
+      sampling: the rows' settings; its penalties apply when `penalties` (history, num_prompt:
+        see `penalty_history`) is given. Where no row wants logprobs (`sampling.logprobs`), the
+        logprob outputs are zeros and cost nothing (the log-softmax and top-k over the
+        vocabulary are most of this function's time), unless `always_logprobs`.
       num_logprobs: static; how many top logprobs to return per row (0: none).
     Returns:
       dict with `tokens` int32 [batch], `logprob` float32 [batch] (of the chosen token),
@@ -167,6 +177,10 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     """
     logits = logits.astype(jnp.float32)
     raw = logits
+    temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+    seed, step = sampling.seed, sampling.step
+    repetition, presence = sampling.repetition_penalty, sampling.presence_penalty
+    frequency = sampling.frequency_penalty
     greedy = temperature <= 0.0
 
     def draw(logits, best):
@@ -210,10 +224,10 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
             out["top_ids"], out["top_logprobs"] = top_ids.astype(jnp.int32), top_lp
         return out
 
-    if wants_logprobs is None:
+    if always_logprobs:
         return {"tokens": tokens, **logprob_outputs(raw)}
     skipped = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(logprob_outputs, raw))
-    return {"tokens": tokens, **jax.lax.cond(jnp.any(wants_logprobs != 0), logprob_outputs,
+    return {"tokens": tokens, **jax.lax.cond(jnp.any(sampling.logprobs != 0), logprob_outputs,
                                              lambda raw: skipped, raw)}
 
 

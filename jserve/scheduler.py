@@ -60,9 +60,11 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from jserve.page_table import PageTable
 from jserve.request import SamplingParams
+from jserve.stop import tokens_left
 
 logger = logging.getLogger(__name__)
 
@@ -164,15 +166,51 @@ class ScheduledChunk:
 
 @dataclasses.dataclass
 class StepPlan:
+    """One step's work: the chunks to compute, in row order, and what scheduling them did."""
+
     chunks: list[ScheduledChunk]
-    copies: list[tuple[int, int]]  # (src_page, dst_page) copy-on-write copies to do before the step
     preempted: list[Request]
     num_batched_tokens: int
+    groups: list[int] | None = None  # chunk i's data-parallel group (None: all in group 0)
+
+    def __post_init__(self):
+        if self.groups is None:
+            self.groups = [0] * len(self.chunks)
+        if len(self.groups) != len(self.chunks):
+            raise ValueError(f"{len(self.groups)} groups for {len(self.chunks)} chunks")
 
     @property
     def num_steps(self) -> int:
         """Decode steps of the device call: > 1 for a multi-step decode."""
         return max((c.num_steps for c in self.chunks), default=1)
+
+
+class SchedulerProtocol(Protocol):
+    """What the engine drives: `Scheduler`, or `DataParallelScheduler` over one per group."""
+
+    num_preemptions: int
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def get_request(self, request_id: str) -> Request | None: ...
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_request(self, request_id: str) -> Request | None: ...
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None: ...
+
+    def schedule(self) -> StepPlan: ...
+
+    def next_decode_step(self, chunk: ScheduledChunk) -> ScheduledChunk | None: ...
+
+    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]: ...
 
 
 class Scheduler:
@@ -279,7 +317,6 @@ class Scheduler:
                 return plan
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        copies: list[tuple[int, int]] = []
         preempted: list[Request] = []
 
         i = 0
@@ -289,22 +326,21 @@ class Scheduler:
             num_reserved = len(self._running) - i - 1
             num_new = min(request.num_tokens - request.num_computed_tokens, budget - num_reserved)
             assert num_new > 0, (request.request_id, num_new, budget, num_reserved)
-            while (new_copies := self.page_table.allocate_slots(request.request_id, num_new)) is None:
+            while not (allocated := self.page_table.allocate_slots(request.request_id, num_new)):
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
-            if new_copies is None:
+            if not allocated:
                 break  # the request preempted itself; it was the last one
-            copies.extend(new_copies)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
             i += 1
 
         if not preempted:
-            budget = self._admit(budget, chunks, copies)
-        return StepPlan(chunks=chunks, copies=copies, preempted=preempted,
+            budget = self._admit(budget, chunks)
+        return StepPlan(chunks=chunks, preempted=preempted,
                         num_batched_tokens=self.config.max_num_batched_tokens - budget)
 
     def _schedule_decode_steps(self) -> StepPlan | None:
@@ -325,22 +361,19 @@ class Scheduler:
         need = sum(table.num_fresh_pages(r.request_id, 1, num_lookahead=n - 1) for r, n in zip(running, steps))
         if need > table.pool.num_available_pages:
             return None  # the single step preempts as it must
-        chunks, copies = [], []
+        chunks = []
         for request, n in zip(running, steps):
-            new_copies = table.allocate_slots(request.request_id, 1, num_lookahead=n - 1)
-            assert new_copies is not None, "counted above"
-            copies.extend(new_copies)
+            allocated = table.allocate_slots(request.request_id, 1, num_lookahead=n - 1)
+            assert allocated, "counted above"
             chunk = self._chunk(request, 1)
             chunk.num_steps = n
             chunks.append(chunk)
-        return StepPlan(chunks=chunks, copies=copies, preempted=[], num_batched_tokens=len(chunks))
+        return StepPlan(chunks=chunks, preempted=[], num_batched_tokens=len(chunks))
 
     def _num_decode_steps(self, request: Request) -> int:
         """Steps a multi-step decode may run for `request`: K, fewer near max_tokens or max_len."""
-        n = min(self.config.num_scheduler_steps, self.max_len - request.num_tokens)
-        if request.params.max_tokens is not None:
-            n = min(n, request.params.max_tokens - len(request.output_token_ids))
-        return max(n, 1)
+        left = tokens_left(request.params, len(request.output_token_ids), request.num_tokens, self.max_len)
+        return max(min(self.config.num_scheduler_steps, left), 1)
 
     def next_decode_step(self, chunk: ScheduledChunk) -> ScheduledChunk | None:
         """The chunk of a multi-step decode's next step for `chunk`'s request: its newest token, in
@@ -348,11 +381,12 @@ class Scheduler:
         request = chunk.request
         if self._requests.get(request.request_id) is not request:
             return None
-        copies = self.page_table.allocate_slots(request.request_id, 1)
-        assert copies == [], "the lookahead pages hold every step of a multi-step decode"
+        assert self.page_table.num_fresh_pages(request.request_id, 1) == 0, \
+            "the lookahead pages hold every step of a multi-step decode"
+        self.page_table.allocate_slots(request.request_id, 1)
         return self._chunk(request, 1)
 
-    def _admit(self, budget: int, chunks: list[ScheduledChunk], copies: list[tuple[int, int]]) -> int:
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Admits waiting requests in order while seats, budget and pages allow; returns the budget left."""
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
@@ -373,7 +407,6 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             self._admission_key[request] = (request.priority, next(self._counter))
             bisect.insort(self._running, request, key=self._admission_key.__getitem__)
-            # A new prompt's pages are shared whole or fresh, so admission never copies.
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return budget

@@ -1,8 +1,8 @@
 """A step's rows on the host: packed into the padded arrays a compiled step takes, and costed.
 
-Pure numpy and arithmetic, no device state (`jserve.runner` owns that). A row is
-`(start, token_ids, page_ids)`: tokens at positions `start .. start + len(token_ids) - 1`,
-whose pages (and the earlier ones) are `page_ids`; None is a padding row.
+Pure numpy and arithmetic, no device state (`jserve.runner` owns that). A row is a
+`jserve.steps.StepRow` (tokens at positions `start .. start + len(token_ids) - 1`, whose pages,
+and the earlier ones, are `page_ids`); None is a padding row.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def pack(rows, B: int, T: int, *, max_pages: int, page_size: int):
     for b, row in enumerate(rows):
         if row is None:
             continue
-        start, ids, pages = row
+        start, ids, pages = row.start, row.token_ids, row.page_ids
         n = len(ids)
         pos = np.arange(start, start + n)
         tokens[b, :n] = ids
@@ -44,10 +44,10 @@ def cost(config: ModelConfig, rows, *, param_bytes: int, num_params: int, kv_ite
     behind the metrics' bandwidth and FLOP utilisation)."""
     c = config
     kv_token = c.kv_bytes_per_token(kv_itemsize)
-    new = sum(len(r[1]) for r in rows)
-    context = sum(r[0] + len(r[1]) for r in rows)  # keys each row's last query reads
+    new = sum(r.num_tokens for r in rows)
+    context = sum(r.start + r.num_tokens for r in rows)  # keys each row's last query reads
     # Keys over all queries: query at position p reads p + 1 keys; a closed-form sum per row.
-    attended = sum(len(r[1]) * (2 * r[0] + len(r[1]) + 1) // 2 for r in rows)
+    attended = sum(r.num_tokens * (2 * r.start + r.num_tokens + 1) // 2 for r in rows)
     bytes_needed = param_bytes + kv_token * (context + new)
     # Layers run for every new token; the head only for each row's last (embedding: a lookup).
     layer_params = num_params - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from jserve.request import CompletionOutput, RequestOutput, SamplingParams
+from jserve.stop import holdback
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +52,7 @@ class Tracker:
 
     def __init__(self, params: SamplingParams, delta: bool):
         self.delta = delta
-        # A stop string is cut from the text when it completes, possibly reaching back into text
-        # of earlier steps: hold back as many characters as could be its start (as vLLM does).
-        self.holdback = (max(map(len, params.stop)) - 1
-                         if params.stop and not params.include_stop_str_in_output else 0)
+        self.holdback = holdback(params)  # what a stop string could still cut
         self.sent: dict[int, tuple[int, int, bool]] = {}  # completion index -> (chars, tokens, finished)
         self.first = True
 

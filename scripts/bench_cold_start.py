@@ -36,7 +36,17 @@ def measure(args: argparse.Namespace) -> dict:
     import jax  # noqa: F401  (importing it is part of what a server pays)
 
     from jserve.llm import LLM
-    from jserve.runner import GREEDY
+
+    try:  # the step contract since the backend redesign; before it, tuples
+        from jserve.steps import StepRow
+
+        def call(runner, rows):
+            runner.execute([StepRow(*r) for r in rows])
+    except ImportError:
+        from jserve.runner import GREEDY
+
+        def call(runner, rows):
+            runner.execute(rows, [GREEDY] * len(rows))
 
     kwargs = dict(max_num_seqs=args.batch, max_model_len=args.max_model_len, compilation_cache=False,
                   warmup=False)
@@ -58,7 +68,7 @@ def measure(args: argparse.Namespace) -> dict:
     times = []
     for i in range(args.runs + 1):
         t = time.perf_counter()
-        runner.execute(rows, [GREEDY] * args.batch)
+        call(runner, rows)
         if i:  # the first call is a warm-up
             times.append(time.perf_counter() - t)
     import jserve

@@ -58,7 +58,8 @@ from jserve.model.paged_attention import PagedAttention  # noqa: E402
 from jserve import buckets  # noqa: E402
 from jserve.model.llama import LAYER_MATMULS  # noqa: E402
 from jserve.device_steps import forward as device_step  # noqa: E402
-from jserve.runner import GREEDY, PREFILL_BATCH_BUCKETS  # noqa: E402
+from jserve.runner import PREFILL_BATCH_BUCKETS  # noqa: E402
+from jserve.steps import StepRow  # noqa: E402
 from pallas_kernels.matmul import native as native_matmul  # noqa: E402
 
 # name: (attention backend, XLA options, native matmuls over packed weights, fused decode layers).
@@ -141,7 +142,7 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, fu
     else:
         batch = buckets.pick(PREFILL_BATCH_BUCKETS, len(rows))
         width = buckets.pick(runner.token_buckets, new)
-    rows = rows + [None] * (batch - len(rows))
+    rows = [StepRow(*r) for r in rows] + [None] * (batch - len(rows))
     tokens, positions, meta, last = runner._pack(rows, batch, width)
     lowered = jax.jit(step, donate_argnums=(1,)).lower(params, runner.kv, tokens, positions, meta, last)
     compiled = lowered.compile(compiler_options=options)
@@ -173,7 +174,7 @@ def bench(runners, config, variants, batch, context, new, runs, bandwidth, peak,
         for label, step in compiled.items():
             runner = owner[label]
             runner.step_fn = lambda b, t, c=step: c
-            runner.execute(rows, [GREEDY] * batch)
+            runner.execute([StepRow(*r) for r in rows])
             if i:
                 times[label].append(runner.records[-1].seconds)
     out = []

@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 
 from jserve.checkpoint import load_checkpoint, resolve_model  # noqa: E402
 from jserve.llm import enable_compilation_cache  # noqa: E402
-from jserve.runner import GREEDY, Runner  # noqa: E402
+from jserve.runner import Runner  # noqa: E402
+from jserve.steps import StepRow  # noqa: E402
 
 
 def build(config, params, page_size: int, huge: bool, batch: int, max_len: int) -> Runner:
@@ -65,14 +66,14 @@ def main(argv=None):
             pool = runner.num_pages - 1
             pages = math.ceil((context + 1) / v[0])
             ids = rng.permutation(np.arange(1, pool + 1))[:args.batch * pages].reshape(args.batch, pages)
-            rows = [(context, [1], [int(x) for x in ids[j]]) for j in range(args.batch)]
-            runner.execute(rows, [GREEDY] * args.batch)  # compiles this shape
+            rows = [StepRow(context, [1], [int(x) for x in ids[j]]) for j in range(args.batch)]
+            runner.execute(rows)  # compiles this shape
             calls[v] = (runner, rows)
         times = {v: [] for v in variants}
         for i in range(args.runs):
             for v in (variants if i % 2 else variants[::-1]):
                 runner, rows = calls[v]
-                runner.execute(rows, [GREEDY] * args.batch)
+                runner.execute(rows)
                 times[v].append(runner.records[-1].seconds)
         print(f"{context:>8}  " + "".join(
             f"{1e3 * statistics.median(times[v]):>15.1f} ({1e3 * min(times[v]):5.1f})" for v in variants),

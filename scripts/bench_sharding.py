@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     from jserve.llm import LLM
     from jserve.request import SamplingParams
-    from jserve.runner import GREEDY
+    from jserve.steps import StepRow
     from jserve.sharding import parse_mesh
 
     golden = json.loads((REPO / "tests" / "data" / "smollm2_golden.json").read_text())["cases"]
@@ -81,20 +81,20 @@ def main(argv=None) -> int:
         # change the step's cost), and one prefill chunk per group.
         S = runner.page_size
         pages = math.ceil((args.context + 1) / S)
-        rows, groups = [], []
+        rows = []
         for i in range(batch):
             g, j = i % dp, i // dp
-            rows.append((args.context, [1], list(range(1 + j * pages, 1 + (j + 1) * pages))))
-            groups.append(g)
+            rows.append(StepRow(args.context, [1], list(range(1 + j * pages, 1 + (j + 1) * pages)), group=g))
         if (batch // dp) * pages + 1 > runner.pages_per_group:
             raise SystemExit(f"not enough pages for batch {batch} x context {args.context}")
-        prefill_rows = [(0, [1] * args.prefill, list(range(1, 1 + math.ceil(args.prefill / S))))] * dp
+        prefill_rows = [StepRow(0, [1] * args.prefill, list(range(1, 1 + math.ceil(args.prefill / S))), group=g)
+                        for g in range(dp)]
         timings = {}
-        for kind, (r, g) in {"decode": (rows, groups), "prefill": (prefill_rows, list(range(dp)))}.items():
-            runner.execute(r, [GREEDY] * len(r), groups=g)  # compile / warm
+        for kind, r in {"decode": rows, "prefill": prefill_rows}.items():
+            runner.execute(r)  # compile / warm
             secs = []
             for _ in range(args.repeats):
-                runner.execute(r, [GREEDY] * len(r), groups=g)
+                runner.execute(r)
                 secs.append(runner.records[-1].seconds)
             timings[kind] = statistics.median(secs)
         weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.params))

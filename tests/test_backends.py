@@ -20,11 +20,13 @@ from flax import nnx
 from jserve import backends
 from jserve.checkpoint import read_params
 from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
-from jserve.runner import GREEDY, Runner
+from jserve.request import SamplingParams
+from jserve.runner import Runner
+from jserve.steps import StepRow
 
 from conftest import DATA
 
-WANTS_LOGPROBS = GREEDY + (1.0, 0.0, 0.0, 1)  # no penalties; top logprobs on
+WANTS_LOGPROBS = SamplingParams(temperature=0.0, logprobs=5)
 
 # name: (backend name, backend options)
 BACKENDS = {
@@ -64,14 +66,14 @@ def test_backend_stacks_match_the_models_own_layers(arch, name):
         assert runner.ops.fused  # no biases, no q/k norms: the decode steps take the fused call
     ids = [int(t) for t in np.random.default_rng(0).integers(3, config.vocab_size, 14)]
     pages = [7, 3, 12, 5]  # out of order; page 0 is the null page
-    steps = [runner.execute([(0, ids[:8], pages[:2])], [WANTS_LOGPROBS]),  # two prefill chunks
-             runner.execute([(8, ids[8:11], pages[:3])], [WANTS_LOGPROBS])]
+    steps = [runner.execute([StepRow(0, ids[:8], pages[:2], WANTS_LOGPROBS)]),  # two prefill chunks
+             runner.execute([StepRow(8, ids[8:11], pages[:3], WANTS_LOGPROBS)])]
     for n in range(11, 14):  # decode, fed the sequence's own tokens
-        steps.append(runner.execute([(n, [ids[n]], pages[:n // 4 + 1])], [WANTS_LOGPROBS]))
+        steps.append(runner.execute([StepRow(n, [ids[n]], pages[:n // 4 + 1], WANTS_LOGPROBS)]))
     want = _model_logprobs(config, params, ids)
     for pos, out in zip([7, 10, 11, 12, 13], steps):
         top = np.sort(want[pos])[::-1][:5]
-        np.testing.assert_allclose(out["top_logprobs"][0][:5], top, atol=2e-4, err_msg=f"position {pos}")
+        np.testing.assert_allclose(out.top_logprobs[0][:5], top, atol=2e-4, err_msg=f"position {pos}")
 
 
 def _decode_hlo(runner, batch):

@@ -154,6 +154,10 @@ def test_bad_requests_are_rejected_with_the_value(tiny):
         engine.add_request("long", [5] * 200, SamplingParams())
     with pytest.raises(ValueError, match="256"):
         engine.add_request("vocab", [5, 256], SamplingParams())
+    for token in (256, 2**31, 2**40):  # past int32 reached the device's stop-id array once
+        with pytest.raises(ValueError, match=f"stop_token_ids: {token} is outside"):
+            engine.add_request("stop-id", [5], SamplingParams(stop_token_ids=[token]))
+    assert not engine.has_unfinished_requests()
     engine.add_request("dup", [5], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="dup"):
         engine.add_request("dup", [5], SamplingParams())
@@ -178,7 +182,7 @@ def test_penalties_reach_the_sampler_through_the_engine(tiny):
 
 @pytest.mark.parametrize("backend,given,want", [("cpu", None, 64), ("cpu_pallas", None, 16), ("cpu", 8, 8)])
 def test_page_size_defaults_to_64_on_the_native_cpu_kernel(tiny, backend, given, want):
-    # Scattered 16 KiB chunks read at twice the bandwidth of 4 KiB ones (kv_cache.default_page_size).
+    # Scattered 16 KiB chunks read at twice the bandwidth of 4 KiB ones (the native backend's default).
     engine = make_engine(tiny, backend=backend, page_size=given, warmup=False, num_pages=None,
                          kv_cache_bytes=1 << 20)
     assert engine.runner.page_size == want

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jserve import SamplingParams
-from jserve.model import DenseAttention, init_cache, model_graphdef
+from jserve.model import DenseAttention, init_cache
 
 MARGIN = 0.05
 

@@ -14,7 +14,7 @@ import pytest
 
 from jserve.page_table import PageTable
 from jserve.request import SamplingParams
-from jserve.runner import GREEDY
+from jserve.steps import StepRow
 from jserve.scheduler import RequestStatus, SchedulerConfig, StepPlan
 
 from test_engine import make_engine, run_outputs as run_all, tiny  # noqa: F401 (tiny: the module-scoped fixture)
@@ -30,7 +30,7 @@ def test_lookahead_pages_are_taken_up_front_and_filled_later():
     table.mark_computed("a", 6)
     table.append_tokens("a", [7])
     assert table.num_fresh_pages("a", 1, num_lookahead=5) == 1  # slots 6..11: one more page
-    assert table.allocate_slots("a", 1, num_lookahead=5) == []
+    assert table.allocate_slots("a", 1, num_lookahead=5) is True
     pages = table.page_ids("a")
     assert len(pages) == 3 and table.num_allocated_tokens("a") == 7
     table.check_invariants()
@@ -38,7 +38,7 @@ def test_lookahead_pages_are_taken_up_front_and_filled_later():
         table.mark_computed("a", 1)
         table.append_tokens("a", [token])
         free = table.pool.num_free_pages
-        assert table.allocate_slots("a", 1) == []
+        assert table.allocate_slots("a", 1) is True
         assert table.pool.num_free_pages == free and table.page_ids("a") == pages
         table.check_invariants()
     with pytest.raises(ValueError, match="num_lookahead"):
@@ -48,18 +48,16 @@ def test_lookahead_pages_are_taken_up_front_and_filled_later():
     table.check_invariants()
 
 
-def test_lookahead_is_all_or_nothing_and_blocks_fork():
+def test_lookahead_is_all_or_nothing():
     table = PageTable(4, page_size=4)  # 3 usable pages
     table.allocate_prompt("a", list(range(4)))
     table.mark_computed("a", 4)
     table.append_tokens("a", [9])
     assert not table.can_allocate_slots("a", 1, num_lookahead=8)  # slots 5..13: 3 more pages
-    assert table.allocate_slots("a", 1, num_lookahead=8) is None
+    assert table.allocate_slots("a", 1, num_lookahead=8) is False
     assert len(table.page_ids("a")) == 1 and table.pool.num_free_pages == 2
-    assert table.allocate_slots("a", 1, num_lookahead=4) == []
+    assert table.allocate_slots("a", 1, num_lookahead=4) is True
     table.mark_computed("a", 1)
-    with pytest.raises(ValueError, match="lookahead pages"):
-        table.fork("a", "b")
     table.check_invariants()
 
 
@@ -132,7 +130,7 @@ def drive_multi_step(sched, arrivals, *, aborts=(), max_steps=5000):
                         sched.abort_request(rid)  # mid-call: its later tokens must be dropped
                         aborts.discard(rid)
                     live = [(c, toks) for c, toks in live if not c.request.is_finished]
-                sub = StepPlan([c for c, _ in live], [], [], len(live))
+                sub = StepPlan([c for c, _ in live], [], len(live))
                 for request in sched.update(sub, {c.request.request_id: toks[j] for c, toks in live}):
                     finish_if_done(sched, request)
         sched.check_invariants()
@@ -307,26 +305,29 @@ def test_runner_loop_ends_when_every_row_stopped(engines):
     runner = multi.runner
     assert not multi.has_unfinished_requests()
     multi.page_table.pool.evict()  # pages 1..4 hold nothing the prefix cache could hand out later
-    rows = [(3, [5], [1, 2]), (0, [6], [3, 4])]
-    first = runner.execute_decode_steps(rows, [GREEDY] * 2, None, [((), 0)] * 2, [4, 2])
-    assert list(first["num_valid"]) == [4, 2] and first["tokens"].shape == (4, 2)
+    def rows(steps, stops=((), ()), min_new=(0, 0)):
+        return [StepRow(3, [5], [1, 2], num_steps=steps[0], stop_ids=tuple(stops[0]), min_new=min_new[0]),
+                StepRow(0, [6], [3, 4], num_steps=steps[1], stop_ids=tuple(stops[1]), min_new=min_new[1])]
+
+    first = runner.execute_decode_steps(rows([4, 2]))
+    assert list(first.num_valid) == [4, 2] and first.tokens.shape == (4, 2)
     assert runner.records[-1].steps == 4 and runner.records[-1].real_tokens == 6
     # Each row's first sample is a stop id: one step, and the loop ends there.
-    stops = [([int(first["tokens"][0, 0])], 0), ([int(first["tokens"][0, 1])], 0)]
-    again = runner.execute_decode_steps(rows, [GREEDY] * 2, None, stops, [4, 4])
-    assert list(again["num_valid"]) == [1, 1] and runner.records[-1].steps == 1
-    assert list(again["tokens"][0]) == list(first["tokens"][0])
+    stops = ([int(first.tokens[0, 0])], [int(first.tokens[0, 1])])
+    again = runner.execute_decode_steps(rows([4, 4], stops))
+    assert list(again.num_valid) == [1, 1] and runner.records[-1].steps == 1
+    assert list(again.tokens[0]) == list(first.tokens[0])
     # min_new: the stop counts from the row's 2nd sample on (min_tokens still 1 sample away).
-    later = runner.execute_decode_steps(rows, [GREEDY] * 2, None, [(stops[0][0], 2), ((), 0)], [4, 2])
-    column = list(first["tokens"][:, 0])
+    later = runner.execute_decode_steps(rows([4, 2], (stops[0], ()), (2, 0)))
+    column = list(first.tokens[:, 0])
     n = next((j + 1 for j in range(1, 4) if column[j] == column[0]), 4)
-    assert later["num_valid"][0] == n and list(later["tokens"][:n, 0]) == column[:n]
+    assert later.num_valid[0] == n and list(later.tokens[:n, 0]) == column[:n]
     with pytest.raises(ValueError, match="num_steps"):
-        runner.execute_decode_steps(rows, [GREEDY] * 2, None, [((), 0)] * 2, [5, 1])
+        runner.execute_decode_steps(rows([5, 1]))
     with pytest.raises(ValueError, match="needs 3 pages"):
-        runner.execute_decode_steps([(7, [5], [1, 2])], [GREEDY], None, [((), 0)], [2])
+        runner.execute_decode_steps([StepRow(7, [5], [1, 2], num_steps=2)])
     with pytest.raises(ValueError, match="one token"):
-        runner.execute_decode_steps([(3, [5, 6], [1, 2])], [GREEDY], None, [((), 0)], [1])
+        runner.execute_decode_steps([StepRow(3, [5, 6], [1, 2])])
     assert multi.stats()["compilations_after_warmup"] == 0
 
 

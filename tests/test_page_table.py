@@ -40,7 +40,7 @@ def test_bad_request_arguments():
     pt = PageTable(8, 4)
     pt.allocate_prompt("a", [1, 2, 3, 4, 5])
     for call in (lambda: pt.page_ids("x"), lambda: pt.free("x"), lambda: pt.allocate_slots("x", 1),
-                 lambda: pt.fork("x", "y"), lambda: pt.mark_computed("x", 1), lambda: pt.num_tokens("x"),
+                 lambda: pt.mark_computed("x", 1), lambda: pt.num_tokens("x"),
                  lambda: pt.append_tokens("x", [1]), lambda: pt.can_allocate_slots("x", 1)):
         with pytest.raises(ValueError, match="'x'"):
             call()
@@ -60,11 +60,7 @@ def test_bad_request_arguments():
         pt.can_allocate_prompt([1, 2], num_new_tokens=-1)
     with pytest.raises(ValueError, match="empty"):
         pt.allocate_prompt("b", [])
-    with pytest.raises(ValueError, match="not yet computed"):
-        pt.fork("a", "b")
     pt.mark_computed("a", 5)
-    with pytest.raises(ValueError, match="duplicate request id 'a'"):
-        pt.fork("a", "a")
     with pytest.raises(ValueError, match="num_pages"):
         pt.pool.evict(-1)
     pt.check_invariants()
@@ -84,71 +80,24 @@ def test_pages_grow_with_tokens():
     pt = PageTable(10, 4)
     assert pt.allocate_prompt("a", range(6), num_new_tokens=3) == 0
     assert len(pt.page_ids("a")) == 1 and pt.num_allocated_tokens("a") == 3 and pt.num_tokens("a") == 6
-    assert pt.allocate_slots("a", 3) == []
+    assert pt.allocate_slots("a", 3) is True
     assert len(pt.page_ids("a")) == 2
     pt.mark_computed("a", 6)
     pt.append_tokens("a", [7, 8, 9])
-    assert pt.allocate_slots("a", 3) == []
+    assert pt.allocate_slots("a", 3) is True
     assert len(pt.page_ids("a")) == 3 and pt.num_computed_tokens("a") == 6
-    assert pt.allocate_slots("a", 0) == []
+    assert pt.allocate_slots("a", 0) is True
     assert pt.pool.num_used_pages == 3
     pt.check_invariants()
 
 
-def test_fork_shares_pages_and_counts_references():
-    pt = PageTable(10, 4)
-    run_prompt(pt, "p", range(6))
-    pt.fork("p", "c")
-    pt.check_invariants()
-    assert pt.page_ids("c") == pt.page_ids("p")
-    assert [pt.pool.refcount(page) for page in pt.page_ids("p")] == [2, 2]
-    assert pt.num_computed_tokens("c") == 6 and pt.num_tokens("c") == 6
-    pt.free("p")
-    pt.check_invariants()
-    assert [pt.pool.refcount(page) for page in pt.page_ids("c")] == [1, 1]
-    assert pt.pool.num_used_pages == 2
-    pt.free("c")
-    pt.check_invariants()
-    assert pt.pool.num_free_pages == 9
-
-
-def test_copy_on_write_of_shared_partial_last_page():
-    pt = PageTable(10, 4)
-    run_prompt(pt, "p", range(6))  # pages [x, y], y holds 2 of 4 slots
-    pt.fork("p", "c")
-    first, last = pt.page_ids("p")
-    pt.append_tokens("c", [100])
-    assert pt.can_allocate_slots("c", 1)
-    copies = pt.allocate_slots("c", 1)
-    (src, dst), = copies
-    assert src == last and dst not in (first, last, NULL_PAGE)
-    assert pt.page_ids("c") == [first, dst] and pt.page_ids("p") == [first, last]
-    assert pt.pool.refcount(first) == 2 and pt.pool.refcount(last) == 1 and pt.pool.refcount(dst) == 1
-    pt.check_invariants()
-    pt.append_tokens("p", [200])
-    assert pt.allocate_slots("p", 1) == []  # the parent owns `last` alone now
-    assert pt.page_ids("p") == [first, last]
-    pt.check_invariants()
-
-
-def test_no_copy_when_shared_last_page_is_full():
-    pt = PageTable(10, 4)
-    run_prompt(pt, "p", range(8))
-    pt.fork("p", "c")
-    pt.append_tokens("c", [1])
-    assert pt.allocate_slots("c", 1) == []
-    assert pt.page_ids("c")[:2] == pt.page_ids("p") and len(pt.page_ids("c")) == 3
-    pt.check_invariants()
-
-
-def test_copy_on_write_needs_a_page():
+def test_slots_need_pages():
     pt = PageTable(3, 4)
-    run_prompt(pt, "p", range(6))
-    pt.fork("p", "c")
-    pt.append_tokens("c", [1])
-    assert not pt.can_allocate_slots("c", 1)
+    run_prompt(pt, "p", range(8))
+    pt.append_tokens("p", [1])
+    assert not pt.can_allocate_slots("p", 1)
     before = snapshot(pt)
-    assert pt.allocate_slots("c", 1) is None
+    assert pt.allocate_slots("p", 1) is False
     assert snapshot(pt) == before
     pt.check_invariants()
 
@@ -293,7 +242,7 @@ def test_allocation_failure_leaves_state_unchanged():
     pt.append_tokens("b", range(12))
     before = snapshot(pt)
     assert not pt.can_allocate_slots("b", 12)  # 3 more pages
-    assert pt.allocate_slots("b", 12) is None
+    assert pt.allocate_slots("b", 12) is False
     assert snapshot(pt) == before
     assert pt.can_allocate_prompt(range(20), num_new_tokens=0)
     assert pt.allocate_prompt("c", range(20), num_new_tokens=0) == 8
@@ -304,7 +253,7 @@ def test_freeing_everything_returns_every_page():
     pt = PageTable(20, 4, enable_prefix_caching=True)
     run_prompt(pt, "a", range(13))
     run_prompt(pt, "b", range(10))
-    pt.fork("b", "c")
+    run_prompt(pt, "c", range(10))  # b's full pages from the prefix cache
     pt.append_tokens("c", [1, 2])
     pt.allocate_slots("c", 2)
     for rid in "abc":

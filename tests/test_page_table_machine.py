@@ -1,8 +1,7 @@
-"""jserve.page_table under a hypothesis state machine: random admissions, growth, forks, frees and
+"""jserve.page_table under a hypothesis state machine: random admissions, growth, frees and
 prefix hits over a fake device whose K/V slots hold the token prefix they were computed from.
 The unit tests, one per behaviour, are in test_page_table.py."""
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -32,14 +31,11 @@ class PageTableMachine(RuleBasedStateMachine):
     def try_allocate(self, rid, k) -> bool:
         fits = self.pt.can_allocate_slots(rid, k)
         before = snapshot(self.pt)
-        copies = self.pt.allocate_slots(rid, k)
-        assert fits == (copies is not None)
-        if copies is None:
+        allocated = self.pt.allocate_slots(rid, k)
+        assert fits == allocated
+        if not allocated:
             assert snapshot(self.pt) == before
-            return False
-        for src, dst in copies:
-            self.kv[dst] = list(self.kv[src])
-        return True
+        return allocated
 
     def compute(self, rid, k):
         """The device step: writes K/V for the next `k` allocated tokens, then marks them computed."""
@@ -118,19 +114,6 @@ class PageTableMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=3))
     def append(self, data, tokens):
         self.pt.append_tokens(self.pick(data), tokens)
-
-    @precondition(lambda self: self.salts)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent, child = self.pick(data), self.new_id()
-        if self.pt.num_computed_tokens(parent) != self.pt.num_allocated_tokens(parent):
-            with pytest.raises(ValueError, match="not yet computed"):
-                self.pt.fork(parent, child)
-            return
-        self.pt.fork(parent, child)
-        self.salts[child] = self.salts[parent]
-        if data.draw(st.booleans()):  # a parallel sample decodes at once: copy-on-write if partial
-            self.decode_one(child, data.draw(st.integers(0, 2)))
 
     @precondition(lambda self: self.salts)
     @rule(data=st.data())

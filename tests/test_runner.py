@@ -11,11 +11,18 @@ from jserve.backends import NativeCpuBackend, XlaBackend
 from jserve.backends.native_cpu import EIGEN_DOTS
 from jserve.checkpoint import read_params
 from jserve.dense_runner import DenseRunner
-from jserve.runner import GREEDY, Runner
+from jserve.request import GREEDY, SamplingParams
+from jserve.runner import Runner
+from jserve.steps import StepRow
 from pallas_kernels.decoder_layer import native as native_layer
 from pallas_kernels.matmul import native as native_matmul
 
 from conftest import DATA
+
+
+def rows(triples, sampling=GREEDY):
+    """`StepRow`s from `(start, token_ids, page_ids)` triples, all with these settings."""
+    return [StepRow(*t, sampling=sampling) for t in triples]
 
 
 def _load(arch):
@@ -32,13 +39,13 @@ def test_chunked_prefill_and_decode_over_pages_match_transformers(arch, backend)
     prompt = [int(t) for t in ref["input_ids"][0, :10]]
     pages = [7, 3, 12, 5, 9]  # out of order on purpose; page 0 is the null page
     # Prefill in two chunks (6 + 4 tokens), as the scheduler does with a small budget.
-    runner.execute([(0, prompt[:6], pages[:2])], [GREEDY])
-    out = runner.execute([(6, prompt[6:], pages[:3])], [GREEDY])
-    tokens = [int(out["tokens"][0])]
+    runner.execute(rows([(0, prompt[:6], pages[:2])]))
+    out = runner.execute(rows([(6, prompt[6:], pages[:3])]))
+    tokens = [int(out.tokens[0])]
     for _ in range(7):
         n = len(prompt) + len(tokens)
-        out = runner.execute([(n - 1, [tokens[-1]], pages[:-(-n // 4)])], [GREEDY])
-        tokens.append(int(out["tokens"][0]))
+        out = runner.execute(rows([(n - 1, [tokens[-1]], pages[:-(-n // 4)])]))
+        tokens.append(int(out.tokens[0]))
     assert tokens == ref["greedy_ids"][0].tolist()
 
 
@@ -51,15 +58,15 @@ def test_mixed_batch_of_decodes_and_chunks_matches_full_forward():
     seqs = [ids[0, :13].tolist(), ids[1, :9].tolist(), ids[1, 5:20].tolist()]
     page_lists = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11]]
     # Seq 0 fully computed but its last token; seq 1 prefilled up to 4; seq 2 nothing yet.
-    runner.execute([(0, seqs[0][:12], page_lists[0]), (0, seqs[1][:4], page_lists[1])], [GREEDY] * 2)
-    out = runner.execute([(12, seqs[0][12:], page_lists[0]), (4, seqs[1][4:], page_lists[1]),
-                          (0, seqs[2], page_lists[2])], [GREEDY] * 3)
+    runner.execute(rows([(0, seqs[0][:12], page_lists[0]), (0, seqs[1][:4], page_lists[1])]))
+    out = runner.execute(rows([(12, seqs[0][12:], page_lists[0]), (4, seqs[1][4:], page_lists[1]),
+                          (0, seqs[2], page_lists[2])]))
     expected = []
     dense = DenseRunner(config, params, max_model_len=32)
     for s in seqs:
-        o, _, _ = dense.prefill([s], [GREEDY], len(s) + 1)
+        o, _, _ = dense.prefill([s], [(GREEDY, 0)], len(s) + 1)
         expected.append(int(o["tokens"][0]))
-    assert out["tokens"].tolist() == expected
+    assert out.tokens.tolist() == expected
 
 
 def test_compilations_are_counted_and_stop_after_warmup():
@@ -69,12 +76,12 @@ def test_compilations_are_counted_and_stop_after_warmup():
     runner.warmup(progress=False)
     before = runner.num_compilations
     assert before > 0 and runner.num_compilations_after_warmup == 0
-    runner.execute([(0, [1, 2, 3, 4, 5], [1, 2])], [GREEDY])
-    runner.execute([(5, [6], [1, 2]), (0, [9], [3])], [GREEDY] * 2)
-    runner.execute([(0, [1, 2, 3], [5]), (0, [4, 5, 6, 7, 8], [6, 7]), (0, [1, 2], [8])], [GREEDY] * 3)
+    runner.execute(rows([(0, [1, 2, 3, 4, 5], [1, 2])]))
+    runner.execute(rows([(5, [6], [1, 2]), (0, [9], [3])]))
+    runner.execute(rows([(0, [1, 2, 3], [5]), (0, [4, 5, 6, 7, 8], [6, 7]), (0, [1, 2], [8])]))
     assert runner.num_compilations == before and runner.num_compilations_after_warmup == 0
     with pytest.raises(ValueError, match="largest token bucket"):
-        runner.execute([(0, list(range(9)), [4, 5, 6])], [GREEDY])
+        runner.execute(rows([(0, list(range(9)), [4, 5, 6])]))
 
 
 def _step_hlo(runner, batch, tokens):
@@ -130,11 +137,11 @@ def _check_batch_8_matches_the_reference(runner, ref):
     pages = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(len(prompts))]
     tokens = {}
     for r in (runner, ref):
-        last = [int(r.execute([(0, p, pg)], [GREEDY])["tokens"][0]) for p, pg in zip(prompts, pages)]
+        last = [int(r.execute(rows([(0, p, pg)])).tokens[0]) for p, pg in zip(prompts, pages)]
         seen = [list(p) + [t] for p, t in zip(prompts, last)]
         for _ in range(3):  # decode all five rows: the batch-8 bucket
-            out = r.execute([(len(s) - 1, [s[-1]], pg) for s, pg in zip(seen, pages)], [GREEDY] * 5)
-            for s, t in zip(seen, out["tokens"].tolist()):
+            out = r.execute(rows([(len(s) - 1, [s[-1]], pg) for s, pg in zip(seen, pages)]))
+            for s, t in zip(seen, out.tokens.tolist()):
                 s.append(int(t))
         tokens[r.backend.name] = seen
     assert tokens["cpu"] == tokens["reference"]
@@ -146,8 +153,8 @@ def test_step_records_count_real_tokens_bytes_and_flops():
     config, params, _ = _load("llama2")
     runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=32, backend="reference",
                     batch_buckets=(2,), token_buckets=(8,), max_num_batched_tokens=8)
-    runner.execute([(0, [1, 2, 3, 4, 5], [1, 2])], [GREEDY])
-    runner.execute([(5, [6], [1, 2])], [GREEDY])
+    runner.execute(rows([(0, [1, 2, 3, 4, 5], [1, 2])]))
+    runner.execute(rows([(5, [6], [1, 2])]))
     prefill, decode = runner.records
     assert (prefill.kind, prefill.bucket, prefill.real_tokens, prefill.padded_tokens) == ("prefill", (1, 8), 5, 8)
     assert (decode.kind, decode.bucket, decode.real_tokens, decode.padded_tokens) == ("decode", (2, 1), 1, 2)
@@ -161,11 +168,9 @@ def test_step_records_count_real_tokens_bytes_and_flops():
 
 _FRESH_PROCESS = r"""
 import sys, threading
-from jserve.backends import NativeCpuBackend, XlaBackend
-from jserve.backends.native_cpu import EIGEN_DOTS
 from jserve.checkpoint import read_params
-from jserve.runner import GREEDY, Runner
-from pallas_kernels.matmul import native as native_matmul
+from jserve.runner import Runner
+from jserve.steps import StepRow
 
 config, params = read_params(sys.argv[1])
 runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=16, backend="reference",
@@ -173,7 +178,7 @@ runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=16, bac
 runner.warmup(progress=False)
 # As in `jserve serve`: warm-up on the loader thread, steps on the engine thread; the first
 # shape warm-up compiled (decode at batch 2) is the first one traffic uses.
-t = threading.Thread(target=lambda: runner.execute([(5, [6], [1, 2]), (0, [9], [3])], [GREEDY] * 2))
+t = threading.Thread(target=lambda: runner.execute([StepRow(5, [6], [1, 2]), StepRow(0, [9], [3])]))
 t.start()
 t.join()
 print(runner.num_compilations_after_warmup)
@@ -207,17 +212,17 @@ def test_gpu_backend_runner_matches_reference_backend():
               for k, v in params.items()}
     prompt = rng.integers(3, 256, 40).tolist()
     pages = [9, 3, 12, 5, 7]  # out of order; page 0 is the null page
-    wants_logprobs = GREEDY + (1.0, 0.0, 0.0, 1)  # no penalties; top logprobs on
+    wants_logprobs = SamplingParams(temperature=0.0, logprobs=5)  # top logprobs on
     tops = {}
     for backend in ("gpu", "reference"):
         runner = Runner(config, params, num_pages=16, page_size=16, max_model_len=80,
                         backend=backend, max_num_batched_tokens=32, kv_dtype=jnp.bfloat16)
-        runner.execute([(0, prompt[:24], pages[:2])], [wants_logprobs])
-        steps = [runner.execute([(24, prompt[24:], pages[:3])], [wants_logprobs])]
+        runner.execute(rows([(0, prompt[:24], pages[:2])], wants_logprobs))
+        steps = [runner.execute(rows([(24, prompt[24:], pages[:3])], wants_logprobs))]
         for n in range(40, 56):  # decode, fed the prompt's own tokens so both runs see the same
-            steps.append(runner.execute([(n, [prompt[n - 40]], pages[:-(-(n + 1) // 16)])],
-                                        [wants_logprobs]))
-        tops[backend] = np.stack([s["top_logprobs"][0] for s in steps])
+            steps.append(runner.execute(rows([(n, [prompt[n - 40]], pages[:-(-(n + 1) // 16)])],
+                                             wants_logprobs)))
+        tops[backend] = np.stack([s.top_logprobs[0] for s in steps])
     assert np.isfinite(tops["reference"]).all() and tops["reference"].min() < -1.0  # not one-hot
     np.testing.assert_allclose(tops["gpu"], tops["reference"], atol=0.1)
 
@@ -240,14 +245,14 @@ def test_bfloat16_weights_stay_bfloat16_on_the_native_matmuls():
     assert hlo.count(f"@{native_matmul.TARGET}(") == 2 * config.num_layers + 1
     assert _step_hlo(native, 1, 1).count(f"@{native_layer.TARGET}(") == 1  # decode: the fused layers
     prompt = list(range(3, 15))
-    wants_logprobs = GREEDY + (1.0, 0.0, 0.0, 1)
+    wants_logprobs = SamplingParams(temperature=0.0, logprobs=5)
     tops = {}
     for name, runner in (("native", native), ("xla", xla)):
-        steps = [runner.execute([(0, prompt[:8], [5, 2])], [wants_logprobs]),
-                 runner.execute([(8, prompt[8:], [5, 2, 9])], [wants_logprobs])]
+        steps = [runner.execute(rows([(0, prompt[:8], [5, 2])], wants_logprobs)),
+                 runner.execute(rows([(8, prompt[8:], [5, 2, 9])], wants_logprobs))]
         for n in range(12, 20):  # decode, fed fixed tokens so both runs see the same
-            steps.append(runner.execute([(n, [n], [5, 2, 9, 11, 4][:n // 4 + 1])], [wants_logprobs]))
-        tops[name] = np.stack([s["top_logprobs"][0] for s in steps])
+            steps.append(runner.execute(rows([(n, [n], [5, 2, 9, 11, 4][:n // 4 + 1])], wants_logprobs)))
+        tops[name] = np.stack([s.top_logprobs[0] for s in steps])
     assert np.isfinite(tops["xla"]).all() and tops["xla"].min() < -1.0  # not one-hot
     np.testing.assert_allclose(tops["native"], tops["xla"], atol=0.05)
 

@@ -6,14 +6,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jserve.request import SamplingParams
 from jserve.sampler import SamplingArrays, _counts, apply_penalties, argmax, penalty_history, sample
 
 V = 8
 
 
+def _row(temperature, top_k, top_p, min_p, seed, step, repetition=1.0, presence=0.0, frequency=0.0, logprobs=0):
+    """A row's `(SamplingParams, step)` from its settings in a line."""
+    return (SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                           repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
+                           logprobs=logprobs or None), step)
+
+
 def _sample(logits, rows, penalties=None):
-    arrays = SamplingArrays.build(rows, len(rows)).as_tuple()
-    return sample(jnp.asarray(logits, jnp.float32), *arrays, penalties=penalties, num_logprobs=3)
+    arrays = SamplingArrays.build([_row(*r) for r in rows], len(rows))
+    return sample(jnp.asarray(logits, jnp.float32), arrays, penalties=penalties, num_logprobs=3)
 
 
 def test_argmax_is_numpys_first_maximum():

@@ -45,8 +45,6 @@ class FakeDevice:
         return page, pos % self.page_size
 
     def run(self, plan: StepPlan) -> dict[str, int]:
-        for src, dst in plan.copies:
-            self.pages[dst] = list(self.pages[src])
         for chunk in plan.chunks:  # all writes, then all reads, as one batched step
             for pos, token in enumerate(chunk.token_ids, chunk.start):
                 page, i = self.slot(chunk.page_ids, pos)

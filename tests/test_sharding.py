@@ -208,15 +208,10 @@ def test_step_hlo_has_the_collectives_and_no_weight_gather():
                           EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
                                        kv_cache_bytes=1 << 20, warmup=False, mesh="tp=4"))
     runner = engine.runner
-    rows = [(0, [1], [1, 2])] * 4  # two 16-token pages
-    arrays = runner._pack(rows, 4, 1)
-    from jserve.runner import GREEDY
-    from jserve.sampler import SamplingArrays, penalty_history
+    from jserve.steps import StepRow
 
-    args = (arrays, SamplingArrays.build([GREEDY] * 4, 4).as_tuple(),
-            penalty_history([None] * 4, 4, runner.max_model_len, TINY.vocab_size))
-    args = runner._place(args)
-    hlo = runner.step_fn(4, 1).lower(runner.params, runner.kv, *args[0], args[1], args[2]).compile().as_text()
+    arrays = runner._place(runner._pack([StepRow(0, [1], [1, 2])] * 4, 4, 1))  # two 16-token pages
+    hlo = runner.step_fn(4, 1).lower(runner.params, runner.kv, *arrays).compile().as_text()
     # Megatron: one all-reduce after attention and one after the MLP per layer (XLA may fuse or
     # add a few for the embedding, norms and the tied head).
     all_reduces = len(re.findall(r"= [^=]*all-reduce(?:-start)?\(", hlo))
