@@ -174,7 +174,8 @@ class Soak:
                     body["messages"] = [{"role": "user", "content": prompt}]
                 else:
                     body["prompt"] = prompt
-                got = await self.post(session, "/v1/chat/completions" if chat else "/v1/completions", body, tenant, kind)
+                path = "/v1/chat/completions" if chat else "/v1/completions"
+                got = await self.post(session, path, body, tenant, kind)
                 if got is None:
                     continue
                 status, answer = got
@@ -431,7 +432,8 @@ def verdict(url: str, result: dict, before: collections.Counter) -> bool:
     tally, rss = result["tally"], result["rss"]
     deadline = time.monotonic() + 60  # the unread streams and dropped clients must all be let go
     m = metrics(url)
-    while (m.get("jserve_num_requests_in_flight", 0) or m.get("jserve_kv_pages_used", 0)) and time.monotonic() < deadline:
+    busy = ("jserve_num_requests_in_flight", "jserve_kv_pages_used")
+    while any(m.get(name, 0) for name in busy) and time.monotonic() < deadline:
         time.sleep(1)
         m = metrics(url)
     statuses = status_counts(m)

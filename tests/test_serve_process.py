@@ -61,7 +61,8 @@ sys.exit(jserve.cli.main(["serve", "--port", sys.argv[3], "--served-model-name",
 def _start(checkpoint, *args: str, **env: str):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(DATA / "arch" / "smollm2"), str(checkpoint), str(port),
-                             *args], env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, stderr=subprocess.PIPE, text=True)
+                             *args], env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, stderr=subprocess.PIPE,
+                            text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, [proc], 60)
     return proc, url

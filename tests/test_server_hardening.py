@@ -284,7 +284,7 @@ def test_readme_curl_examples_work_as_written(server):
 class Faulty:
     """The shared LLMEngine with a step that can be made to raise or to hang."""
 
-    def __init__(self, engine):
+    def __init__(self, engine):  # noqa: F811 - the wrapped LLMEngine
         self._engine = engine
         self.raise_next = False
         self.hang = threading.Event()  # set: the next step blocks until `release` is set
@@ -363,7 +363,7 @@ def _assert_failed_cleanly(events, plain, health, later, fatal, problem):
 
 
 def test_an_exception_in_a_step_fails_every_request_cleanly(engine):  # noqa: F811
-    faulty, aengine, *answers = _fail_mid_batch(engine, lambda f: setattr(f, "raise_next", True), 120.0)
+    _, aengine, *answers = _fail_mid_batch(engine, lambda f: setattr(f, "raise_next", True), 120.0)
     _assert_failed_cleanly(*answers, "engine_dead")
     assert aengine.shutdown(timeout=10)
     stats = engine.stats()

@@ -20,7 +20,7 @@ from aiohttp import web
 from jserve.async_engine import EngineDeadError
 from jserve.request import RequestOutput
 from jserve.server import protocol
-from jserve.server.errors import APIError, error_body
+from jserve.server.errors import APIError
 from jserve.server.tenancy import TENANT, engine_salt
 from jserve.server.watchdog import CLIENT_MESSAGE
 

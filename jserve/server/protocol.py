@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from typing import Any, Sequence
 
 from jserve.request import Logprob, SamplingParams
@@ -19,6 +20,8 @@ from jserve.server.errors import APIError, bad_request
 from jserve.server.limits import Limits
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+# repr of a client's value for an error message, never more than a few dozen items deep or wide
+_REPR = reprlib.Repr(maxlevel=3, maxlist=8, maxdict=8, maxstring=80, maxother=80, maxlong=80)
 
 
 @dataclasses.dataclass
@@ -73,7 +76,7 @@ def _type_error(name: str, want: str, value: Any) -> APIError:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
