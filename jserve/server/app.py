@@ -179,11 +179,15 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
 
 
 async def _watchdog(app: web.Application):
-    task = asyncio.ensure_future(watchdog.watch(app[STATE]))
+    """The watchdog runs while the app does; on cleanup the tokenizer worker goes too."""
+    state = app[STATE]
+    task = asyncio.ensure_future(watchdog.watch(state))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    if state.pool is not None:
+        state.pool.shutdown()
 
 
 # ------------------------------------------------------------------------------ middlewares

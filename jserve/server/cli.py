@@ -69,7 +69,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="fcfs: a request's `priority` is refused (400); priority: lower values run first")
     p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
                    help="seconds one engine step may run before the engine counts as hung and the server exits 1 "
-                        "(0: never)")
+                        "(0: never; default %(default)s)")
     p.add_argument("--tokenizer-workers", type=int, default=1,
                    help="processes that tokenize large inputs off the event loop (0: tokenize inline)")
     g = p.add_argument_group("limits (429 past the admission ones, 400 past the per-request ones)")
@@ -78,13 +78,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("connections")
     defaults = Timeouts()
     g.add_argument("--keepalive-timeout", type=float, default=defaults.keepalive,
-                   help="seconds a connection may stay idle, or take to send a request's headers")
+                   help="seconds a connection may stay idle, or take to send a request's headers "
+                        "(default %(default)s)")
     g.add_argument("--body-timeout", type=float, default=defaults.body,
-                   help="seconds a request body may take to arrive (then 408)")
+                   help="seconds a request body may take to arrive, then 408 (default %(default)s)")
     g.add_argument("--write-timeout", type=float, default=defaults.write,
-                   help="seconds a stream may wait on a client that stopped reading (then it is aborted)")
+                   help="seconds a stream may wait on a client that stopped reading, then it is "
+                        "aborted (default %(default)s)")
     g.add_argument("--max-connections", type=int, default=defaults.max_connections,
-                   help="open connections; past them a new one gets 503")
+                   help="open connections; past them a new one gets 503 (default %(default)s)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     p.add_argument("--seed", type=int, default=0)
