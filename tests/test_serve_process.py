@@ -88,13 +88,13 @@ def test_sigterm_under_load_drains_and_exits_zero(smollm2_checkpoint):
     try:
         async def load_and_terminate():
             async with aiohttp.ClientSession() as session:
-                # Long enough that the drain outlasts the 0.3 s below: four sequences at once take
-                # several seconds for 150 tokens in this un-warmed process.
-                body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 150, "ignore_eos": True,
+                # Long enough that the drain outlasts the 0.3 s below (150 tokens did not, once: the
+                # tiny model's steps take 1-5 ms).
+                body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 800, "ignore_eos": True,
                         "stream_options": {"include_usage": True}}
                 firsts = [asyncio.Event() for _ in range(3)]
                 streams = [asyncio.ensure_future(_stream(session, url, body, e)) for e in firsts]
-                plain = asyncio.ensure_future(session.post(url + "/v1/completions", json={**body, "max_tokens": 100}))
+                plain = asyncio.ensure_future(session.post(url + "/v1/completions", json={**body, "max_tokens": 400}))
                 await asyncio.gather(*(e.wait() for e in firsts))
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
@@ -109,8 +109,8 @@ def test_sigterm_under_load_drains_and_exits_zero(smollm2_checkpoint):
         for events in streams:
             assert events[-1] == "[DONE]"
             assert events[-3]["choices"][0]["finish_reason"] == "length"
-            assert events[-2]["usage"]["completion_tokens"] == 150  # finished within the grace period
-        assert status == 200 and plain["usage"]["completion_tokens"] == 100
+            assert events[-2]["usage"]["completion_tokens"] == 800  # finished within the grace period
+        assert status == 200 and plain["usage"]["completion_tokens"] == 400
         assert proc.wait(60) == 0
         # The loaded engine's objects were frozen out of the garbage collector (freeze_startup_heap).
         frozen = re.search(r"\((\d+) startup objects frozen", proc.stderr.read())
