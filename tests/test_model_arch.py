@@ -9,6 +9,7 @@ from flax import nnx
 
 from jserve.checkpoint import read_params
 from jserve.dense_runner import DenseRunner
+from jserve.request import GREEDY
 from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
 
 from conftest import DATA
@@ -48,11 +49,10 @@ def test_cached_greedy_decode_matches_transformers(arch):
     config, params = read_params(folder)
     runner = DenseRunner(config, {k: jnp.asarray(v) for k, v in params.items()}, max_model_len=64)
     prompt = [int(t) for t in ref["input_ids"][0, :10]]
-    greedy = (0.0, 0, 1.0, 0.0, 0, 0)
-    out, _, cache = runner.prefill([prompt], [greedy], 18)
+    out, _, cache = runner.prefill([prompt], [(GREEDY, 0)], 18)
     tokens = [int(out["tokens"][0])]
     for _ in range(7):
-        out, cache = runner.decode([tokens[-1]], [len(prompt) + len(tokens) - 1], [greedy], cache)
+        out, cache = runner.decode([tokens[-1]], [len(prompt) + len(tokens) - 1], [(GREEDY, 0)], cache)
         tokens.append(int(out["tokens"][0]))
     assert tokens == ref["greedy_ids"][0].tolist()
 
