@@ -1,9 +1,9 @@
 """Running a validated completions / chat request: one engine stream per prompt, merged, sent as
 one JSON body or as SSE chunks in OpenAI's shapes, with usage and jserve timings.
 
-The request is admitted (`Admission`: sequences and tokens) for as long as it runs. Each SSE write
-must drain within the write timeout; a client that stops reading loses its connection and its
-request is aborted, which frees its pages.
+The request is admitted (`Admission`: sequences and tokens) for as long as it runs. Each write (an
+SSE event, or a whole JSON body) must drain within the write timeout; a client that stops reading
+loses its connection and its request is aborted, which frees its pages.
 """
 
 from __future__ import annotations
@@ -123,6 +123,15 @@ async def run_generation(request: web.Request, state: "ServerState", req: protoc
     tok = state.tokenizer
     seqs, tokens = req.num_seqs, req.cost_tokens(state.ctx.limits.max_total_tokens)
     state._begin(seqs, tokens)
+    released = False
+
+    def release() -> None:
+        """Give the admission back, once: when the engine is done with the request (its last
+        writes may then wait on the client without holding a place)."""
+        nonlocal released
+        if not released:
+            released = True
+            state._end(seqs, tokens)
     salt = engine_salt(request.get(TENANT, ""), req.cache_salt)
     write_timeout = state.timeouts.write
     response: web.StreamResponse | None = None
@@ -159,6 +168,7 @@ async def run_generation(request: web.Request, state: "ServerState", req: protoc
                 await _send(request, response, error.body(), write_timeout)
                 await _write(request, response, b"data: [DONE]\n\n", write_timeout)
                 return response
+        release()
         usage = _usage(state, rids, req, choices)
         for rid in rids:
             timings = state.engine.request_timings(rid)
@@ -167,7 +177,10 @@ async def run_generation(request: web.Request, state: "ServerState", req: protoc
         if not req.stream:
             body = {**head, "object": "chat.completion" if req.chat else "text_completion",
                     "choices": [_final_choice(req, ch, tok) for ch in choices.values()], "usage": usage}
-            return web.json_response(body, headers=_timing_headers(usage, request_id))
+            response = web.json_response(body, headers=_timing_headers(usage, request_id))
+            await _bounded(request, response.prepare(request), write_timeout)  # sent here, under the same
+            await _bounded(request, response.write_eof(), write_timeout)  # write timeout as a stream
+            return response
         if response is None:
             response = await _start_sse(request, request_id, write_timeout)
         if req.include_usage:
@@ -179,7 +192,7 @@ async def run_generation(request: web.Request, state: "ServerState", req: protoc
         request[DISCONNECTED] = True
         return response if response is not None else web.Response(status=499)
     finally:
-        state._end(seqs, tokens)
+        release()
 
 
 def _null_usage(req: protocol.GenerateRequest) -> dict:
