@@ -6,9 +6,12 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from typing import Sequence
+
+from jserve.engine_config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
+
+__all__ = ["add_engine_args", "add_multihost_args", "build_parser", "engine_kwargs", "main", "parse_bytes"]
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -26,7 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     leader = distributed.from_args(args)
     # One prompt: compile only the shapes it needs instead of warming every bucket.
-    llm = LLM(args.model, dtype=args.dtype, warmup=False, **engine_kwargs(args))
+    llm = LLM(args.model, dtype=args.dtype, warmup=False, **engine_kwargs(args))  # --seed is the request's
     if not leader:
         distributed.follow(llm)
         return 0
@@ -52,16 +55,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_bytes(text: str) -> int:
-    """'16GiB', '80GB', '512MiB', '1e9' -> bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in units:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 16GiB, 80GB, 512MiB)")
-    return int(float(m.group(1)) * units[m.group(2).lower()])
-
-
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -71,43 +64,51 @@ def _human(n: float) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from jserve.backends import NativeCpuBackend, XlaBackend
     from jserve.checkpoint import read_model_config
+    from jserve.engine import resolve_max_model_len
+    from jserve.engine_config import EngineConfig
     from jserve.kv_cache import device_memory_bytes, dtype_bytes, plan_memory
 
     config, weight_dtype = read_model_config(args.model)
     weight_dtype = args.weight_dtype or weight_dtype
+    settings = resolve_max_model_len(EngineConfig.from_settings(**engine_kwargs(args)), config)
+    kv_dtype = weight_dtype if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
+    page_size = settings.page_size or (NativeCpuBackend if settings.backend == "cpu" else XlaBackend).default_page_size
+    context, budget, fraction = settings.max_model_len, settings.kv_cache_bytes, settings.memory_fraction
     device = args.device_memory
-    if device is None and args.kv_budget is None:
+    if device is None and budget is None:
         device = device_memory_bytes()
         if device is None:
             raise ValueError("this device reports no memory size: give --device-memory or --kv-budget")
     per_device = ""
     plan_config, weight_bytes, dp = config, None, 1
-    if args.mesh is not None:
+    if settings.mesh is not None:
         from jserve.sharding import describe, device_share, params_per_device, parse_mesh
 
-        sizes = parse_mesh(args.mesh)
+        sizes = parse_mesh(settings.mesh)
         dp, tp = sizes["dp"], sizes["tp"]
         plan_config = device_share(config, tp)  # one device's KV heads
         weight_bytes = params_per_device(config, tp) * dtype_bytes(weight_dtype)
         per_device = " per device"
-    plan = plan_memory(plan_config, weight_dtype_bytes=dtype_bytes(weight_dtype), kv_dtype=args.kv_dtype,
-                       page_size=args.page_size, context=args.context, device_bytes=device,
-                       memory_fraction=args.memory_fraction, kv_budget_bytes=args.kv_budget,
-                       max_num_batched_tokens=args.max_num_batched_tokens, weight_bytes=weight_bytes)
+    plan = plan_memory(plan_config, weight_dtype_bytes=dtype_bytes(weight_dtype), kv_dtype=kv_dtype,
+                       page_size=page_size, context=context, device_bytes=device, memory_fraction=fraction,
+                       kv_budget_bytes=budget, max_num_batched_tokens=settings.max_num_batched_tokens,
+                       weight_bytes=weight_bytes)
     rows = [("model", f"{config.architecture}, {config.num_layers} layers, {config.num_params() / 1e9:.3f} B params")]
-    if args.mesh is not None:
-        rows.append(("mesh", describe(config, args.mesh)))
+    if settings.mesh is not None:
+        rows.append(("mesh", describe(config, settings.mesh)))
     rows += [
         ("device memory", _human(plan.device_bytes)),
-        (f"usable ({args.memory_fraction:g})" if args.kv_budget is None else "usable", _human(plan.usable_bytes)),
+        (f"usable ({fraction:g})" if budget is None else "usable", _human(plan.usable_bytes)),
         (f"weights ({weight_dtype}){per_device}", _human(plan.weight_bytes)),
-        (f"activations ({args.max_num_batched_tokens} tokens)", _human(plan.activation_bytes)),
-        (f"KV per token ({args.kv_dtype}){per_device}", _human(plan.kv_bytes_per_token)),
+        (f"activations ({settings.max_num_batched_tokens} tokens)", _human(plan.activation_bytes)),
+        (f"KV per token ({kv_dtype}){per_device}", _human(plan.kv_bytes_per_token)),
         (f"KV per page ({plan.page_size} tokens){per_device}", _human(plan.kv_bytes_per_page)),
         (f"KV pages{per_device}", f"{plan.num_pages} ({_human(plan.kv_bytes)})"),
-        ("tokens in cache" + (f" per dp group (x{dp})" if args.mesh else ""), f"{(plan.num_pages - 1) * plan.page_size}"),
-        (f"sequences of {plan.context} tokens" + (f" (all {dp} dp groups)" if args.mesh else ""),
+        ("tokens in cache" + (f" per dp group (x{dp})" if settings.mesh else ""),
+         f"{(plan.num_pages - 1) * plan.page_size}"),
+        (f"sequences of {plan.context} tokens" + (f" (all {dp} dp groups)" if settings.mesh else ""),
          f"{plan.max_sequences * dp}"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -116,25 +117,8 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine's knobs, with vLLM's flag names where vLLM has one."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
-    g.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--page-size", type=int, default=None,
-                   help="tokens per KV page (default: 64 on the CPU backend, else 16)")
-    g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from the memory budget)")
-    g.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="explicit KV budget, e.g. 1GiB")
-    g.add_argument("--memory-fraction", type=float, default=0.9, help="of accelerator memory for the engine")
-    g.add_argument("--attention-backend", default=None, choices=["cpu", "cpu_pallas", "tpu", "gpu", "reference"],
-                   help="paged-attention kernel (default: from the platform)")
-    g.add_argument("--mesh", default=None, help="device mesh, e.g. tp=4 or dp=2,tp=4 (default: one device)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="KV page dtype (auto: the weights'); bfloat16 halves the KV bytes")
-    g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode steps per device call while only decodes run (multi-step decode)")
+def add_multihost_args(p: argparse.ArgumentParser) -> None:
+    """`jax.distributed`'s flags, for the commands that run the engine."""
     g = p.add_argument_group("multi-host (jax.distributed)")
     g.add_argument("--distributed", action="store_true",
                    help="join a multi-process run: jax.distributed.initialize() (auto-detected on a TPU "
@@ -142,15 +126,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0's coordinator")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, page_size=args.page_size,
-                num_pages=args.num_pages, kv_cache_bytes=args.kv_cache_bytes,
-                memory_fraction=args.memory_fraction, backend=args.attention_backend, mesh=args.mesh,
-                num_scheduler_steps=args.num_scheduler_steps, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,20 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     p.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
-    add_engine_args(p)
+    add_engine_args(p, exclude=("seed",))  # --seed above seeds the request
+    add_multihost_args(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("plan", help="how weights, activations and KV pages fit in device memory")
     p.add_argument("--model", default=None, help="checkpoint, HF folder (config.json is enough) or .gguf")
     p.add_argument("--device-memory", type=parse_bytes, default=None, help="e.g. 16GiB (default: this device's)")
-    p.add_argument("--kv-budget", type=parse_bytes, default=None, help="explicit bytes for KV pages")
-    p.add_argument("--memory-fraction", type=float, default=0.9)
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--kv-dtype", default="bfloat16")
     p.add_argument("--weight-dtype", default=None, help="default: the checkpoint's")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--mesh", default=None, help="plan per device for a mesh, e.g. tp=4 or dp=2,tp=4")
+    # The engine's own settings and defaults (a plan is for an accelerator: pages of the XLA
+    # backend's size unless --attention-backend cpu); the older spellings stay as aliases.
+    add_engine_args(p, exclude=("seed", "enable_prefix_caching", "num_pages", "num_scheduler_steps", "max_num_seqs"))
+    p.add_argument("--context", dest="max_model_len", type=int, default=argparse.SUPPRESS,
+                   help="the same as --max-model-len")
+    p.add_argument("--kv-dtype", dest="kv_cache_dtype", default=argparse.SUPPRESS, choices=list(KV_CACHE_DTYPES),
+                   help="the same as --kv-cache-dtype")
+    p.add_argument("--kv-budget", dest="kv_cache_bytes", type=parse_bytes, default=argparse.SUPPRESS,
+                   help="the same as --kv-cache-bytes")
     p.set_defaults(func=_plan)
 
     from jserve.server.cli import add_serve_parser

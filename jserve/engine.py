@@ -19,47 +19,16 @@ from typing import Any, Sequence
 import numpy as np
 
 from jserve.dp_scheduler import DataParallelScheduler
+from jserve.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from jserve.page_table import PageTable
 from jserve.request import GREEDY, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from jserve.runner import Runner
-from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerProtocol, StepPlan
+from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerProtocol, StepPlan
 from jserve.steps import StepOutput, StepRow
 from jserve.stop import StopPolicy
 from jserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # vLLM's --kv-cache-dtype; "auto": the weights'
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Knobs of the engine (vLLM's names where vLLM has one)."""
-
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    page_size: int | None = None  # None: the backend's default_page_size, 64 native CPU, else 16
-    num_pages: int | None = None  # None: from kv_cache_bytes / memory_fraction
-    kv_cache_bytes: int | None = None  # explicit KV budget per device (the default on CPU: 512 MiB)
-    memory_fraction: float = 0.9  # of accelerator memory, when neither of the above is given
-    seed: int = 0
-    backend: str | None = None  # paged-attention kernel backend; None: from the platform
-    kv_cache_dtype: str = "auto"  # KV page dtype: "auto" (the weights'), "float32" or "bfloat16"
-    warmup: bool = True
-    num_scheduler_steps: int = 1  # decode steps per device call when only decodes run (multi-step)
-
-    mesh: Any = None  # "dp=2,tp=4", a dict or a jax.sharding.Mesh; None: one device
-
-    def scheduler_config(self, dp: int = 1) -> SchedulerConfig:
-        """The scheduler's knobs; with `dp` groups, each group's share of seqs and tokens."""
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) % dp:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of dp ({dp})")
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs // dp,
-                               max_num_batched_tokens=self.max_num_batched_tokens // dp,
-                               max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-                               num_scheduler_steps=self.num_scheduler_steps)
 
 
 @dataclasses.dataclass(eq=False)
@@ -314,6 +283,18 @@ class LLMEngine:
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
 
 
+def resolve_max_model_len(config: EngineConfig, model_config) -> EngineConfig:
+    """The config with its context length settled: the model's (at most DEFAULT_MAX_MODEL_LEN)
+    when none is given; ValueError naming a length the model cannot take."""
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return dataclasses.replace(config, max_model_len=min(limit, DEFAULT_MAX_MODEL_LEN))
+    if not 2 <= config.max_model_len <= limit:
+        raise ValueError(f"max_model_len must be an integer in [2, {limit}] (the model's context), "
+                         f"got {config.max_model_len!r}")
+    return config
+
+
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  config: EngineConfig) -> LLMEngine:
     """Size the page pool, build the runner (warming it up if asked) and the engine."""
@@ -323,6 +304,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     from jserve.dense_runner import DenseRunner
     from jserve.kv_cache import device_memory_bytes, plan_memory
 
+    config = resolve_max_model_len(config, model_config)
     mesh, dp, plan_config = None, 1, model_config
     if config.mesh is not None:
         from jserve.sharding import device_share, make_mesh, mesh_sizes, params_per_device, place_params
@@ -332,8 +314,6 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
     config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
     weight_dtype = params["embed"].dtype
-    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {config.kv_cache_dtype!r}")
     kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
     backend = backends.create(config.backend, mesh=mesh)  # resolved here, once
     page_size = config.page_size if config.page_size is not None else backend.default_page_size

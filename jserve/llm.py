@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
@@ -35,39 +36,30 @@ class LLM:
         use is written in it, and a checkpoint stored in the other one is cast on load. None
         (default) keeps the checkpoint's; a conversion then writes float32. On an NVIDIA GPU
         the paged-attention kernel needs a bfloat16 KV cache (this, or `kv_cache_dtype`).
-      max_model_len: context length (prompt + output); default the model's, capped at 8192.
-      max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed: as in vLLM.
-      num_pages, page_size, kv_cache_bytes, memory_fraction: the KV page pool (see EngineConfig).
-      backend: paged-attention kernel backend (default: from the platform).
-      num_scheduler_steps: decode steps per device call while only decodes run (multi-step
-        decode, vLLM's name; see `jserve.scheduler`); 1 schedules every step.
-      kv_cache_dtype: KV page dtype, vLLM's name: "auto" (the weights'), "float32" or
-        "bfloat16" (half the KV bytes, so twice the pages in the same budget).
-      warmup: compile every bucket now (default) instead of on first use.
       shardings: optional weight shardings, passed to `checkpoint.load_checkpoint` (without a mesh).
-      mesh: run over a device mesh: "dp=2,tp=4", a dict, or a `jax.sharding.Mesh` with axes
-        'dp'/'tp' (see `jserve.sharding`); weights restore straight into their shardings.
       compilation_cache: directory for JAX's persistent compilation cache; False turns it off.
+      **settings: the engine's settings by name, as `jserve.engine_config.EngineConfig` lists and
+        documents them (max_model_len, max_num_seqs, max_num_batched_tokens, page_size, backend,
+        mesh, kv_cache_dtype, num_scheduler_steps, warmup, ...); an unknown name is a ValueError.
+        With `mesh` ("dp=2,tp=4", a dict, or a `jax.sharding.Mesh` with axes 'dp'/'tp', see
+        `jserve.sharding`) weights restore straight into their shardings.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 enable_prefix_caching: bool = True, seed: int = 0, num_pages: int | None = None,
-                 page_size: int | None = None, kv_cache_bytes: int | None = None, memory_fraction: float = 0.9,
-                 backend: str | None = None, num_scheduler_steps: int = 1, kv_cache_dtype: str = "auto",
-                 warmup: bool = True, shardings: Any = None,
-                 mesh: Any = None, compilation_cache: str | os.PathLike | bool | None = None):
+                 shardings: Any = None, compilation_cache: str | os.PathLike | bool | None = None,
+                 **settings: Any):
         from jserve.checkpoint import load_checkpoint, resolve_model
-        from jserve.engine import KV_CACHE_DTYPES, EngineConfig, build_engine
+        from jserve.engine import build_engine, resolve_max_model_len
+        from jserve.engine_config import EngineConfig
         from jserve.tokenizer import Tokenizer
 
+        engine_config = EngineConfig.from_settings(**settings)  # bad settings are named before loading
         if compilation_cache is not False:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
         if dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:  # before loading (build_engine checks it too)
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.path = resolve_model(model, dtype=dtype or "float32")
+        mesh = engine_config.mesh
         if mesh is not None:
             from jserve.checkpoint import read_model_config
             from jserve.sharding import head_layout, make_mesh, mesh_sizes, restore_sharding
@@ -77,22 +69,14 @@ class LLM:
             mesh = make_mesh(mesh)
             layout = head_layout(read_model_config(self.path)[0], mesh_sizes(mesh)["tp"])
             shardings = lambda name, shape: restore_sharding(mesh, name, shape, layout)  # noqa: E731
+            engine_config = dataclasses.replace(engine_config, mesh=mesh)
         self.mesh = mesh
         # Cast while restoring: a float32 checkpoint served in bfloat16 never holds both copies.
         self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings,
                                                                       dtype=dtype)
         self.tokenizer = Tokenizer.load(self.path)
-        limit = self.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, 8192)
-        elif not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an integer in [2, {limit}], got {max_model_len!r}")
-        self.max_model_len = max_model_len
-        engine_config = EngineConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, page_size=page_size, num_pages=num_pages,
-            kv_cache_bytes=kv_cache_bytes, memory_fraction=memory_fraction, seed=seed, backend=backend,
-            warmup=warmup, mesh=mesh, num_scheduler_steps=num_scheduler_steps, kv_cache_dtype=kv_cache_dtype)
+        engine_config = resolve_max_model_len(engine_config, self.config)
+        self.max_model_len = engine_config.max_model_len
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
         self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config)
         self.runner = self.engine.runner

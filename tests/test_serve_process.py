@@ -22,6 +22,7 @@ from conftest import DATA, free_port, wait_healthy
 
 
 _SERVE = '''
+import dataclasses
 import os
 import sys
 import jax.numpy as jnp
@@ -38,6 +39,8 @@ enable_compilation_cache()  # the test run's cache (JSERVE_COMPILATION_CACHE is 
 class Tiny:
     def __init__(self, args):
         config, params = read_params(sys.argv[1])
+        # Streams of 800 tokens: past the tiny model's 256 positions (rotary extrapolates).
+        config = dataclasses.replace(config, max_position_embeddings=2048)
         # test_async_engine's knobs: the shapes come from the persistent compilation cache
         cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, page_size=4, num_pages=400,
                            backend="cpu", warmup=False)

@@ -28,7 +28,7 @@ MESHES = ["tp=2", "tp=3", "tp=4", "tp=8", "dp=2,tp=2", "dp=8"]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 
 TINY = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=100, num_layers=2,
-                   num_heads=9, num_kv_heads=3, head_dim=16, max_position_embeddings=256, qkv_bias=True)
+                   num_heads=9, num_kv_heads=3, head_dim=16, max_position_embeddings=512, qkv_bias=True)
 
 
 def _stacked(config: ModelConfig, seed: int = 0) -> dict:

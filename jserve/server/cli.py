@@ -49,7 +49,7 @@ del _d
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to `jserve`'s subparsers (its func: `serve_command`)."""
-    from jserve.cli import add_engine_args, parse_bytes
+    from jserve.cli import add_engine_args, add_multihost_args, parse_bytes
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", default=None, help="checkpoint folder, HF folder, .gguf or name "
@@ -89,8 +89,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="open connections; past them a new one gets 503 (default %(default)s)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
-    p.add_argument("--seed", type=int, default=0)
-    add_engine_args(p)
+    add_engine_args(p)  # --seed among them
+    add_multihost_args(p)
     p.set_defaults(func=serve_command)
     return p
 
@@ -147,7 +147,7 @@ def _load(args: argparse.Namespace) -> Any:
     from jserve.cli import engine_kwargs
     from jserve.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, seed=args.seed, warmup=True, **engine_kwargs(args))
+    return LLM(args.model, dtype=args.dtype, warmup=True, **engine_kwargs(args))
 
 
 def freeze_startup_heap() -> int:
