@@ -13,7 +13,7 @@ from flax import nnx
 
 from jserve.model.paged_attention import PagedMeta
 from jserve.request import MAX_LOGPROBS
-from jserve.sampler import sample
+from jserve.sampler import prompt_logprobs, sample
 
 
 def forward(graphdef, ops, params, kv, tokens, positions, meta, last):
@@ -29,6 +29,19 @@ def sample_rows(logits, sampling, history):
     `forward` (whose shapes also vary with the tokens per row), which more than halves the
     compilation time of a warm-up."""
     return sample(logits, sampling, penalties=history, num_logprobs=MAX_LOGPROBS)
+
+
+def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sampling, history):
+    """A prefill chunk whose prompt logprobs are wanted: the model's logits at every position, the
+    logprobs of `next_ids` (the token after each position; negative: none) under them, and the
+    sampler at each row's `last` token, as `forward` + `sample_rows` give it."""
+    model = nnx.merge(graphdef, params)
+    logits, kv = model(tokens, positions, kv, meta, ops)  # [batch, tokens, vocab]
+    final = jnp.take_along_axis(logits, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
+    chosen, rank, top_ids, top_logprobs = prompt_logprobs(logits, jnp.maximum(next_ids, 0),
+                                                          num_logprobs=MAX_LOGPROBS)
+    prompt = {"logprob": chosen, "rank": rank, "top_ids": top_ids, "top_logprobs": top_logprobs}
+    return sample_rows(final, sampling, history), prompt, kv
 
 
 def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):

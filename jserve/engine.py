@@ -21,9 +21,9 @@ import numpy as np
 from jserve.dp_scheduler import DataParallelScheduler
 from jserve.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from jserve.page_table import PageTable
-from jserve.request import GREEDY, CompletionOutput, Logprob, RequestOutput, SamplingParams
+from jserve.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from jserve.runner import Runner
-from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerProtocol, StepPlan
+from jserve.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, SchedulerProtocol, StepPlan
 from jserve.steps import StepOutput, StepRow
 from jserve.stop import StopPolicy
 from jserve.tokenizer import Tokenizer
@@ -65,7 +65,7 @@ class LLMEngine:
     """The continuous-batching engine: requests in, `RequestOutput`s out, one step at a time."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
-                 config: EngineConfig, *, scorer: Any = None):
+                 config: EngineConfig):
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -81,7 +81,6 @@ class LLMEngine:
         else:  # one scheduler per data-parallel group, each with its share of seqs and tokens
             share = config.scheduler_config(dp)
             self.scheduler = DataParallelScheduler([Scheduler(share, t) for t in self.page_tables])
-        self.scorer = scorer  # computes prompt logprobs (a DenseRunner), or None
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, _Sequence] = {}
         self._rng = np.random.default_rng(config.seed)
@@ -110,7 +109,9 @@ class LLMEngine:
                              f"it must be shorter to leave room for output")
         group = _Group(request_id, prompt, ids, params)
         if params.prompt_logprobs is not None:
-            group.prompt_logprobs = self._score_prompt(ids, params.prompt_logprobs)
+            if self.runner.multiprocess:
+                raise ValueError("prompt_logprobs is not available in a multi-process run")
+            group.prompt_logprobs = [None]  # the first token has none; the prefill fills the rest
         base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         for i in range(params.n):
@@ -118,7 +119,11 @@ class LLMEngine:
             seed = (base + 7919 * i) % 2**32
             sub = dataclasses.replace(params, n=1, seed=seed)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, list(ids), sub, arrival, priority=priority, cache_salt=cache_salt)
+            salt = cache_salt
+            if i == 0 and params.prompt_logprobs is not None:
+                # Its prefill computes every prompt position (no prefix-cache hit skips any).
+                salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
+            req = Request(rid, list(ids), sub, arrival, priority=priority, cache_salt=salt)
             seq = _Sequence(group, i, req, self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens),
                             logprobs=[] if params.logprobs is not None else None)
             group.sequences.append(seq)
@@ -179,12 +184,44 @@ class LLMEngine:
             stop_ids, min_new = self.stop_policy.device_stops(p, len(req.output_token_ids))
             history = (req.prompt_token_ids, req.output_token_ids) if chunk.samples and p.has_penalties else None
             rows.append(StepRow(chunk.start, chunk.token_ids, chunk.page_ids, p, len(req.output_token_ids),
-                                history, group, chunk.num_steps, stop_ids, min_new))
+                                history, group, chunk.num_steps, stop_ids, min_new, self._next_ids(chunk)))
         return rows
+
+    def _next_ids(self, chunk: ScheduledChunk) -> list[int] | None:
+        """For a chunk of the sequence that scores its request's prompt, while positions of it are
+        unscored: the token after each of the chunk's positions (-1 past the prompt)."""
+        seq = self._sequences.get(chunk.request.request_id)
+        if seq is None or seq.index != 0 or seq.group.prompt_logprobs is None:
+            return None
+        prompt = seq.group.prompt_token_ids
+        if len(seq.group.prompt_logprobs) >= len(prompt) or chunk.start + chunk.num_tokens < len(seq.group.prompt_logprobs):
+            return None
+        return [prompt[q + 1] if q + 1 < len(prompt) else -1
+                for q in range(chunk.start, chunk.start + chunk.num_tokens)]
+
+    def _take_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:
+        """Append the prompt logprobs a step computed to their requests', in position order."""
+        for i, chunk in enumerate(plan.chunks):
+            scored = out.prompt[i] if out.prompt is not None else None
+            seq = self._sequences.get(chunk.request.request_id)
+            if scored is None or seq is None:
+                continue
+            group, k = seq.group, seq.group.params.prompt_logprobs
+            decode = self.tokenizer.decode
+            for j, q in enumerate(range(chunk.start, chunk.start + chunk.num_tokens)):
+                if q + 1 != len(group.prompt_logprobs) or q + 1 >= len(group.prompt_token_ids):
+                    continue  # scored before (a recompute after preemption), or past the prompt
+                token = group.prompt_token_ids[q + 1]
+                entry = {int(t): Logprob(float(lp), rank, decode([int(t)]))
+                         for rank, (t, lp) in enumerate(zip(scored.top_ids[j][:k], scored.top_logprobs[j][:k]), 1)}
+                if token not in entry:
+                    entry[token] = Logprob(float(scored.logprob[j]), int(scored.rank[j]), decode([token]))
+                group.prompt_logprobs.append(entry)
 
     def _take(self, plan: StepPlan, out: StepOutput, changed: dict[str, "_Group"]) -> None:
         """Hand a step's samples (a row per chunk of `plan`) to the scheduler and accept each new
         token (logprobs, text, stop checks)."""
+        self._take_prompt_logprobs(plan, out)
         sampled = {c.request.request_id: int(out.tokens[i]) for i, c in enumerate(plan.chunks) if c.samples}
         index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
         for req in self.scheduler.update(plan, sampled):
@@ -240,22 +277,6 @@ class LLMEngine:
             entry[token] = Logprob(float(out.logprob[i]), int(out.rank[i]), decode([token]))
         return entry
 
-    def _score_prompt(self, ids: list[int], k: int) -> list:
-        """Prompt logprobs from one full forward of the prompt (a separate scoring pass)."""
-        if self.scorer is None:
-            raise ValueError("prompt_logprobs is not available on this engine")
-        _, plp, _ = self.scorer.prefill([ids], [(GREEDY, 0)], len(ids) + 1, num_prompt_logprobs=max(k, 1))
-        chosen, rank, top_ids, top_lps = plp
-        decode = self.tokenizer.decode
-        result: list = [None]
-        for pos, token in enumerate(ids[1:]):
-            entry = {int(t): Logprob(float(l), r, decode([int(t)]))
-                     for r, (t, l) in enumerate(zip(top_ids[0, pos][:k], top_lps[0, pos][:k]), 1)}
-            if token not in entry:
-                entry[token] = Logprob(float(chosen[0, pos]), int(rank[0, pos]), decode([token]))
-            result.append(entry)
-        return result
-
     # ------------------------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, Any]:
@@ -265,9 +286,9 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
             "compilations": self.runner.num_compilations,
-            # The prompt-logprob scorer compiles on first use (not warmed up): counted here.
+            # The prompt-logprob step compiles on first use (not warmed up): counted here.
             "compilations_after_warmup": self.runner.num_compilations_after_warmup + (
-                self.scorer.num_compilations if self.scorer is not None else 0),
+                self.runner.num_score_compilations),
             "pages_in_use": sum(p.num_used_pages for p in pools),
             "pages_cached": sum(p.num_cached_pages for p in pools),
             "pages_free": sum(p.num_free_pages for p in pools),
@@ -301,7 +322,6 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     import jax.numpy as jnp
 
     from jserve import backends, buckets
-    from jserve.dense_runner import DenseRunner
     from jserve.kv_cache import device_memory_bytes, plan_memory
 
     config = resolve_max_model_len(config, model_config)
@@ -345,11 +365,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
 
         if config.warmup and jax.process_index() == 0:
             runner.warmup()  # the other processes compile the same shapes in Runner.follow()
-        # The scorer's own jitted pass is not mirrored on the followers: no prompt logprobs.
-        return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=None)
+        return LLMEngine(runner, tokenizer, eos_token_ids, config)
     if config.warmup:
         runner.warmup()
-    # The runner's params (its weights may be packed for the native CPU matmuls): one copy.
-    scorer = DenseRunner(model_config, runner.params, max_model_len=config.max_model_len, batch_buckets=(1,),
-                         ops=runner.ops)
-    return LLMEngine(runner, tokenizer, eos_token_ids, config, scorer=scorer)
+    return LLMEngine(runner, tokenizer, eos_token_ids, config)

@@ -30,7 +30,7 @@ from jserve.config import ModelConfig
 from jserve.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
 from jserve.model import model_graphdef
 from jserve.sampler import SamplingArrays, penalty_history
-from jserve.steps import StepOutput, StepRow
+from jserve.steps import PromptLogprobs, StepOutput, StepRow
 from jserve.stop import MAX_DEVICE_STOP_IDS
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,13 @@ class Runner:
         self._step = functools.partial(device_steps.forward, self.graphdef, self.ops)
         self._steps: dict[tuple, Any] = {}  # compiler options -> the jitted forward
         self._sample = jax.jit(device_steps.sample_rows)
+        score_kwargs: dict = {"donate_argnames": ("kv",)}
+        if mesh is not None:
+            replicated, kv_out = self._jit_kwargs["out_shardings"]
+            score_kwargs["out_shardings"] = (replicated, replicated, kv_out)
+        self._score_step = jax.jit(functools.partial(device_steps.score, self.graphdef, self.ops), **score_kwargs)
+        self._scored: set[int] = set()
+        self.num_score_compilations = 0
         if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
             raise ValueError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
         if decode_steps > 1 and (self.dp > 1 or jax.process_count() > 1):
@@ -149,14 +156,20 @@ class Runner:
         if any(not 0 <= r.group < self.dp for r in rows):
             raise ValueError(f"row groups must be in [0, {self.dp}), got {sorted({r.group for r in rows})}")
         results: dict[int, dict] = {}
+        prompt: dict[int, PromptLogprobs] = {}
+        for i, r in enumerate(rows):  # chunks whose prompt logprobs are wanted: a call each
+            if r.next_ids is not None:
+                self._score(rows, i, results, prompt)
+        plain = [r.next_ids is None for r in rows]
         # Per group: its decode rows, and its prefill chunks packed into calls.
-        decode = [[i for i, r in enumerate(rows) if r.num_tokens == 1 and r.group == g] for g in range(self.dp)]
+        decode = [[i for i, r in enumerate(rows) if plain[i] and r.num_tokens == 1 and r.group == g]
+                  for g in range(self.dp)]
         cap = self.batch_buckets[-1]
         for c in range(max(math.ceil(len(d) / cap) for d in decode)):
             self._run(rows, [d[c * cap:(c + 1) * cap] for d in decode], results, "decode")
         packs = []
         for g in range(self.dp):
-            prefill = sorted((i for i, r in enumerate(rows) if r.num_tokens > 1 and r.group == g),
+            prefill = sorted((i for i, r in enumerate(rows) if plain[i] and r.num_tokens > 1 and r.group == g),
                              key=lambda i: -rows[i].num_tokens)
             packs.append([[prefill[j] for j in p] for p in self._pack_prefill([rows[i].num_tokens for i in prefill])])
         for c in range(max(len(p) for p in packs)):
@@ -167,8 +180,41 @@ class Runner:
                 for g, part in enumerate(parts):
                     if part:
                         self._run(rows, [part if h == g else [] for h in range(self.dp)], results, "prefill")
-        return StepOutput.from_arrays({key: np.stack([results[i][key] for i in range(len(rows))])
-                                       for key in results[0]})
+        out = StepOutput.from_arrays({key: np.stack([results[i][key] for i in range(len(rows))])
+                                      for key in results[0]})
+        if prompt:
+            out.prompt = [prompt.get(i) for i in range(len(rows))]
+        return out
+
+    def _score(self, rows: Sequence[StepRow], i: int, results: dict, prompt: dict) -> None:
+        """Row i alone (in its group's block of a `dp`-row call), with its prompt logprobs.
+
+        The scoring step is compiled on first use for each token bucket (not at warm-up: few
+        requests ask for prompt logprobs), counted in `num_score_compilations`.
+        """
+        row = rows[i]
+        if self.multiprocess:
+            raise ValueError("prompt logprobs are not available in a multi-process run")
+        T = buckets.pick(self.token_buckets, row.num_tokens)
+        B = self.dp
+        placed: list[StepRow | None] = [None] * B
+        placed[row.group] = row
+        tokens, positions, meta, last = self._pack(placed, B, T)
+        next_ids = np.full((B, T), -1, np.int32)
+        next_ids[row.group, :row.num_tokens] = row.next_ids
+        sampling, history = self._sampling(placed, B)
+        args = self._place(((tokens, positions, meta, last), next_ids, sampling, history))
+        cached = _cache_size(self._score_step)
+        t0 = time.perf_counter()
+        out, plp, self.kv = self._score_step(self.params, self.kv, *args[0], *args[1:])
+        out, plp = jax.device_get((out, plp))
+        seconds = time.perf_counter() - t0
+        if (T not in self._scored) if cached is None else _cache_size(self._score_step) > cached:
+            self.num_score_compilations += 1
+        self._scored.add(T)
+        self._record(StepRecord("prefill", (B, T), row.num_tokens, B * T, seconds, *self._cost([row])))
+        results[i] = {key: value[row.group] for key, value in out.items()}
+        prompt[i] = PromptLogprobs(**{key: value[row.group, :row.num_tokens] for key, value in plp.items()})
 
     def execute_decode_steps(self, rows: Sequence[StepRow]) -> StepOutput:
         """Run up to `decode_steps` decode steps in one call, each row's sample fed back as its

@@ -28,6 +28,8 @@ class StepRow:
       num_steps: decode steps to run in a multi-step call (1 .. `Runner.decode_steps`).
       stop_ids, min_new: the row stops a multi-step call after sampling one of `stop_ids` once
         it has sampled `min_new` tokens (`jserve.stop.StopPolicy.device_stops`).
+      next_ids: for a chunk whose prompt logprobs are wanted, the token after each of its
+        positions (-1 where there is none yet); the step then reports their logprobs.
     """
 
     start: int
@@ -40,10 +42,22 @@ class StepRow:
     num_steps: int = 1
     stop_ids: tuple[int, ...] = ()
     min_new: int = 0
+    next_ids: Sequence[int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class PromptLogprobs:
+    """A chunk's prompt logprobs: at each of its positions, the logprob and rank of the next token
+    (`StepRow.next_ids`) and the `request.MAX_LOGPROBS` most likely tokens."""
+
+    logprob: np.ndarray  # float32 [tokens]
+    rank: np.ndarray  # int32 [tokens]
+    top_ids: np.ndarray  # int32 [tokens, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # float32 [tokens, MAX_LOGPROBS]
 
 
 @dataclasses.dataclass
@@ -53,7 +67,8 @@ class StepOutput:
 
     `top_ids` / `top_logprobs` hold `request.MAX_LOGPROBS` entries per sample, zeros where no row
     of the call asked for logprobs; `num_valid` (multi-step decode only) counts each row's
-    samples before it stopped (entries past them are meaningless)."""
+    samples before it stopped (entries past them are meaningless); `prompt` (single steps) the
+    prompt logprobs of each row that asked (`StepRow.next_ids`), None for the others."""
 
     tokens: np.ndarray  # int32
     logprob: np.ndarray  # float32: of the sampled token
@@ -61,15 +76,19 @@ class StepOutput:
     top_ids: np.ndarray  # int32 [..., MAX_LOGPROBS]
     top_logprobs: np.ndarray  # float32 [..., MAX_LOGPROBS]
     num_valid: np.ndarray | None = None  # int32 [rows]
+    prompt: list[PromptLogprobs | None] | None = None
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "StepOutput":
         return cls(**{f.name: arrays.get(f.name) for f in dataclasses.fields(cls)})
 
-    def rows(self, index: Sequence[int] | np.ndarray) -> "StepOutput":
+    def rows(self, index: Sequence[int]) -> "StepOutput":
         """These rows only (of a single step)."""
-        return StepOutput(*(None if a is None else a[index]
-                            for a in (getattr(self, f.name) for f in dataclasses.fields(self))))
+        index = list(index)
+        arrays = {f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)
+                  if f.name not in ("num_valid", "prompt") and getattr(self, f.name) is not None}
+        prompt = None if self.prompt is None else [self.prompt[i] for i in index]
+        return StepOutput(**arrays, prompt=prompt)
 
     def step(self, j: int) -> "StepOutput":
         """Step j of a multi-step decode, as a single step's output."""

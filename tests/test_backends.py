@@ -108,3 +108,53 @@ def test_scanned_stack_has_no_cache_sized_copy_and_one_layer_body():
         sizes[layers] = (len(hlo.splitlines()), hlo.count(" while("))
     (small, loops), (deep_size, deep_loops) = sizes.values()
     assert loops == deep_loops >= 1 and deep_size < 1.05 * small, sizes
+
+
+class _Tok:
+    """Just enough tokenizer for the engine's logprob entries and detokenizer."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def detokenizer(self, prompt, skip_special_tokens=True):
+        class Detok:
+            def add(self, ids):
+                return "".join(f" {i}" for i in ids)
+
+            def flush(self):
+                return ""
+
+        return Detok()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_prompt_logprobs_on_the_paged_runner_match_the_model(backend):
+    """Prompt logprobs come from the engine's own prefill chunks (no second runner): each
+    position's chosen-token logprob and top-3 equal the model's; a second request of the same
+    prompt (whose pages the prefix cache holds) and n=2 get them whole too."""
+    from jserve.engine import EngineConfig, build_engine
+    from jserve.request import SamplingParams
+
+    config, params = _load("smollm2")
+    engine = build_engine(config, params, _Tok(), [], EngineConfig(
+        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, num_pages=64,
+        backend=backend, warmup=False))
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, config.vocab_size, 19)]
+    want = _model_logprobs(config, params, ids)
+    for rid, n in (("a", 1), ("b", 1), ("c", 2)):
+        engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, n=n))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        got = outs[-1].prompt_logprobs
+        assert got[0] is None and len(got) == len(ids), rid
+        for q, entry in enumerate(got[1:]):  # position q predicts token q + 1
+            token = ids[q + 1]
+            np.testing.assert_allclose(entry[token].logprob, want[q][token], atol=2e-4, err_msg=f"{rid} {q}")
+            top = sorted((e for e in entry.values() if e.rank <= 3), key=lambda e: e.rank)
+            np.testing.assert_allclose([e.logprob for e in top], np.sort(want[q])[::-1][:3], atol=2e-4)
+    stats = engine.stats()
+    assert stats["pages_in_use"] == 0
+    assert stats["compilations_after_warmup"] >= 1  # the scoring step compiles on first use

@@ -48,7 +48,7 @@ def test_greedy_generation_matches_reference(smollm2_llm, golden):
         if n == 32:
             assert out.outputs[0].text == case["greedy_text"]
     # The runner's steps, not stats()' total: the fixture is shared, and another module's
-    # prompt_logprobs request compiles the scorer on first use (counted in stats() by design).
+    # prompt_logprobs request compiles the scoring step on first use (counted in stats() by design).
     assert smollm2_llm.runner.num_compilations_after_warmup == 0, smollm2_llm.runner._seen
 
 

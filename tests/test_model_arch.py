@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jserve.checkpoint import read_params
-from jserve.dense_runner import DenseRunner
-from jserve.request import GREEDY
 from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
 
 from conftest import DATA
@@ -47,13 +46,18 @@ def test_cached_greedy_decode_matches_transformers(arch):
     folder = DATA / "arch" / arch
     ref = np.load(folder / "reference.npz")
     config, params = read_params(folder)
-    runner = DenseRunner(config, {k: jnp.asarray(v) for k, v in params.items()}, max_model_len=64)
+    model = nnx.merge(model_graphdef(config), model_params(config, {k: jnp.asarray(v) for k, v in params.items()}))
+    ops = XlaOps(DenseAttention(config.sliding_window))
+    step = jax.jit(lambda tokens, positions, cache: model(tokens, positions, cache, positions, ops,
+                                                          logits_index=jnp.full((1, 1), tokens.shape[1] - 1)))
     prompt = [int(t) for t in ref["input_ids"][0, :10]]
-    out, _, cache = runner.prefill([prompt], [(GREEDY, 0)], 18)
-    tokens = [int(out["tokens"][0])]
+    cache = init_cache(config.num_layers, 1, config.num_kv_heads, 18, config.head_dim)
+    logits, cache = step(jnp.asarray([prompt]), jnp.arange(10)[None], cache)
+    tokens = [int(jnp.argmax(logits[0, -1]))]
     for _ in range(7):
-        out, cache = runner.decode([tokens[-1]], [len(prompt) + len(tokens) - 1], [(GREEDY, 0)], cache)
-        tokens.append(int(out["tokens"][0]))
+        pos = len(prompt) + len(tokens) - 1
+        logits, cache = step(jnp.asarray([[tokens[-1]]]), jnp.asarray([[pos]]), cache)
+        tokens.append(int(jnp.argmax(logits[0, -1])))
     assert tokens == ref["greedy_ids"][0].tolist()
 
 

@@ -291,7 +291,7 @@ def test_cli_asks_for_cpu_devices_for_a_mesh():
 
 
 def test_prompt_logprobs_on_a_mesh():
-    """The prompt-logprob scorer (a dense pass over the laid-out, sharded weights) agrees too."""
+    """Prompt logprobs (the paged prefill's scoring step over the laid-out, sharded weights) agree too."""
     def prompt_logprobs(mesh):
         engine = build_engine(TINY, _stacked(TINY), _Tok(), [],
                               EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
