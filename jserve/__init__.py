@@ -12,12 +12,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "jserve.llm",
-    "SamplingParams": "jserve.request",
-    "RequestOutput": "jserve.request",
-    "CompletionOutput": "jserve.request",
-    "Logprob": "jserve.request",
-    "ModelConfig": "jserve.config",
-    "Tokenizer": "jserve.tokenizer",
+    "SamplingParams": "jserve.core.request",
+    "RequestOutput": "jserve.core.request",
+    "CompletionOutput": "jserve.core.request",
+    "Logprob": "jserve.core.request",
+    "ModelConfig": "jserve.model.config",
+    "Tokenizer": "jserve.text.tokenizer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,13 +9,14 @@ import os
 import sys
 from typing import Sequence
 
-from jserve.engine_config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
+from jserve.engine.config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
+from jserve.runtime.distributed import add_multihost_args
 
 __all__ = ["add_engine_args", "add_multihost_args", "build_parser", "engine_kwargs", "main", "parse_bytes"]
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from jserve.checkpoint import convert
+    from jserve.model.checkpoint import convert
 
     out = convert(args.source, args.out, dtype=args.dtype, progress=not args.quiet)
     print(out)
@@ -23,9 +24,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jserve import distributed
+    from jserve.runtime import distributed
     from jserve.llm import LLM
-    from jserve.request import SamplingParams
+    from jserve.core.request import SamplingParams
 
     leader = distributed.from_args(args)
     # One prompt: compile only the shapes it needs instead of warming every bucket.
@@ -64,11 +65,11 @@ def _human(n: float) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from jserve.backends import NativeCpuBackend, XlaBackend
-    from jserve.checkpoint import read_model_config
-    from jserve.engine import resolve_max_model_len
-    from jserve.engine_config import EngineConfig
-    from jserve.kv_cache import device_memory_bytes, dtype_bytes, plan_memory
+    from jserve.runtime.backends import NativeCpuBackend, XlaBackend
+    from jserve.model.checkpoint import read_model_config
+    from jserve.engine.llm_engine import resolve_max_model_len
+    from jserve.engine.config import EngineConfig
+    from jserve.runtime.kv_cache import device_memory_bytes, dtype_bytes, plan_memory
 
     config, weight_dtype = read_model_config(args.model)
     weight_dtype = args.weight_dtype or weight_dtype
@@ -84,7 +85,7 @@ def _plan(args: argparse.Namespace) -> int:
     per_device = ""
     plan_config, weight_bytes, dp = config, None, 1
     if settings.mesh is not None:
-        from jserve.sharding import describe, device_share, params_per_device, parse_mesh
+        from jserve.runtime.sharding import describe, device_share, params_per_device, parse_mesh
 
         sizes = parse_mesh(settings.mesh)
         dp, tp = sizes["dp"], sizes["tp"]
@@ -115,17 +116,6 @@ def _plan(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0
-
-
-def add_multihost_args(p: argparse.ArgumentParser) -> None:
-    """`jax.distributed`'s flags, for the commands that run the engine."""
-    g = p.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--distributed", action="store_true",
-                   help="join a multi-process run: jax.distributed.initialize() (auto-detected on a TPU "
-                        "slice, or from the flags below); process 0 serves, the others follow its steps")
-    g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0's coordinator")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +181,7 @@ def cpu_devices_for_mesh(mesh: str, environ=os.environ) -> None:
     Only the CPU platform reads the flag (TPU and GPU hosts are unaffected), and only before JAX
     starts its backends; a flag the user set is left alone.
     """
-    from jserve.sharding import parse_mesh
+    from jserve.runtime.sharding import parse_mesh
 
     sizes = parse_mesh(mesh)
     flags = environ.get("XLA_FLAGS", "")

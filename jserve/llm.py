@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
-from jserve.request import RequestOutput, SamplingParams
+from jserve.core.request import RequestOutput, SamplingParams
 
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
@@ -38,20 +38,20 @@ class LLM:
         the paged-attention kernel needs a bfloat16 KV cache (this, or `kv_cache_dtype`).
       shardings: optional weight shardings, passed to `checkpoint.load_checkpoint` (without a mesh).
       compilation_cache: directory for JAX's persistent compilation cache; False turns it off.
-      **settings: the engine's settings by name, as `jserve.engine_config.EngineConfig` lists and
+      **settings: the engine's settings by name, as `jserve.engine.config.EngineConfig` lists and
         documents them (max_model_len, max_num_seqs, max_num_batched_tokens, page_size, backend,
         mesh, kv_cache_dtype, num_scheduler_steps, warmup, ...); an unknown name is a ValueError.
         With `mesh` ("dp=2,tp=4", a dict, or a `jax.sharding.Mesh` with axes 'dp'/'tp', see
-        `jserve.sharding`) weights restore straight into their shardings.
+        `jserve.runtime.sharding`) weights restore straight into their shardings.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
                  shardings: Any = None, compilation_cache: str | os.PathLike | bool | None = None,
                  **settings: Any):
-        from jserve.checkpoint import load_checkpoint, resolve_model
-        from jserve.engine import build_engine, resolve_max_model_len
-        from jserve.engine_config import EngineConfig
-        from jserve.tokenizer import Tokenizer
+        from jserve.model.checkpoint import load_checkpoint, resolve_model
+        from jserve.engine.llm_engine import build_engine, resolve_max_model_len
+        from jserve.engine.config import EngineConfig
+        from jserve.text.tokenizer import Tokenizer
 
         engine_config = EngineConfig.from_settings(**settings)  # bad settings are named before loading
         if compilation_cache is not False:
@@ -61,8 +61,8 @@ class LLM:
         self.path = resolve_model(model, dtype=dtype or "float32")
         mesh = engine_config.mesh
         if mesh is not None:
-            from jserve.checkpoint import read_model_config
-            from jserve.sharding import head_layout, make_mesh, mesh_sizes, restore_sharding
+            from jserve.model.checkpoint import read_model_config
+            from jserve.runtime.sharding import head_layout, make_mesh, mesh_sizes, restore_sharding
 
             if shardings is not None:
                 raise ValueError("give either mesh or shardings, not both")

@@ -38,12 +38,12 @@ def measure(args: argparse.Namespace) -> dict:
     from jserve.llm import LLM
 
     try:  # the step contract since the backend redesign; before it, tuples
-        from jserve.steps import StepRow
+        from jserve.runtime.steps import StepRow
 
         def call(runner, rows):
             runner.execute([StepRow(*r) for r in rows])
     except ImportError:
-        from jserve.runner import GREEDY
+        from jserve.runtime.runner import GREEDY
 
         def call(runner, rows):
             runner.execute(rows, [GREEDY] * len(rows))
@@ -52,7 +52,7 @@ def measure(args: argparse.Namespace) -> dict:
                   warmup=False)
     backend = args.kernel
     if args.variant in ("scan", "unrolled"):
-        from jserve.backends import XlaBackend
+        from jserve.runtime.backends import XlaBackend
 
         backend = XlaBackend(args.kernel, scan=args.variant == "scan")
     elif args.variant == "native":

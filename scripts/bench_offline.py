@@ -104,7 +104,7 @@ def scaled(text: str, scale: float) -> tuple[int, int]:
 
 def ensure_hf_weights(folder: Path) -> Path:
     """Write the GGUF's dequantized fp32 weights as an HF LlamaForCausalLM folder, once."""
-    from jserve.checkpoint import _HF_GLOBAL, _HF_LAYER, default_gguf_path, read_params
+    from jserve.model.checkpoint import _HF_GLOBAL, _HF_LAYER, default_gguf_path, read_params
 
     gguf = default_gguf_path()
     stamp = f"{gguf} {gguf.stat().st_size} {int(gguf.stat().st_mtime)}"
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
     logger.setLevel(logging.INFO)
     args = parse_args(argv)
     t_start = time.perf_counter()
-    from jserve.checkpoint import read_model_config
+    from jserve.model.checkpoint import read_model_config
 
     config, _ = read_model_config(None)
     in_lens, out_lens = scaled(args.in_lens, args.scale), scaled(args.out_lens, args.scale)

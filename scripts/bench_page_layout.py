@@ -1,7 +1,7 @@
 """Decode step time for KV page sizes, with and without huge pages, side by side in one process.
 
 Each variant is its own engine over the real model (default SmolLM2-135M) with `page_size` tokens
-per page and huge pages on or off (`jserve.huge_pages`); every row has `context` cached tokens on
+per page and huge pages on or off (`jserve.runtime.huge_pages`); every row has `context` cached tokens on
 pages drawn at random from a pool twice the size the rows need (the engine's free list scatters
 a long-running server's pages the same way). Variants take turns call by call, so a busy machine
 slows them alike. Prints median (min) per variant and writes JSON with --out.
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jserve.checkpoint import load_checkpoint, resolve_model  # noqa: E402
+from jserve.model.checkpoint import load_checkpoint, resolve_model  # noqa: E402
 from jserve.llm import enable_compilation_cache  # noqa: E402
-from jserve.runner import Runner  # noqa: E402
-from jserve.steps import StepRow  # noqa: E402
+from jserve.runtime.runner import Runner  # noqa: E402
+from jserve.runtime.steps import StepRow  # noqa: E402
 
 
 def build(config, params, page_size: int, huge: bool, batch: int, max_len: int) -> Runner:

@@ -53,9 +53,9 @@ def main(argv=None) -> int:
     import jax
 
     from jserve.llm import LLM
-    from jserve.request import SamplingParams
-    from jserve.steps import StepRow
-    from jserve.sharding import parse_mesh
+    from jserve.core.request import SamplingParams
+    from jserve.runtime.steps import StepRow
+    from jserve.runtime.sharding import parse_mesh
 
     golden = json.loads((REPO / "tests" / "data" / "smollm2_golden.json").read_text())["cases"]
     results = []

@@ -92,7 +92,7 @@ def ensure_llama_cpp(cache: Path, jobs: int = 2) -> Path:
 
 
 def default_gguf() -> Path:
-    from jserve.checkpoint import default_gguf_path
+    from jserve.model.checkpoint import default_gguf_path
 
     return default_gguf_path()
 
@@ -142,7 +142,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
         if not Path(args.hf_python).is_file():
             raise FileNotFoundError(f"--hf-python {args.hf_python} does not exist (a venv with torch + transformers)")
         folder = ensure_hf_folder()
-        from jserve.checkpoint import resolve_model
+        from jserve.model.checkpoint import resolve_model
 
         tokenizer = Path(resolve_model(None)) / "tokenizer.json"
         cmd = [args.hf_python, str(REPO / "scripts" / "_hf_server.py"), "--model", str(folder), "--tokenizer",

@@ -87,7 +87,7 @@ def golden():
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(tmp_path_factory) -> Path:
     """The default model converted once per session (reused from checkpoints/ when present)."""
-    from jserve.checkpoint import resolve_model
+    from jserve.model.checkpoint import resolve_model
 
     return resolve_model(None)
 

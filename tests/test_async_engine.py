@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.checkpoint import read_params
+from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jserve.model.checkpoint import read_params
 from jserve.engine import EngineConfig, build_engine
-from jserve.request import CompletionOutput, RequestOutput, SamplingParams
-from jserve.scheduler import Request, RequestStatus
-from jserve.tokenizer import Tokenizer
+from jserve.core.request import CompletionOutput, RequestOutput, SamplingParams
+from jserve.core.scheduler import Request, RequestStatus
+from jserve.text.tokenizer import Tokenizer
 
 from conftest import DATA
 

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jserve import backends
-from jserve.checkpoint import read_params
+from jserve.runtime import backends
+from jserve.model.checkpoint import read_params
 from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
-from jserve.request import SamplingParams
-from jserve.runner import Runner
-from jserve.steps import StepRow
+from jserve.core.request import SamplingParams
+from jserve.runtime.runner import Runner
+from jserve.runtime.steps import StepRow
 
 from conftest import DATA
 
@@ -135,7 +135,7 @@ def test_prompt_logprobs_on_the_paged_runner_match_the_model(backend):
     position's chosen-token logprob and top-3 equal the model's; a second request of the same
     prompt (whose pages the prefix cache holds) and n=2 get them whole too."""
     from jserve.engine import EngineConfig, build_engine
-    from jserve.request import SamplingParams
+    from jserve.core.request import SamplingParams
 
     config, params = _load("smollm2")
     engine = build_engine(config, params, _Tok(), [], EngineConfig(

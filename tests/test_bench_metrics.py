@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import jserve.cli
 import jserve.server.cli as cli
-from jserve.checkpoint import read_params
+from jserve.model.checkpoint import read_params
 from jserve.engine import EngineConfig, build_engine
 from jserve.llm import enable_compilation_cache
-from jserve.tokenizer import Tokenizer
+from jserve.text.tokenizer import Tokenizer
 
 enable_compilation_cache()  # the test run's cache (JSERVE_COMPILATION_CACHE is inherited)
 

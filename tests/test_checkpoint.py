@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jserve import cli
-from jserve.checkpoint import convert, load_checkpoint, read_params, unpermute_rotary
+from jserve.model.checkpoint import convert, load_checkpoint, read_params, unpermute_rotary
 
 from conftest import DATA
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jserve.backends import NativeCpuBackend
-from jserve.backends.native_cpu import fused_layers_supported
-from jserve.config import ModelConfig
-from jserve.kv_cache import init_kv_pages
+from jserve.runtime.backends import NativeCpuBackend
+from jserve.runtime.backends.native_cpu import fused_layers_supported
+from jserve.model.config import ModelConfig
+from jserve.runtime.kv_cache import init_kv_pages
 from jserve.model import model_graphdef
 from jserve.model.llama import LlamaModel
-from jserve.model.paged_attention import PagedMeta
+from jserve.runtime.paged_attention import PagedMeta
 from pallas_kernels.decoder_layer import native
 from pallas_kernels.native_build import _cpu_flags
 

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.checkpoint import read_params
+from jserve.model.checkpoint import read_params
 from jserve.engine import EngineConfig, build_engine
-from jserve.request import SamplingParams
-from jserve.tokenizer import Tokenizer
+from jserve.core.request import SamplingParams
+from jserve.text.tokenizer import Tokenizer
 
 from conftest import DATA
 

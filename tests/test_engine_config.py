@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from jserve.cli import build_parser, engine_kwargs
-from jserve.engine_config import EngineConfig
+from jserve.engine.config import EngineConfig
 
 
 def _flagged():

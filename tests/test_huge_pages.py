@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve import huge_pages
-from jserve.checkpoint import read_params
-from jserve.runner import Runner
+from jserve.runtime import huge_pages
+from jserve.model.checkpoint import read_params
+from jserve.runtime.runner import Runner
 
 from conftest import DATA
 

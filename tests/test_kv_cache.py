@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.config import ModelConfig
-from jserve.kv_cache import init_kv_pages, plan_memory, slot_mapping, write_kv
+from jserve.model.config import ModelConfig
+from jserve.runtime.kv_cache import init_kv_pages, plan_memory, slot_mapping, write_kv
 
 LLAMA31_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False)

@@ -91,7 +91,7 @@ for dtype in (jnp.float32, jnp.bfloat16):
 
 def test_native_linear_takes_a_tuple_of_weights():
     # The model's hook: a tuple of packed weights is one call, a tuple with a plain weight is not.
-    from jserve.backends.native_cpu import native_linear
+    from jserve.runtime.backends.native_cpu import native_linear
     from jserve.model.llama import xla_linear
 
     rng = np.random.default_rng(1)
@@ -109,7 +109,7 @@ def test_native_linear_takes_a_tuple_of_weights():
 
 def test_embedding_rows_from_the_packed_transpose():
     # The native CPU backend packs the embedding's transpose; its lookup reads the panels.
-    from jserve.backends.native_cpu import NativeCpuOps
+    from jserve.runtime.backends.native_cpu import NativeCpuOps
 
     embed_rows = NativeCpuOps(None).embed
 

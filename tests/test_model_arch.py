@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jserve.checkpoint import read_params
+from jserve.model.checkpoint import read_params
 from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
 
 from conftest import DATA
@@ -62,7 +62,7 @@ def test_cached_greedy_decode_matches_transformers(arch):
 
 
 def test_config_parses_rope_and_features():
-    from jserve.config import ModelConfig
+    from jserve.model.config import ModelConfig
     import json
 
     cfgs = {a: ModelConfig.from_hf_config(json.loads((DATA / "arch" / a / "config.json").read_text()))
@@ -77,7 +77,7 @@ def test_config_parses_rope_and_features():
 
 
 def test_unsupported_architecture_is_named():
-    from jserve.config import ModelConfig
+    from jserve.model.config import ModelConfig
 
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
         ModelConfig.from_hf_config({"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 8})

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jserve.page_table import PageTable
-from jserve.request import SamplingParams
-from jserve.steps import StepRow
-from jserve.scheduler import RequestStatus, SchedulerConfig, StepPlan
+from jserve.core.page_table import PageTable
+from jserve.core.request import SamplingParams
+from jserve.runtime.steps import StepRow
+from jserve.core.scheduler import RequestStatus, SchedulerConfig, StepPlan
 
 from test_engine import make_engine, run_outputs as run_all, tiny  # noqa: F401 (tiny: the module-scoped fixture)
 from test_scheduler import (FakeDevice, assert_reference_outputs, check_plan, fake_next_token, make_request,
@@ -341,7 +341,7 @@ def test_bad_num_scheduler_steps_is_refused(tiny):
 def test_streams_from_a_multi_step_engine_equal_single_steps(engines):
     import asyncio
 
-    from jserve.async_engine import AsyncLLMEngine
+    from jserve.engine.async_engine import AsyncLLMEngine
 
     single, multi = engines
     prompts = [list(range(20, 45)), list(range(50, 60))]

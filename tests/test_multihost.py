@@ -30,8 +30,8 @@ ENGINE_FLAGS = ["--max-model-len", "256", "--kv-cache-bytes", "4MiB", "--max-num
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(smollm2_checkpoint, tmp_path_factory) -> Path:
-    from jserve.checkpoint import save_params
-    from jserve.config import ModelConfig
+    from jserve.model.checkpoint import save_params
+    from jserve.model.config import ModelConfig
     from jserve.model.llama import param_shapes
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-smollm2"
@@ -97,7 +97,7 @@ def _post(port: int, body: dict) -> dict:
 
 def test_server_on_two_processes_serves_a_request_stream(tiny_checkpoint):
     from jserve import LLM
-    from jserve.request import SamplingParams
+    from jserve.core.request import SamplingParams
 
     llm = LLM(str(tiny_checkpoint), max_model_len=256, kv_cache_bytes=4 << 20, max_num_seqs=4,
               max_num_batched_tokens=32, warmup=False)

@@ -1,4 +1,4 @@
-"""jserve.page_table: a unit test per behaviour (the state machine: test_page_table_machine.py)."""
+"""jserve.core.page_table: a unit test per behaviour (the state machine: test_page_table_machine.py)."""
 
 import dataclasses
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jserve.page_pool import NULL_PAGE, PagePool
-from jserve.page_table import PageTable
+from jserve.core.page_pool import NULL_PAGE, PagePool
+from jserve.core.page_table import PageTable
 
 
 def snapshot(pt: PageTable):

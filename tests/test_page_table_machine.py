@@ -1,4 +1,4 @@
-"""jserve.page_table under a hypothesis state machine: random admissions, growth, frees and
+"""jserve.core.page_table under a hypothesis state machine: random admissions, growth, frees and
 prefix hits over a fake device whose K/V slots hold the token prefix they were computed from.
 The unit tests, one per behaviour, are in test_page_table.py."""
 
@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jserve.page_table import PageTable
+from jserve.core.page_table import PageTable
 from test_page_table import snapshot
 
 PREFIXES = [[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 2, 0, 1], [2, 2, 2, 2, 2, 2]]  # so prompts share prefixes

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.backends import NativeCpuBackend, XlaBackend
-from jserve.backends.native_cpu import EIGEN_DOTS
-from jserve.checkpoint import read_params
-from jserve.request import GREEDY, SamplingParams
-from jserve.runner import Runner
-from jserve.steps import StepRow
+from jserve.runtime.backends import NativeCpuBackend, XlaBackend
+from jserve.runtime.backends.native_cpu import EIGEN_DOTS
+from jserve.model.checkpoint import read_params
+from jserve.core.request import GREEDY, SamplingParams
+from jserve.runtime.runner import Runner
+from jserve.runtime.steps import StepRow
 from pallas_kernels.decoder_layer import native as native_layer
 from pallas_kernels.matmul import native as native_matmul
 
@@ -177,9 +177,9 @@ def test_step_records_count_real_tokens_bytes_and_flops():
 
 _FRESH_PROCESS = r"""
 import sys, threading
-from jserve.checkpoint import read_params
-from jserve.runner import Runner
-from jserve.steps import StepRow
+from jserve.model.checkpoint import read_params
+from jserve.runtime.runner import Runner
+from jserve.runtime.steps import StepRow
 
 config, params = read_params(sys.argv[1])
 runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=16, backend="reference",

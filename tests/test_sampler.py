@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.request import SamplingParams
-from jserve.sampler import SamplingArrays, _counts, apply_penalties, argmax, penalty_history, sample
+from jserve.core.request import SamplingParams
+from jserve.runtime.sampler import SamplingArrays, _counts, apply_penalties, argmax, penalty_history, sample
 
 V = 8
 
@@ -115,7 +115,7 @@ def test_logprobs_are_computed_only_when_a_row_wants_them():
 
 
 def test_sampling_params_validate_penalties():
-    from jserve.request import SamplingParams
+    from jserve.core.request import SamplingParams
 
     for kw in ({"repetition_penalty": 0}, {"presence_penalty": 3}, {"frequency_penalty": float("nan")}):
         with pytest.raises(ValueError, match=next(iter(kw))):

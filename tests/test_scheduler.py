@@ -1,4 +1,4 @@
-"""jserve.scheduler driven by a fake engine: a fake device keeps token ids in its KV pages and a fake
+"""jserve.core.scheduler driven by a fake engine: a fake device keeps token ids in its KV pages and a fake
 model samples from what it reads there, so a correct scheduler gives every request the output it
 would have alone, whatever the batching, chunking, prefix reuse or preemption."""
 
@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jserve.page_pool import NULL_PAGE
-from jserve.page_table import PageTable
-from jserve.request import SamplingParams
-from jserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, StepPlan
+from jserve.core.page_pool import NULL_PAGE
+from jserve.core.page_table import PageTable
+from jserve.core.request import SamplingParams
+from jserve.core.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, StepPlan
 
 VOCAB = 61
 

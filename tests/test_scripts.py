@@ -1,7 +1,7 @@
 """Every script under scripts/ still imports against the package and parses `--help`.
 
 The benchmarks are not run by the suite, so a renamed function used to break them unnoticed
-(`bench_decode_step.py` imported `jserve.runner._step` for two sessions after it moved). One
+(`bench_decode_step.py` imported `jserve.runtime.runner._step` for two sessions after it moved). One
 subprocess imports them all: importing Pallas registers JAX config options, which must not leak
 into this process's compiled steps.
 """

@@ -23,14 +23,14 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jserve.async_engine import AsyncLLMEngine
-from jserve.checkpoint import read_params
+from jserve.engine.async_engine import AsyncLLMEngine
+from jserve.model.checkpoint import read_params
 from jserve.engine import EngineConfig, build_engine
-from jserve.request import SamplingParams
-from jserve.request import MAX_LOGPROBS
+from jserve.core.request import SamplingParams
+from jserve.core.request import MAX_LOGPROBS
 from jserve.server import ServerState, build_app
 from jserve.server.http import CappedSite
-from jserve.tokenizer import Tokenizer
+from jserve.text.tokenizer import Tokenizer
 
 from conftest import DATA
 

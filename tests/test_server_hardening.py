@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from jserve.async_engine import AsyncLLMEngine
+from jserve.engine.async_engine import AsyncLLMEngine
 from jserve.server import ServerState, tokenizer_pool
 from jserve.server.cli import DEFAULT_MODEL_NAMES
 from jserve.server.http import Timeouts

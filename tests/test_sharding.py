@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jserve.config import ModelConfig
+from jserve.model.config import ModelConfig
 from jserve.engine import EngineConfig, build_engine
 from jserve.model import LlamaModel
-from jserve.request import SamplingParams
-from jserve.sharding import (head_layout, laid_out_config, lay_out_params, make_mesh, parse_mesh,
+from jserve.core.request import SamplingParams
+from jserve.runtime.sharding import (head_layout, laid_out_config, lay_out_params, make_mesh, parse_mesh,
                              place_params)
 
 MESHES = ["tp=2", "tp=3", "tp=4", "tp=8", "dp=2,tp=2", "dp=8"]
@@ -165,9 +165,9 @@ def test_tiny_model_same_tokens_and_logprobs_on_every_mesh(tiny_reference, mesh)
 
 
 def test_dp_groups_route_shared_prefixes_together():
-    from jserve.dp_scheduler import DataParallelScheduler
-    from jserve.page_table import PageTable
-    from jserve.scheduler import Request, Scheduler, SchedulerConfig
+    from jserve.core.dp_scheduler import DataParallelScheduler
+    from jserve.core.page_table import PageTable
+    from jserve.core.scheduler import Request, Scheduler, SchedulerConfig
 
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, enable_prefix_caching=True)
     dps = DataParallelScheduler([Scheduler(cfg, PageTable(40, 16, enable_prefix_caching=True)) for _ in range(2)])
@@ -208,7 +208,7 @@ def test_step_hlo_has_the_collectives_and_no_weight_gather():
                           EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
                                        kv_cache_bytes=1 << 20, warmup=False, mesh="tp=4"))
     runner = engine.runner
-    from jserve.steps import StepRow
+    from jserve.runtime.steps import StepRow
 
     arrays = runner._place(runner._pack([StepRow(0, [1], [1, 2])] * 4, 4, 1))  # two 16-token pages
     hlo = runner.step_fn(4, 1).lower(runner.params, runner.kv, *arrays).compile().as_text()
@@ -231,7 +231,7 @@ def test_step_hlo_has_the_collectives_and_no_weight_gather():
 
 @pytest.fixture(scope="module")
 def smollm2_params(smollm2_checkpoint):
-    from jserve.checkpoint import load_checkpoint
+    from jserve.model.checkpoint import load_checkpoint
 
     config, params, _ = load_checkpoint(smollm2_checkpoint)
     return config, params
@@ -263,9 +263,9 @@ def test_make_mesh_keeps_a_user_mesh_device_order():
 def test_restore_shardings_never_hold_a_whole_weight(smollm2_checkpoint):
     """What `LLM(mesh=...)` asks Orbax for: split weights arrive split (tp=2 pads heads, so
     those weights restore split along another axis and are laid out afterwards)."""
-    from jserve.checkpoint import read_model_config
+    from jserve.model.checkpoint import read_model_config
     from jserve.model.llama import param_shapes
-    from jserve.sharding import restore_sharding
+    from jserve.runtime.sharding import restore_sharding
 
     config = read_model_config(smollm2_checkpoint)[0]
     for spec in ("tp=2", "tp=3", "dp=2,tp=2"):

@@ -1,11 +1,11 @@
-"""The stop policy (`jserve.stop`): one set of rules for the host, the device and the stream."""
+"""The stop policy (`jserve.core.stop`): one set of rules for the host, the device and the stream."""
 
 from __future__ import annotations
 
 import pytest
 
-from jserve.request import SamplingParams
-from jserve.stop import MAX_DEVICE_STOP_IDS, Stop, StopPolicy, holdback, tokens_left
+from jserve.core.request import SamplingParams
+from jserve.core.stop import MAX_DEVICE_STOP_IDS, Stop, StopPolicy, holdback, tokens_left
 
 POLICY = StopPolicy(frozenset({2}), vocab_size=100)
 

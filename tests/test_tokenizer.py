@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jserve.chat_template import render_chat_template
-from jserve.tokenizer import Tokenizer
+from jserve.text.chat_template import render_chat_template
+from jserve.text.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data"
 CASES = json.loads((DATA / "smollm2_tokenizer_cases.json").read_text())["cases"]
@@ -171,7 +171,7 @@ def test_load_hugging_face_folder(smollm2, tmp_path):
 def test_gguf_pre_tokenizer_table():
     """Every supported pre name builds; the digit grouping differs as in the original tokenizers."""
     import tokenizers
-    from jserve.tokenizer_gguf import PRE_TOKENIZERS
+    from jserve.text.tokenizer_gguf import PRE_TOKENIZERS
 
     expected_digits = {"gpt-2": ["Ġ12345"], "smollm": ["Ġ", "1", "2", "3", "4", "5"],
                        "llama-bpe": ["Ġ", "123", "45"], "qwen2": ["Ġ", "1", "2", "3", "4", "5"]}

@@ -2,7 +2,7 @@
 
 `DecoderLayer` is the one definition of a layer; `LlamaModel` embeds, runs the layer stack and
 the head. How each operation runs (XLA dots or native kernels, the stack unrolled, scanned or
-fused) is the caller's `ModelOps` (`jserve.backends`); attention over the KV cache is its
+fused) is the caller's `ModelOps` (`jserve.runtime.backends`); attention over the KV cache is its
 `Attention`, so the same model runs over a contiguous cache (offline generation, `XlaOps`) or a
 paged one (the engine). Checkpoints stack per-layer weights along a leading `num_layers` axis.
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jserve.config import ModelConfig, rope_inv_freq
+from jserve.model.config import ModelConfig, rope_inv_freq
 
 
 class Attention(Protocol):
@@ -34,7 +34,7 @@ class Attention(Protocol):
 
 
 class ModelOps(Protocol):
-    """What runs the model's operations: a backend's choice (`jserve.backends`) or `XlaOps`.
+    """What runs the model's operations: a backend's choice (`jserve.runtime.backends`) or `XlaOps`.
 
     The model is the one definition of the computation; an implementation decides how the
     layer matmuls, the embedding and head, attention and the layer stack are executed.
@@ -189,7 +189,7 @@ def unrolled_layers(layers: Any, x, cos, sin, cache, meta, ops: ModelOps):
 def scanned_layers(layers: DecoderLayer, x, cos, sin, cache, meta, ops: ModelOps):
     """The stack as `jax.lax.scan` over one `DecoderLayer` with stacked weights: one traced copy
     of the layer whatever the depth. The cache rides in the carry, whole; `ops.attention` must
-    address a layer's pages inside it by the traced index (see `jserve.backends.xla`)."""
+    address a layer's pages inside it by the traced index (see `jserve.runtime.backends.xla`)."""
     graphdef, state = nnx.split(layers)
     num_layers = jax.tree.leaves(state)[0].shape[0]
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from jserve.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server import fields, protocol, tokenizer_pool, watchdog
 from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request, error_body

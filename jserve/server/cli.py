@@ -49,7 +49,8 @@ del _d
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to `jserve`'s subparsers (its func: `serve_command`)."""
-    from jserve.cli import add_engine_args, add_multihost_args, parse_bytes
+    from jserve.engine.config import add_engine_args, parse_bytes
+    from jserve.runtime.distributed import add_multihost_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", default=None, help="checkpoint folder, HF folder, .gguf or name "
@@ -96,7 +97,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from jserve import distributed
+    from jserve.runtime import distributed
 
     limits(args)  # bad values fail before the model loads
     if not distributed.from_args(args):  # a follower process of a multi-host run: no HTTP
@@ -144,7 +145,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from jserve.cli import engine_kwargs
+    from jserve.engine.config import engine_kwargs
     from jserve.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, warmup=True, **engine_kwargs(args))
@@ -168,7 +169,7 @@ def freeze_startup_heap() -> int:
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from jserve.async_engine import AsyncLLMEngine
+    from jserve.engine.async_engine import AsyncLLMEngine
     from jserve.server.app import ServerState, build_app
     from jserve.server.http import CappedSite
     from jserve.server.watchdog import HUNG

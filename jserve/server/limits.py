@@ -29,14 +29,14 @@ class Limits:
     max_stop: int = 16  # stop strings
     max_stop_chars: int = 256  # characters per stop string (each is scanned at every step)
     max_stop_token_ids: int = 64
-    max_logprobs: int = 20  # logprobs / top_logprobs (at most jserve.request.MAX_LOGPROBS)
+    max_logprobs: int = 20  # logprobs / top_logprobs (at most jserve.core.request.MAX_LOGPROBS)
     max_cache_salt_chars: int = 256
     # work off the event loop
     max_tokenize_jobs: int = 32  # large bodies waiting for (or in) the tokenizer process; then 429
 
     def resolve(self, *, max_model_len: int, num_kv_tokens: int, max_num_seqs: int) -> "Limits":
         """These limits with the model-dependent defaults filled in and every value checked."""
-        from jserve.request import MAX_LOGPROBS
+        from jserve.core.request import MAX_LOGPROBS
 
         total = self.max_total_tokens or max_model_len
         out = dataclasses.replace(

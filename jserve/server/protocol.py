@@ -14,7 +14,7 @@ import math
 import reprlib
 from typing import Any, Sequence
 
-from jserve.request import Logprob, SamplingParams
+from jserve.core.request import Logprob, SamplingParams
 from jserve.server import fields
 from jserve.server.errors import APIError, bad_request
 from jserve.server.limits import Limits

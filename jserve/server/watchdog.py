@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jserve.async_engine import AsyncLLMEngine
+    from jserve.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 

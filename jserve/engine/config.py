@@ -1,0 +1,129 @@
+"""`EngineConfig`: the one list of engine settings.
+
+Each setting is named, typed, documented and defaulted here, once; `LLM(**settings)` takes them
+by name, and the command line's engine flags (`add_engine_args`) are made from the same fields
+(vLLM's flag names where vLLM has one). Pure Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any, Callable
+
+from jserve.core.scheduler import SchedulerConfig
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # vLLM's --kv-cache-dtype; "auto": the weights'
+BACKEND_NAMES = ("cpu", "tpu", "gpu", "reference", "cpu_pallas")  # jserve.runtime.backends.NAMES
+DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own context length when none is given
+
+
+def parse_bytes(text: str) -> int:
+    """'16GiB', '80GB', '512MiB', '1e9' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 16GiB, 80GB, 512MiB)")
+    return int(float(m.group(1)) * units[m.group(2).lower()])
+
+
+def _setting(default: Any, help: str, *, flag: str | None = "", parse: Callable | None = None,
+             choices: tuple | None = None) -> Any:
+    """A field with its command-line flag ("": from its name; None: no flag) and help."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "parse": parse,
+                                                        "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings (see each field's help, also shown by `jserve serve --help`)."""
+
+    max_model_len: int | None = _setting(
+        None, f"context length (prompt + output); default the model's, at most {DEFAULT_MAX_MODEL_LEN}",
+        parse=int)
+    max_num_seqs: int = _setting(16, "sequences per step (the largest decode batch)", parse=int)
+    max_num_batched_tokens: int = _setting(512, "tokens computed per step (the largest prefill chunk)",
+                                           parse=int)
+    enable_prefix_caching: bool = _setting(True, "reuse the KV pages of a cached prompt prefix")
+    page_size: int | None = _setting(None, "tokens per KV page (default: the backend's, 64 on the native "
+                                           "CPU backend, else 16)", parse=int)
+    num_pages: int | None = _setting(None, "KV pages (default: from the memory budget)", parse=int)
+    kv_cache_bytes: int | None = _setting(None, "explicit KV budget per device, e.g. 1GiB (default on a "
+                                                "CPU: 512 MiB)", parse=parse_bytes)
+    memory_fraction: float = _setting(0.9, "of accelerator memory for the engine, when neither "
+                                           "--num-pages nor --kv-cache-bytes is given", parse=float)
+    seed: int = _setting(0, "seeds requests that give none")
+    backend: Any = _setting(None, "execution backend by its paged-attention kernel: cpu (native CPU "
+                                  "kernels), tpu, gpu, reference, cpu_pallas (XLA); default: the "
+                                  "platform's", flag="--attention-backend", choices=BACKEND_NAMES)
+    kv_cache_dtype: str = _setting("auto", "KV page dtype (auto: the weights'); bfloat16 halves the KV "
+                                           "bytes", choices=KV_CACHE_DTYPES)
+    num_scheduler_steps: int = _setting(1, "decode steps per device call while only decodes run "
+                                           "(multi-step decode)", parse=int)
+    mesh: Any = _setting(None, "device mesh, e.g. tp=4 or dp=2,tp=4, a dict or a jax.sharding.Mesh "
+                               "(default: one device)")
+    warmup: bool = _setting(True, "compile every bucket before serving (instead of on first use)", flag=None)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("max_model_len", "page_size", "num_pages", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.memory_fraction, (int, float)) or not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if isinstance(self.backend, str) and self.backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> "EngineConfig":
+        """The config from settings by name; ValueError naming one that is not a setting."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in settings if k not in names]
+        if unknown:
+            raise ValueError(f"unknown engine setting {unknown[0]!r}; the settings are: {', '.join(names)}")
+        return cls(**settings)
+
+    def scheduler_config(self, dp: int = 1, max_model_len: int | None = None) -> SchedulerConfig:
+        """The scheduler's knobs; with `dp` groups, each group's share of seqs and tokens."""
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) % dp:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of dp ({dp})")
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs // dp,
+                               max_num_batched_tokens=self.max_num_batched_tokens // dp,
+                               max_model_len=max_model_len or self.max_model_len,
+                               enable_prefix_caching=self.enable_prefix_caching,
+                               num_scheduler_steps=self.num_scheduler_steps)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per setting of `EngineConfig` (its dest the setting's name), in a group."""
+    group = parser.add_argument_group("engine")
+    names = []
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        if meta["flag"] is None or f.name in exclude:
+            continue
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=meta["help"])
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = meta["parse"] or (int if isinstance(f.default, int) else str)
+            if meta["choices"]:
+                kwargs["choices"] = list(meta["choices"])
+        group.add_argument(flag, **kwargs)
+        names.append(f.name)
+    parser.set_defaults(engine_settings=tuple(names))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings `add_engine_args` parsed, by name (for `LLM(**engine_kwargs(args))`)."""
+    return {name: getattr(args, name) for name in getattr(args, "engine_settings", ())}

@@ -1,0 +1,372 @@
+"""LLMEngine: continuous batching over the paged runner (add_request / step / abort).
+
+Each `step()` asks the scheduler for a plan, runs it on the runner, hands the sampled tokens back
+to the scheduler, and turns them into text: incremental detokenization, stop strings, stop ids,
+EOS, max_tokens. A request with `n > 1` runs as n sequences (their shared prompt pages come from
+the prefix cache) gathered into one `RequestOutput`. With `num_scheduler_steps` K > 1, a step
+where only decodes run is one device call of up to K decode steps (see `jserve.core.scheduler`); the
+engine then takes its tokens one step at a time, with the same stop checks, so the outputs are
+those of K single steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from jserve.core.dp_scheduler import DataParallelScheduler
+from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from jserve.core.page_table import PageTable
+from jserve.core.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from jserve.runtime.runner import Runner
+from jserve.core.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, SchedulerProtocol, StepPlan
+from jserve.runtime.steps import StepOutput, StepRow
+from jserve.core.stop import StopPolicy
+from jserve.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    """Host-side text state of one sampled sequence."""
+
+    group: "_Group"
+    index: int
+    request: Request
+    detok: Any
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, list(s.request.output_token_ids),
+                                 None if s.logprobs is None else list(s.logprobs),
+                                 s.request.status.finish_reason, s.stop_reason) for s in self.sequences]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.prompt_logprobs,
+                             finished=all(s.request.is_finished for s in self.sequences))
+
+
+class LLMEngine:
+    """The continuous-batching engine: requests in, `RequestOutput`s out, one step at a time."""
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
+                 config: EngineConfig):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_policy = StopPolicy(self.eos_token_ids, runner.config.vocab_size)
+        dp = runner.dp
+        self.page_tables = [PageTable(runner.pages_per_group, runner.page_size,
+                                      enable_prefix_caching=config.enable_prefix_caching) for _ in range(dp)]
+        self.page_table = self.page_tables[0]
+        self.scheduler: SchedulerProtocol
+        if dp == 1:
+            self.scheduler = Scheduler(config.scheduler_config(), self.page_table)
+        else:  # one scheduler per data-parallel group, each with its share of seqs and tokens
+            share = config.scheduler_config(dp)
+            self.scheduler = DataParallelScheduler([Scheduler(share, t) for t in self.page_tables])
+        self._groups: dict[str, _Group] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; ValueError (naming the value) for ids outside the vocabulary or a
+        prompt that leaves no room for output in the context."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.runner.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.stop_policy.validate(params)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context length is {limit}: "
+                             f"it must be shorter to leave room for output")
+        group = _Group(request_id, prompt, ids, params)
+        if params.prompt_logprobs is not None:
+            if self.runner.multiprocess:
+                raise ValueError("prompt_logprobs is not available in a multi-process run")
+            group.prompt_logprobs = [None]  # the first token has none; the prefill fills the rest
+        base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for i in range(params.n):
+            # Each sample runs as its own sequence; a seed per sample keeps them distinct.
+            seed = (base + 7919 * i) % 2**32
+            sub = dataclasses.replace(params, n=1, seed=seed)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            salt = cache_salt
+            if i == 0 and params.prompt_logprobs is not None:
+                # Its prefill computes every prompt position (no prefix-cache hit skips any).
+                salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
+            req = Request(rid, list(ids), sub, arrival, priority=priority, cache_salt=salt)
+            seq = _Sequence(group, i, req, self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens),
+                            logprobs=[] if params.logprobs is not None else None)
+            group.sequences.append(seq)
+        added = []
+        try:
+            for seq in group.sequences:
+                self.scheduler.add_request(seq.request)  # validates against the pool size too
+                added.append(seq.request.request_id)
+        except ValueError:
+            for rid in added:
+                self.scheduler.abort_request(rid)
+            raise
+        for seq in group.sequences:
+            self._sequences[seq.request.request_id] = seq
+        self._groups[request_id] = group
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples); its pages are free at once. None if unknown."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.sequences:
+            self.scheduler.abort_request(seq.request.request_id)
+            self._sequences.pop(seq.request.request_id, None)
+        return group.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ------------------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the current output of every request that changed."""
+        plan = self.scheduler.schedule()
+        changed: dict[str, _Group] = {}
+        if plan.num_steps > 1:
+            self._decode_steps(plan, changed)
+        elif plan.chunks:
+            out = self.runner.execute(self._step_rows(plan))
+            self.num_steps += 1
+            self._take(plan, out, changed)
+        outputs = []
+        for rid, group in changed.items():
+            output = group.output()
+            outputs.append(output)
+            if output.finished:
+                self._groups.pop(rid, None)
+                for seq in group.sequences:
+                    self._sequences.pop(seq.request.request_id, None)
+        return outputs
+
+    def _step_rows(self, plan: StepPlan) -> list[StepRow]:
+        """The runner's rows for a plan's chunks."""
+        rows = []
+        for chunk, group in zip(plan.chunks, plan.groups):
+            req = chunk.request
+            p = req.params
+            stop_ids, min_new = self.stop_policy.device_stops(p, len(req.output_token_ids))
+            history = (req.prompt_token_ids, req.output_token_ids) if chunk.samples and p.has_penalties else None
+            rows.append(StepRow(chunk.start, chunk.token_ids, chunk.page_ids, p, len(req.output_token_ids),
+                                history, group, chunk.num_steps, stop_ids, min_new, self._next_ids(chunk)))
+        return rows
+
+    def _next_ids(self, chunk: ScheduledChunk) -> list[int] | None:
+        """For a chunk of the sequence that scores its request's prompt, while positions of it are
+        unscored: the token after each of the chunk's positions (-1 past the prompt)."""
+        seq = self._sequences.get(chunk.request.request_id)
+        if seq is None or seq.index != 0 or seq.group.prompt_logprobs is None:
+            return None
+        prompt = seq.group.prompt_token_ids
+        if len(seq.group.prompt_logprobs) >= len(prompt) or chunk.start + chunk.num_tokens < len(seq.group.prompt_logprobs):
+            return None
+        return [prompt[q + 1] if q + 1 < len(prompt) else -1
+                for q in range(chunk.start, chunk.start + chunk.num_tokens)]
+
+    def _take_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:
+        """Append the prompt logprobs a step computed to their requests', in position order."""
+        for i, chunk in enumerate(plan.chunks):
+            scored = out.prompt[i] if out.prompt is not None else None
+            seq = self._sequences.get(chunk.request.request_id)
+            if scored is None or seq is None:
+                continue
+            group, k = seq.group, seq.group.params.prompt_logprobs
+            decode = self.tokenizer.decode
+            for j, q in enumerate(range(chunk.start, chunk.start + chunk.num_tokens)):
+                if q + 1 != len(group.prompt_logprobs) or q + 1 >= len(group.prompt_token_ids):
+                    continue  # scored before (a recompute after preemption), or past the prompt
+                token = group.prompt_token_ids[q + 1]
+                entry = {int(t): Logprob(float(lp), rank, decode([int(t)]))
+                         for rank, (t, lp) in enumerate(zip(scored.top_ids[j][:k], scored.top_logprobs[j][:k]), 1)}
+                if token not in entry:
+                    entry[token] = Logprob(float(scored.logprob[j]), int(scored.rank[j]), decode([token]))
+                group.prompt_logprobs.append(entry)
+
+    def _take(self, plan: StepPlan, out: StepOutput, changed: dict[str, "_Group"]) -> None:
+        """Hand a step's samples (a row per chunk of `plan`) to the scheduler and accept each new
+        token (logprobs, text, stop checks)."""
+        self._take_prompt_logprobs(plan, out)
+        sampled = {c.request.request_id: int(out.tokens[i]) for i, c in enumerate(plan.chunks) if c.samples}
+        index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
+        for req in self.scheduler.update(plan, sampled):
+            seq = self._sequences.get(req.request_id)
+            if seq is None:
+                continue
+            self._accept(seq, out, index[req.request_id])
+            changed[seq.group.request_id] = seq.group
+
+    def _decode_steps(self, plan: StepPlan, changed: dict[str, "_Group"]) -> None:
+        """Run a multi-step decode plan, then take its tokens step by step as single steps would."""
+        out = self.runner.execute_decode_steps(self._step_rows(plan))
+        valid = out.num_valid
+        live = list(enumerate(plan.chunks))
+        for j in range(int(valid.max())):
+            if j:  # the requests that took step j - 1's token and go on
+                live = [(i, nxt) for i, c in live if j < valid[i]
+                        and (nxt := self.scheduler.next_decode_step(c)) is not None]
+                if not live:
+                    break
+            rows = [i for i, _ in live]
+            sub = dataclasses.replace(plan, chunks=[c for _, c in live], groups=[plan.groups[i] for i in rows],
+                                      num_batched_tokens=len(live))
+            self.num_steps += 1
+            self._take(sub, out.step(j).rows(rows), changed)
+
+    def _accept(self, seq: _Sequence, out: StepOutput, i: int) -> None:
+        req = seq.request
+        token = req.output_token_ids[-1]
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(out, i, token, req.params.logprobs))
+        delta = seq.detok.add([token])
+        if not req.is_finished:  # the scheduler finishes requests that reach the context length
+            new_from = len(seq.text)
+            seq.text += delta
+            stop = self.stop_policy.check(req.params, token, len(req.output_token_ids), seq.text, new_from)
+            if stop is not None:
+                if stop.text is not None:
+                    seq.text = stop.text
+                seq.stop_reason = stop.stop_reason
+                status = RequestStatus.FINISHED_STOPPED if stop.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
+                self.scheduler.finish_request(req.request_id, status)
+        else:
+            seq.text += delta
+        if req.is_finished and not isinstance(seq.stop_reason, str):
+            seq.text += seq.detok.flush()
+
+    def _logprob_entry(self, out: StepOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        entry = {int(t): Logprob(float(lp), rank, decode([int(t)]))
+                 for rank, (t, lp) in enumerate(zip(out.top_ids[i][:k], out.top_logprobs[i][:k]), 1)}
+        if token not in entry:
+            entry[token] = Logprob(float(out.logprob[i]), int(out.rank[i]), decode([token]))
+        return entry
+
+    # ------------------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        real, padded = self.runner.total_real_tokens, self.runner.total_padded_tokens
+        pools = [t.pool for t in self.page_tables]
+        return {
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "compilations": self.runner.num_compilations,
+            # The prompt-logprob step compiles on first use (not warmed up): counted here.
+            "compilations_after_warmup": self.runner.num_compilations_after_warmup + (
+                self.runner.num_score_compilations),
+            "pages_in_use": sum(p.num_used_pages for p in pools),
+            "pages_cached": sum(p.num_cached_pages for p in pools),
+            "pages_free": sum(p.num_free_pages for p in pools),
+            "num_pages": self.runner.num_pages,
+            "prefix_cache_hit_tokens": sum(t.num_prefix_hit_tokens for t in self.page_tables),
+            "prefix_cache_query_tokens": sum(t.num_prefix_query_tokens for t in self.page_tables),
+            "padded_token_fraction": (padded - real) / padded if padded else 0.0,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+        }
+
+
+DEFAULT_CPU_KV_BYTES = 512 * 2**20
+
+
+def resolve_max_model_len(config: EngineConfig, model_config) -> EngineConfig:
+    """The config with its context length settled: the model's (at most DEFAULT_MAX_MODEL_LEN)
+    when none is given; ValueError naming a length the model cannot take."""
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return dataclasses.replace(config, max_model_len=min(limit, DEFAULT_MAX_MODEL_LEN))
+    if not 2 <= config.max_model_len <= limit:
+        raise ValueError(f"max_model_len must be an integer in [2, {limit}] (the model's context), "
+                         f"got {config.max_model_len!r}")
+    return config
+
+
+def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
+                 config: EngineConfig) -> LLMEngine:
+    """Size the page pool, build the runner (warming it up if asked) and the engine."""
+    import jax.numpy as jnp
+
+    from jserve.core import buckets
+    from jserve.runtime import backends
+    from jserve.runtime.kv_cache import device_memory_bytes, plan_memory
+
+    config = resolve_max_model_len(config, model_config)
+    mesh, dp, plan_config = None, 1, model_config
+    if config.mesh is not None:
+        from jserve.runtime.sharding import device_share, make_mesh, mesh_sizes, params_per_device, place_params
+
+        mesh = make_mesh(config.mesh)
+        dp, tp = mesh_sizes(mesh)["dp"], mesh_sizes(mesh)["tp"]
+        plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
+    config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
+    weight_dtype = params["embed"].dtype
+    kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
+    backend = backends.create(config.backend, mesh=mesh)  # resolved here, once
+    page_size = config.page_size if config.page_size is not None else backend.default_page_size
+    num_pages = config.num_pages
+    if num_pages is None:
+        device = None if config.kv_cache_bytes is not None else device_memory_bytes()
+        budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
+            None if device is not None else DEFAULT_CPU_KV_BYTES)
+        weight_bytes = sum(int(p.size) * p.dtype.itemsize for p in params.values()) if mesh is None else (
+            params_per_device(model_config, tp) * weight_dtype.itemsize)
+        # The budget (explicit, or the device's memory) is per device; each dp group has its own.
+        plan = plan_memory(plan_config, weight_dtype_bytes=weight_dtype.itemsize, kv_dtype=kv_dtype.name,
+                           page_size=page_size, context=config.max_model_len, device_bytes=device,
+                           memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
+                           max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
+        num_pages = plan.num_pages * dp
+    if mesh is not None:
+        # Pad/replicate heads for tp and put every weight in its sharding (jserve.runtime.sharding).
+        model_config, params = place_params(model_config, params, mesh, layout=backend.param_layout)
+        num_pages -= num_pages % dp
+    seqs = config.max_num_seqs // dp
+    batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < seqs] + [seqs]
+    runner = Runner(model_config, params, num_pages=num_pages, page_size=page_size,
+                    max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
+                    batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
+                    mesh=mesh, decode_steps=config.num_scheduler_steps)
+    if runner.multiprocess:
+        import jax
+
+        if config.warmup and jax.process_index() == 0:
+            runner.warmup()  # the other processes compile the same shapes in Runner.follow()
+        return LLMEngine(runner, tokenizer, eos_token_ids, config)
+    if config.warmup:
+        runner.warmup()
+    return LLMEngine(runner, tokenizer, eos_token_ids, config)

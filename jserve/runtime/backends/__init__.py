@@ -1,0 +1,41 @@
+"""Backends: how the paged runner's steps execute (`Backend`, the runtime's one seam).
+
+`create(name)` builds one by its `--attention-backend` name: "cpu" is the native CPU backend;
+"tpu", "gpu", "reference" and "cpu_pallas" are the XLA backend with that attention kernel; None
+picks the platform's (native on a CPU, XLA elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jserve.runtime.backends.base import Backend
+from jserve.runtime.backends.native_cpu import NativeCpuBackend
+from jserve.runtime.backends.xla import KERNELS as XLA_KERNELS
+from jserve.runtime.backends.xla import XlaBackend
+
+NAMES = ("cpu", *XLA_KERNELS)
+
+__all__ = ["NAMES", "Backend", "NativeCpuBackend", "XlaBackend", "create", "default_name"]
+
+
+def default_name() -> str:
+    """The backend for this platform: the XLA one with Mosaic kernels on TPU and GPU, else native."""
+    return {"tpu": "tpu", "gpu": "gpu"}.get(jax.devices()[0].platform, "cpu")
+
+
+def create(name: str | Backend | None = None, *, mesh: Any = None, **options: Any) -> Backend:
+    """The backend called `name` (a Backend passes through); `options` go to its constructor
+    (`huge_pages`, and `native_matmuls` for "cpu" or `scan` for the XLA ones)."""
+    if isinstance(name, Backend):
+        return name
+    name = name or default_name()
+    if name == "cpu":
+        options.pop("scan", None)
+        return NativeCpuBackend(mesh=mesh, **options)
+    if name in XLA_KERNELS:
+        options.pop("native_matmuls", None)
+        return XlaBackend(name, mesh=mesh, **options)
+    raise ValueError(f"backend must be one of {NAMES}, got {name!r}")

@@ -1,0 +1,177 @@
+"""The native CPU backend: C++ kernels behind XLA FFI calls, for a CPU host.
+
+- Attention: the native paged-attention kernel (`pallas_kernels.paged_attention.native`), decode
+  and prefill chunks alike; Pallas interpret mode where it cannot build or past its shapes.
+- Linears and the tied LM head: the packed matmul kernel (`pallas_kernels.matmul`) over weights
+  (and the tied embedding, transposed) packed once at load into [N / P, K, P] panels, float32 or
+  bfloat16 as loaded. XLA's dots cannot read that layout, and a second, natural copy would double
+  the weights' memory, so every matmul and the head run on the kernel, decode and prefill.
+- The layer stack: unrolled over per-layer weights and per-layer KV pages; a decode step (one
+  token per row) runs all the layers as one fused native call
+  (`pallas_kernels.decoder_layer`), an implementation of `jserve.model.llama.DecoderLayer`'s
+  contract for layers without biases or q/k norms (tests/test_decoder_layer.py checks it
+  against the model's own layers); other steps run the model's layers.
+- Pages: 64 tokens each by default; without the packed matmuls some step shapes compile with
+  XLA's Eigen dots instead of YNNPACK's (docs/performance.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import jax
+
+from jserve.runtime.backends.base import Backend
+from jserve.model.config import ModelConfig
+from jserve.model.llama import LAYER_MATMULS, XlaOps, unrolled_layers, xla_linear
+from jserve.runtime.paged_attention import PagedAttention
+from pallas_kernels.decoder_layer import native as native_layer
+from pallas_kernels.matmul import native as native_matmul
+from pallas_kernels.paged_attention import native as native_attention
+
+logger = logging.getLogger(__name__)
+
+# XLA:CPU's dot library per step shape where the packed matmuls are off: Eigen's dots instead
+# of YNNPACK's for decode at 8 and 16 rows (with the native attention) and prefill of one row.
+EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+EIGEN_DECODE_BATCHES = (8, 16)
+EIGEN_PREFILL_BATCHES = (1,)
+
+
+class NativeCpuBackend(Backend):
+    """Native C++ kernels on the CPU (see the module docstring).
+
+    Args:
+      native_matmuls: pack the layer weights and a tied embedding for the native matmul kernel
+        (with a mesh, or without a compiler, they stay XLA dots); False keeps XLA's dots, for
+        tests and benchmarks that compare the two.
+    """
+
+    name = "cpu"
+    param_layout = "list"
+    kv_layout = "per_layer"
+    default_page_size = 64  # scattered pages read faster in larger chunks (docs/performance.md)
+
+    def __init__(self, kernel: str = "cpu", *, mesh: Any = None, huge_pages: bool = True,
+                 native_matmuls: bool = True):
+        super().__init__(kernel, mesh=mesh, huge_pages=huge_pages)
+        # Built now, not while tracing a step.
+        self.native_attention = native_attention.available()
+        self.want_native_matmuls = native_matmuls and mesh is None and native_matmul.available()
+        self.native_matmuls = self.native_head = False  # what prepare_params packed
+
+    def batch_buckets(self, buckets: Sequence[int]) -> tuple[int, ...]:
+        # Batch 1 pays off with the native kernel only (the Pallas interpret kernel takes seconds).
+        if not self.native_attention and 1 in buckets and len(buckets) > 1:
+            return tuple(b for b in buckets if b != 1)
+        return tuple(buckets)
+
+    def prepare_params(self, config: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
+        params = super().prepare_params(config, params)
+        if not self.want_native_matmuls:
+            return params
+        layers = params["layers"]
+        if all(layer[name].ndim == 2 and layer[name].dtype in native_matmul.WEIGHT_DTYPES
+               for layer in layers.values() for name in LAYER_MATMULS):
+            params = {**params, "layers": {
+                i: {name: native_matmul.pack(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
+                for i, layer in layers.items()}}
+            self.native_matmuls = True
+        embed = params["embed"]
+        if config.tie_word_embeddings and embed.ndim == 2 and embed.dtype in native_matmul.WEIGHT_DTYPES:
+            params = {**params, "embed": native_matmul.pack(embed.T)}
+            self.native_head = True
+        return params
+
+    def ops(self, config: ModelConfig) -> "NativeCpuOps":
+        attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout)
+        fused = self.native_matmuls and self.native_attention and fused_layers_supported(config)
+        return NativeCpuOps(attention, config=config, fused=fused)
+
+    def compiler_options(self, rows: int, tokens: int) -> dict[str, str] | None:
+        if self.native_matmuls:
+            return None  # no XLA dot is left to pick a library for
+        if tokens == 1:
+            eigen = self.native_attention and rows in EIGEN_DECODE_BATCHES
+        else:
+            eigen = rows in EIGEN_PREFILL_BATCHES
+        return EIGEN_DOTS if eigen else None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "native_attention": self.native_attention,
+                "native_matmuls": self.native_matmuls, "native_head": self.native_head}
+
+
+def fused_layers_supported(config: ModelConfig) -> bool:
+    """Whether the fused native decoder layers compute this model's layers."""
+    c = config
+    return (native_layer.available() and native_layer.supports(c.num_heads, c.num_kv_heads, c.head_dim)
+            and not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm))
+
+
+def native_linear(x: jax.Array, w, out_features):
+    """A layer matmul over a packed weight (`pallas_kernels.matmul.native.pack`) on the native
+    kernel; a plain [in, out] weight stays an XLA dot. A tuple of packed weights (and of widths)
+    runs as one call (`matmul_packed_many`): q/k/v and gate/up are 2 calls a layer, not 5. The
+    products come back in x's dtype, as an XLA dot of x and a weight of that dtype would give them
+    (the kernel computes in float32: bfloat16 activations are rounded once, at the end)."""
+    if isinstance(w, tuple):
+        if all(wi.ndim == 3 for wi in w):
+            return tuple(o.astype(x.dtype) for o in native_matmul.matmul_packed_many(x, w, out_features))
+        return tuple(native_linear(x, wi, n) for wi, n in zip(w, out_features))
+    if w.ndim == 3:
+        return native_matmul.matmul_packed(x, w, out_features).astype(x.dtype)
+    return xla_linear(x, w, out_features)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeCpuOps(XlaOps):
+    """`ModelOps` over packed weights; the decode stack as one fused native call."""
+
+    config: ModelConfig | None = None
+    fused: bool = False  # decode steps run the fused native decoder layers
+
+    def linear(self, x, w, out_features):
+        return native_linear(x, w, out_features)
+
+    def embed(self, table, tokens):
+        """Rows of the table as the params hold it: [vocab, hidden], or packed as [vocab / P,
+        hidden, P] panels of its transpose (token t is panel t // P, lane t % P)."""
+        if table.ndim == 3:
+            lanes = table.shape[2]
+            return table[tokens // lanes, :, tokens % lanes]
+        return table[tokens]
+
+    def head(self, x, table, tied):
+        if tied and table.ndim == 3:
+            return native_matmul.matmul_packed(x, table, self.config.vocab_size)
+        return super().head(x, table, tied)
+
+    def with_attention(self, attention):
+        return dataclasses.replace(self, attention=attention, fused=False)
+
+    def takes_fused(self, x, cache) -> bool:
+        """Whether this step runs the fused layers: one token per row, float32 or bfloat16 pages."""
+        return self.fused and x.shape[1] == 1 and all(p.dtype in native_layer.PAGE_DTYPES for kv in cache for p in kv)
+
+    def run_layers(self, layers, x, cos, sin, cache, meta):
+        if self.takes_fused(x, cache):
+            return fused_decoder_layers(self.config, layers, x, cos, sin, cache, meta)
+        return unrolled_layers(layers, x, cos, sin, cache, meta, self)
+
+
+def fused_decoder_layers(config: ModelConfig, layers, x, cos, sin, cache, meta):
+    """All the layers of a one-token-per-row step as one native call, over the layers' packed
+    weights (`DecoderLayer.matmul_weights`) and per-layer pages."""
+    c = config
+    args = [native_layer.LayerArgs(layer.attn_norm[...], layer.mlp_norm[...], layer.matmul_weights(), *cache[i])
+            for i, layer in enumerate(layers)]
+    out, pages = native_layer.decoder_layers(
+        x[:, 0], cos[:, 0, 0], sin[:, 0, 0], args, meta.slots, meta.q_start, meta.q_lens,
+        meta.page_indices, num_heads=c.num_heads, eps=c.rms_norm_eps, sm_scale=c.head_dim ** -0.5,
+        sliding_window=c.sliding_window)
+    return out[:, None].astype(x.dtype), tuple(pages) + tuple(cache[len(args):])
+
+

@@ -1,0 +1,86 @@
+"""The functions the paged runner jits (`jserve.runtime.runner`): one step, and several decode steps.
+
+Pure device code: they take the params, the KV pages (donated) and the step's arrays, and return
+the sampler's outputs and the new pages. The runner binds the model's graph and its backend's
+`ModelOps` with `functools.partial` and compiles one shape per bucket.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jserve.runtime.paged_attention import PagedMeta
+from jserve.core.request import MAX_LOGPROBS
+from jserve.runtime.sampler import prompt_logprobs, sample
+
+
+def forward(graphdef, ops, params, kv, tokens, positions, meta, last):
+    """The model over each row's tokens: float32 logits [batch, vocab] at each row's `last` token,
+    and the new pages."""
+    model = nnx.merge(graphdef, params)
+    logits, kv = model(tokens, positions, kv, meta, ops, logits_index=jnp.maximum(last, 0)[:, None])
+    return logits[:, 0], kv
+
+
+def sample_rows(logits, sampling, history):
+    """The sampler over a step's logits [batch, vocab]: compiled once per batch size, apart from
+    `forward` (whose shapes also vary with the tokens per row), which more than halves the
+    compilation time of a warm-up."""
+    return sample(logits, sampling, penalties=history, num_logprobs=MAX_LOGPROBS)
+
+
+def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sampling, history):
+    """A prefill chunk whose prompt logprobs are wanted: the model's logits at every position, the
+    logprobs of `next_ids` (the token after each position; negative: none) under them, and the
+    sampler at each row's `last` token, as `forward` + `sample_rows` give it."""
+    model = nnx.merge(graphdef, params)
+    logits, kv = model(tokens, positions, kv, meta, ops)  # [batch, tokens, vocab]
+    final = jnp.take_along_axis(logits, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
+    chosen, rank, top_ids, top_logprobs = prompt_logprobs(logits, jnp.maximum(next_ids, 0),
+                                                          num_logprobs=MAX_LOGPROBS)
+    prompt = {"logprob": chosen, "rank": rank, "top_ids": top_ids, "top_logprobs": top_logprobs}
+    return sample_rows(final, sampling, history), prompt, kv
+
+
+def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
+    """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
+    early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
+    padded row: no query, its K/V write into the null page."""
+    model = nnx.merge(graphdef, params)
+    B = tokens.shape[0]
+    rows = jnp.arange(B)
+    ids, num_prompt = history
+    filled = jnp.sum(ids != vocab_size, axis=1)  # where the next sample goes in the penalty history
+    zeros = jnp.zeros((B, 1), jnp.int32)
+
+    def sample_step(logits, j, ids):
+        return sample(logits, sampling.at_step(j), penalties=(ids, num_prompt), num_logprobs=MAX_LOGPROBS)
+
+    shapes = jax.eval_shape(sample_step, jax.ShapeDtypeStruct((B, vocab_size), jnp.float32), 0, ids)
+    buffers = jax.tree.map(lambda x: jnp.zeros((max_steps,) + x.shape, x.dtype), shapes)
+
+    def body(state):
+        j, kv, token, done, ids, buffers, valid = state
+        live = ~done
+        pos = jnp.where(live, start + j, 0)
+        page = jnp.take_along_axis(pages, (pos // page_size)[:, None], axis=1)[:, 0]
+        slots = jnp.where(live, page * page_size + pos % page_size, 0)
+        meta = PagedMeta(slots, pos, live.astype(jnp.int32), pages)
+        logits, kv = model(token[:, None], pos[:, None], kv, meta, ops, logits_index=zeros)
+        out = sample_step(logits[:, 0], j, ids)
+        new = out["tokens"]
+        buffers = jax.tree.map(lambda buf, x: buf.at[j].set(x), buffers, out)
+        stopped = jnp.any(new[:, None] == stop_ids, axis=1) & (j + 1 >= min_new)
+        done = done | (live & (stopped | (j + 1 >= num_steps)))
+        ids = ids.at[rows, filled + j].set(jnp.where(live, new, vocab_size), mode="drop")
+        return j + 1, kv, jnp.where(live, new, token), done, ids, buffers, valid + live
+
+    def cond(state):
+        j, done = state[0], state[3]
+        return (j < max_steps) & jnp.any(~done)
+
+    state = (jnp.int32(0), kv, tokens, num_steps <= 0, ids, buffers, jnp.zeros((B,), jnp.int32))
+    _, kv, _, _, _, buffers, valid = jax.lax.while_loop(cond, body, state)
+    return {**buffers, "num_valid": valid}, kv

@@ -1,0 +1,93 @@
+"""Attention over the paged KV cache: the engine's backend for `LlamaModel`.
+
+A step feeds `tokens` new tokens for each of `batch` rows; their K/V go to the slots in
+`PagedMeta.slots` (padding points into the null page 0), then the queries attend over the row's
+pages with the Pallas kernels (`pallas_kernels.paged_attention`) on the backend's kernel; the
+cache's layout is the backend's choice (`PagedAttention.kv_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+
+from jserve.runtime.kv_cache import write_kv
+# Imported here, not on first use: importing Pallas registers JAX config options, which change the
+# tracing context, so a step first traced before the import would be compiled a second time later.
+from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention
+
+
+class PagedMeta(NamedTuple):
+    """Per-step arrays (all int32) that tell the attention where each row's tokens live."""
+
+    slots: jax.Array  # [batch * tokens]: page * page_size + offset of each new token
+    q_start: jax.Array  # [batch]: position of the row's first new token (= tokens already cached)
+    q_lens: jax.Array  # [batch]: real new tokens of the row (0 for a padded row)
+    page_indices: jax.Array  # [batch, max_pages]: the row's pages; padding -> page 0
+
+
+KV_LAYOUTS = ("per_layer", "folded")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """Callable attention over paged K/V (see `jserve.model.llama.Attention`).
+
+    `kv_layout` "per_layer": the cache is one `(k_pages, v_pages)` pair per layer, each
+    `[num_kv_heads, num_pages, page_size, head_dim]`, indexed by a static layer number.
+    "folded": one pair for all layers, `[num_kv_heads, num_layers * num_pages, page_size,
+    head_dim]`, layer i's pages at offset `i * num_pages` (per data-parallel group's block): a
+    traced layer index (a scanned stack) addresses its pages by adding the offset to the page
+    table and slots, so no layer's pages are ever sliced out or copied, and every kernel reads
+    them as it reads one layer's.
+    """
+
+    kernel: str = "cpu"  # the paged-attention kernel (`pallas_kernels.paged_attention.BACKENDS`)
+    sliding_window: int | None = None
+    mesh: Any = None  # a ('dp', 'tp') jax.sharding.Mesh: run per device on its heads and pages
+    kv_layout: str = "per_layer"
+    num_layers: int = 1  # for the folded layout
+
+    def __call__(self, layer, q, k, v, cache, meta: PagedMeta):
+        k_pages, v_pages = cache if self.kv_layout == "folded" else cache[layer]
+        local = functools.partial(self._local, layer)
+        if self.mesh is None:
+            out, k_pages, v_pages = local(q, k, v, k_pages, v_pages, meta)
+        else:
+            # Each device holds its tp share of heads and its dp group's pages and rows: the
+            # kernel runs on those alone (page ids and slots in `meta` are group-local).
+            from jax.sharding import PartitionSpec as P
+
+            from jserve.runtime.sharding import KV_PAGES_SPEC
+
+            heads, pages, rows = P("dp", None, "tp", None), P(*KV_PAGES_SPEC), P("dp")
+            meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None))
+            out, k_pages, v_pages = jax.shard_map(
+                local, mesh=self.mesh, in_specs=(heads, heads, heads, pages, pages, meta_spec),
+                out_specs=(heads, pages, pages), check_vma=False)(q, k, v, k_pages, v_pages, meta)
+        if self.kv_layout == "folded":
+            return out, (k_pages, v_pages)
+        return out, cache[:layer] + ((k_pages, v_pages),) + cache[layer + 1:]
+
+    def _local(self, layer, q, k, v, k_pages, v_pages, meta: PagedMeta):
+        B, T, H, D = q.shape
+        if self.kv_layout == "folded":  # this layer's block of pages
+            offset = layer * (k_pages.shape[1] // self.num_layers)
+            meta = PagedMeta(meta.slots + offset * k_pages.shape[2], meta.q_start, meta.q_lens,
+                             meta.page_indices + offset)
+        K = k.shape[2]
+        k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D), meta.slots)
+        scale = D ** -0.5
+        if T == 1:  # decode: the query sits at the last cached position
+            lengths = (meta.q_start + meta.q_lens) * (meta.q_lens > 0)
+            out = paged_attention(q[:, 0], k_pages, v_pages, lengths, meta.page_indices,
+                                  backend=self.kernel, sm_scale=scale,
+                                  sliding_window=self.sliding_window)[:, None]
+        else:
+            out = paged_prefill_attention(q, k_pages, v_pages, meta.q_start, meta.q_lens,
+                                          meta.page_indices, backend=self.kernel, sm_scale=scale,
+                                          sliding_window=self.sliding_window)
+        return out, k_pages, v_pages

@@ -1,0 +1,450 @@
+"""The paged runner: params and KV pages on the device, one compiled step per bucket.
+
+A step takes `StepRow`s (`jserve.runtime.steps`): decode rows (one token) go to the decode step (batch
+bucket), longer chunks to the prefill step (rows x token buckets); the page table has a fixed
+width. Each step runs the model's forward (its backend's operations, `jserve.runtime.backends`) in one
+jit with the pages donated, then the sampler, a jit of its own; a `StepOutput` comes back. With `decode_steps` K > 1, `execute_decode_steps` runs up to K
+decode steps in one call (multi-step decode): a device loop feeds each row's sampled token back
+and stops a row at its stop ids or its step count. Shapes come from `buckets.py`; compilations
+are counted so that a server can prove none happens after warm-up. Over a mesh, rows of
+data-parallel group g sit in the g-th block of each batch, and in a multi-process run process 0
+broadcasts each step's inputs to the others (`follow`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jserve.core import buckets
+from jserve.runtime import backends, device_steps, step_rows
+from jserve.runtime.backends import Backend
+from jserve.model.config import ModelConfig
+from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
+from jserve.model import model_graphdef
+from jserve.runtime.sampler import SamplingArrays, penalty_history
+from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRow
+from jserve.core.stop import MAX_DEVICE_STOP_IDS
+
+logger = logging.getLogger(__name__)
+
+PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one compiled call did, for metrics (padding waste, time)."""
+
+    kind: str  # "decode" | "prefill"
+    bucket: tuple[int, ...]
+    real_tokens: int
+    padded_tokens: int
+    seconds: float
+    bytes_needed: int  # weights once + K/V read and written for the real tokens
+    flops_needed: int  # matmuls and attention for the real tokens (padding excluded)
+    steps: int = 1  # model steps the call ran (> 1: a multi-step decode; `seconds` covers them all)
+
+
+class Runner:
+    """Owns params, KV pages and the compiled steps."""
+
+    def __init__(self, config: ModelConfig, params: dict[str, jax.Array], *, num_pages: int,
+                 page_size: int | None = None, max_model_len: int, kv_dtype: Any = None,
+                 backend: Backend | str | None = None,
+                 batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
+                 token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
+                 max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
+                 huge_pages: bool = True, decode_steps: int = 1):
+        """`backend`: a `jserve.runtime.backends.Backend`, or its name for `backends.create` (with
+        `native_matmuls` and `huge_pages`, see there); it decides the page size (when None), the
+        params' and pages' layout and every operation. `params`: checkpoint weights (stacked) or a
+        model state in the backend's layout. With a ('dp', 'tp') `mesh`, `params` must already be
+        laid out and placed for it (`jserve.runtime.sharding.place_params`); buckets,
+        `max_num_batched_tokens` and page ids are then per data-parallel group, and `num_pages`
+        counts all groups' pages. `decode_steps` > 1 compiles `execute_decode_steps` for every
+        decode batch bucket too (one device mesh group, one process only)."""
+        self.config = config
+        self.mesh = mesh
+        self.backend = backends.create(backend, mesh=mesh, native_matmuls=native_matmuls, huge_pages=huge_pages)
+        self.dp = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape))["dp"]
+        if num_pages % self.dp:
+            raise ValueError(f"num_pages ({num_pages}) must be a multiple of dp ({self.dp})")
+        self.pages_per_group = num_pages // self.dp
+        # The real weights' bytes and count (the step's floor), not those of padded packed panels.
+        leaves = jax.tree.leaves(params)
+        self.param_bytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
+        self.num_params = sum(int(x.size) for x in leaves)
+        self.params = self.backend.prepare_params(config, params)
+        self.page_size = page_size or self.backend.default_page_size
+        self.num_pages = num_pages
+        self.max_model_len = max_model_len
+        self.batch_buckets = self.backend.batch_buckets(batch_buckets)
+        self.token_buckets = buckets.clip(token_buckets, min(max_num_batched_tokens, max_model_len))
+        # The page-table width is fixed: the kernels loop over live pages only, so a wider table
+        # costs nothing and saves a bucket dimension (and its compilations).
+        self.max_pages = math.ceil(max_model_len / self.page_size)
+        if mesh is not None:
+            from jserve.runtime.sharding import kv_sharding as make_kv_sharding
+
+            kv_sharding = make_kv_sharding(mesh)
+        else:
+            # Committed to a device from the start: the step returns committed (donated) pages, and
+            # a first call with uncommitted ones would compile each shape a second time later.
+            kv_sharding = jax.sharding.SingleDeviceSharding(_device_of(self.params))
+        kv_dtype = kv_dtype or self.params["embed"].dtype
+        self.backend.check(config, kv_dtype, self.page_size)
+        self.kv = self.backend.init_kv(config, num_pages, self.page_size, kv_dtype, kv_sharding)
+        self.kv_itemsize = jax.tree.leaves(self.kv)[0].dtype.itemsize
+        self.ops = self.backend.ops(config)
+        self.graphdef = model_graphdef(config, self.backend.param_layout)
+        # On a background thread (see jserve.runtime.huge_pages); huge_pages.wait() says what it did.
+        self.huge_pages = self.backend.advise_memory((self.params, self.kv))
+        self._jit_kwargs: dict = {"donate_argnames": ("kv",)}
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+
+            self._jit_kwargs["out_shardings"] = (NamedSharding(mesh, P()),
+                                                 jax.tree.map(lambda _: kv_sharding, self.kv))
+        self._step = functools.partial(device_steps.forward, self.graphdef, self.ops)
+        self._steps: dict[tuple, Any] = {}  # compiler options -> the jitted forward
+        self._sample = jax.jit(device_steps.sample_rows)
+        score_kwargs: dict = {"donate_argnames": ("kv",)}
+        if mesh is not None:
+            replicated, kv_out = self._jit_kwargs["out_shardings"]
+            score_kwargs["out_shardings"] = (replicated, replicated, kv_out)
+        self._score_step = jax.jit(functools.partial(device_steps.score, self.graphdef, self.ops), **score_kwargs)
+        self._scored: set[int] = set()
+        self.num_score_compilations = 0
+        if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
+            raise ValueError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
+        if decode_steps > 1 and (self.dp > 1 or jax.process_count() > 1):
+            raise ValueError(f"multi-step decode (decode_steps={decode_steps}) runs on one data-parallel "
+                             f"group in one process; this runner has dp={self.dp} over "
+                             f"{jax.process_count()} processes")
+        self.decode_steps = decode_steps
+        self._decode_steps = jax.jit(functools.partial(
+            device_steps.decode_steps, self.graphdef, self.ops, self.page_size, config.vocab_size, decode_steps),
+            donate_argnames=("kv",))
+        self._seen: set[tuple] = set()
+        self.num_compilations = 0
+        self.num_compilations_after_warmup = 0
+        self.warmed_up = False
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=4096)  # recent steps
+        self.total_real_tokens = 0  # since warm-up, for the padding-waste metric
+        self.total_padded_tokens = 0
+        # Multi-host (jax.distributed): process 0 schedules and broadcasts each step's inputs;
+        # the others run `follow()` and make the same calls (SPMD).
+        self.multiprocess = jax.process_count() > 1
+        if self.multiprocess and mesh is None:
+            raise ValueError("a multi-process run needs a mesh over all processes' devices")
+
+    def execute(self, rows: Sequence[StepRow]) -> StepOutput:
+        """Run one scheduler step: decode rows (one token) in decode calls, prefill chunks packed
+        into prefill calls, per data-parallel group (`StepRow.group`).
+
+        Returns one sample per row, in `rows` order: the sample after the row's last token.
+        """
+        if not rows:
+            raise ValueError("no rows")
+        if any(not 0 <= r.group < self.dp for r in rows):
+            raise ValueError(f"row groups must be in [0, {self.dp}), got {sorted({r.group for r in rows})}")
+        results: dict[int, dict] = {}
+        prompt: dict[int, PromptLogprobs] = {}
+        for i, r in enumerate(rows):  # chunks whose prompt logprobs are wanted: a call each
+            if r.next_ids is not None:
+                self._score(rows, i, results, prompt)
+        plain = [r.next_ids is None for r in rows]
+        # Per group: its decode rows, and its prefill chunks packed into calls.
+        decode = [[i for i, r in enumerate(rows) if plain[i] and r.num_tokens == 1 and r.group == g]
+                  for g in range(self.dp)]
+        cap = self.batch_buckets[-1]
+        for c in range(max(math.ceil(len(d) / cap) for d in decode)):
+            self._run(rows, [d[c * cap:(c + 1) * cap] for d in decode], results, "decode")
+        packs = []
+        for g in range(self.dp):
+            prefill = sorted((i for i, r in enumerate(rows) if plain[i] and r.num_tokens > 1 and r.group == g),
+                             key=lambda i: -rows[i].num_tokens)
+            packs.append([[prefill[j] for j in p] for p in self._pack_prefill([rows[i].num_tokens for i in prefill])])
+        for c in range(max(len(p) for p in packs)):
+            parts = [p[c] if c < len(p) else [] for p in packs]
+            if self._fits(rows, parts):
+                self._run(rows, parts, results, "prefill")
+            else:  # the groups' calls have different shapes: one call per group
+                for g, part in enumerate(parts):
+                    if part:
+                        self._run(rows, [part if h == g else [] for h in range(self.dp)], results, "prefill")
+        out = StepOutput.from_arrays({key: np.stack([results[i][key] for i in range(len(rows))])
+                                      for key in results[0]})
+        if prompt:
+            out.prompt = [prompt.get(i) for i in range(len(rows))]
+        return out
+
+    def _score(self, rows: Sequence[StepRow], i: int, results: dict, prompt: dict) -> None:
+        """Row i alone (in its group's block of a `dp`-row call), with its prompt logprobs.
+
+        The scoring step is compiled on first use for each token bucket (not at warm-up: few
+        requests ask for prompt logprobs), counted in `num_score_compilations`.
+        """
+        row = rows[i]
+        if self.multiprocess:
+            raise ValueError("prompt logprobs are not available in a multi-process run")
+        T = buckets.pick(self.token_buckets, row.num_tokens)
+        B = self.dp
+        placed: list[StepRow | None] = [None] * B
+        placed[row.group] = row
+        tokens, positions, meta, last = self._pack(placed, B, T)
+        next_ids = np.full((B, T), -1, np.int32)
+        next_ids[row.group, :row.num_tokens] = row.next_ids
+        sampling, history = self._sampling(placed, B)
+        args = self._place(((tokens, positions, meta, last), next_ids, sampling, history))
+        cached = _cache_size(self._score_step)
+        t0 = time.perf_counter()
+        out, plp, self.kv = self._score_step(self.params, self.kv, *args[0], *args[1:])
+        out, plp = jax.device_get((out, plp))
+        seconds = time.perf_counter() - t0
+        if (T not in self._scored) if cached is None else _cache_size(self._score_step) > cached:
+            self.num_score_compilations += 1
+        self._scored.add(T)
+        self._record(StepRecord("prefill", (B, T), row.num_tokens, B * T, seconds, *self._cost([row])))
+        results[i] = {key: value[row.group] for key, value in out.items()}
+        prompt[i] = PromptLogprobs(**{key: value[row.group, :row.num_tokens] for key, value in plp.items()})
+
+    def execute_decode_steps(self, rows: Sequence[StepRow]) -> StepOutput:
+        """Run up to `decode_steps` decode steps in one call, each row's sample fed back as its
+        next token on the device (multi-step decode).
+
+        Each row has one token, `num_steps` in 1 .. `decode_steps`, pages for every step's
+        position, and its `stop_ids` / `min_new` (only the first MAX_DEVICE_STOP_IDS ids are checked
+        here: the host checks all, and drops what follows a stop); penalties see each sample.
+        Returns a `StepOutput` with a leading axis of `decode_steps`, and `num_valid`.
+        """
+        K = self.decode_steps
+        if not rows:
+            raise ValueError("no rows")
+        if len(rows) > self.batch_buckets[-1]:
+            raise ValueError(f"{len(rows)} rows exceed the largest decode bucket {self.batch_buckets[-1]}")
+        if any(r.num_tokens != 1 for r in rows):
+            raise ValueError("a multi-step decode takes exactly one token per row")
+        if any(not 1 <= r.num_steps <= K for r in rows):
+            raise ValueError(f"num_steps must be in [1, {K}], got {[r.num_steps for r in rows]}")
+        for r in rows:
+            if r.start + r.num_steps > len(r.page_ids) * self.page_size:
+                raise ValueError(f"a row at position {r.start} running {r.num_steps} steps needs "
+                                 f"{-(-(r.start + r.num_steps) // self.page_size)} pages, got {len(r.page_ids)}")
+        B = buckets.pick(self.batch_buckets, len(rows))
+        placed = list(rows) + [None] * (B - len(rows))
+        tokens, positions, meta, _ = self._pack(placed, B, 1)
+        steps = np.zeros((B,), np.int32)
+        steps[:len(rows)] = [r.num_steps for r in rows]
+        stop_ids = np.full((B, MAX_DEVICE_STOP_IDS), -1, np.int32)
+        min_new = np.zeros((B,), np.int32)
+        for i, r in enumerate(rows):
+            ids = list(r.stop_ids)[:MAX_DEVICE_STOP_IDS]
+            stop_ids[i, :len(ids)] = ids
+            min_new[i] = r.min_new
+        sampling, history = self._sampling(placed, B)
+        inputs = (tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new, sampling, history)
+        cached = _cache_size(self._decode_steps)
+        t0 = time.perf_counter()
+        out, self.kv = self._decode_steps(self.params, self.kv, *inputs)
+        out = jax.device_get(out)
+        seconds = time.perf_counter() - t0
+        self._count(("decode_steps", B, K), None if cached is None else _cache_size(self._decode_steps) > cached)
+        valid = out.pop("num_valid")[:len(rows)]
+        ran = int(valid.max())
+        # Per step, the rows still running: their real tokens, bytes and FLOPs.
+        live = [[StepRow(r.start + j, [0], ()) for r, n in zip(rows, valid) if j < n] for j in range(ran)]
+        cost = [self._cost(step_rows) for step_rows in live]
+        self._record(StepRecord("decode", (B, 1), int(valid.sum()), B * ran, seconds, sum(c[0] for c in cost),
+                                sum(c[1] for c in cost), steps=ran))
+        return StepOutput.from_arrays({**{key: value[:, :len(rows)] for key, value in out.items()},
+                                       "num_valid": valid})
+
+    def _sampling(self, rows: Sequence[StepRow | None], B: int):
+        """The rows' `SamplingArrays` and penalty history, padded to B rows."""
+        sampling = SamplingArrays.build([None if r is None else (r.sampling, r.sample_index) for r in rows], B)
+        history = penalty_history([None if r is None else r.history for r in rows], B, self.max_model_len,
+                                  self.config.vocab_size)
+        return sampling, history
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows per group, tokens) buckets of the prefill step: within the largest token bucket."""
+        cap = self.token_buckets[-1]
+        return [(b, t) for b in PREFILL_BATCH_BUCKETS for t in self.token_buckets if b * t <= cap]
+
+    def _fits(self, rows, parts) -> bool:
+        """Whether the groups' prefill parts share one call shape within the largest bucket."""
+        live = [p for p in parts if p]
+        if len(live) <= 1:
+            return True
+        b = buckets.pick(PREFILL_BATCH_BUCKETS, max(len(p) for p in live))
+        t = buckets.pick(self.token_buckets, max(rows[i].num_tokens for p in live for i in p))
+        return b * t <= self.token_buckets[-1]
+
+    def _pack_prefill(self, lengths: list[int]) -> list[list[int]]:
+        """Group chunks (longest first) into calls whose padded shape stays within the largest bucket."""
+        cap = self.token_buckets[-1]
+        groups: list[list[int]] = []
+        for j, n in enumerate(lengths):
+            if n > cap:
+                raise ValueError(f"a chunk of {n} tokens exceeds the largest token bucket {cap}: "
+                                 f"the scheduler must split it")
+            if groups:
+                g = groups[-1]
+                rows = len(g) + 1
+                longest = lengths[g[0]]
+                if (rows <= PREFILL_BATCH_BUCKETS[-1] and
+                        buckets.pick(PREFILL_BATCH_BUCKETS, rows) * buckets.pick(self.token_buckets, longest) <= cap):
+                    g.append(j)
+                    continue
+            groups.append([j])
+        return groups
+
+    def _run(self, all_rows: Sequence[StepRow], parts, results, kind):
+        """One call; `parts[g]` are the row indices of group g, placed in the g-th block of rows."""
+        Bg = buckets.pick(self.batch_buckets if kind == "decode" else PREFILL_BATCH_BUCKETS,
+                          max(1, max(len(p) for p in parts)))
+        B = Bg * self.dp
+        slot_of = {i: g * Bg + j for g, part in enumerate(parts) for j, i in enumerate(part)}
+        rows = [all_rows[i] for i in slot_of]
+        T = 1 if kind == "decode" else buckets.pick(self.token_buckets, max(r.num_tokens for r in rows))
+        placed: list[StepRow | None] = [None] * B
+        for i, slot in slot_of.items():
+            placed[slot] = all_rows[i]
+        arrays = self._pack(placed, B, T)
+        sampling, history = self._sampling(placed, B)
+        cached = self._compiled_count()
+        t0 = time.perf_counter()
+        out = jax.device_get(self._call(kind, B, T, (arrays, sampling, history)))
+        seconds = time.perf_counter() - t0
+        self._count((kind, B, T), None if cached is None else self._compiled_count() > cached)
+        real = sum(r.num_tokens for r in rows)
+        self._record(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
+        for i, slot in slot_of.items():
+            results[i] = {key: value[slot] for key, value in out.items()}
+
+    def _record(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self.total_real_tokens += record.real_tokens
+        self.total_padded_tokens += record.padded_tokens
+
+    def _call(self, kind: str, B: int, T: int, inputs):
+        """Run the compiled step on host inputs (on every process, when there are several)."""
+        if self.multiprocess:
+            if jax.process_index() != 0:
+                raise RuntimeError("only process 0 drives the steps; the others call follow()")
+            inputs = broadcast(np.asarray([STEP_OP, STEP_KINDS.index(kind), B, T], np.int32), inputs)
+        return self._device_step(inputs)
+
+    def _device_step(self, inputs):
+        (tokens, positions, meta, last), sampling, history = self._place(inputs)
+        logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, positions, meta, last)
+        return self._sample(logits, sampling, history)
+
+    def step_fn(self, batch: int, tokens: int):
+        """The jitted forward (`device_steps.forward`) for a (global batch, tokens) shape, with the
+        backend's compiler options; its logits go to the sampler, a jitted function of its own."""
+        options = self.backend.compiler_options(batch // self.dp, tokens) or {}
+        key = tuple(sorted(options.items()))
+        if key not in self._steps:
+            kwargs = dict(self._jit_kwargs, compiler_options=options) if options else self._jit_kwargs
+            self._steps[key] = jax.jit(self._step, **kwargs)
+        return self._steps[key]
+
+    def _compiled_count(self) -> int | None:
+        sizes = [_cache_size(f) for f in (*self._steps.values(), self._sample, self._decode_steps)]
+        return None if None in sizes else sum(sizes)
+
+    def follow(self) -> int:
+        """On processes other than 0: run the steps process 0 broadcasts until it stops them.
+
+        Returns the number of steps run.
+        """
+        steps = 0
+        while True:
+            op, kind, B, T = (int(x) for x in broadcast(np.zeros(4, np.int32)))
+            if op == STOP_OP:
+                return steps
+            template = (self._pack([None] * B, B, T), *self._sampling([], B))
+            jax.block_until_ready(self._device_step(broadcast(None, template)))
+            steps += 1
+
+    def stop_followers(self) -> None:
+        """On process 0 at shutdown: release the processes in `follow()`."""
+        if self.multiprocess and jax.process_index() == 0:
+            broadcast(np.asarray([STOP_OP, 0, 0, 0], np.int32))
+
+    def _place(self, tree):
+        """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""
+        if self.mesh is None:
+            return tree
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        rows = NamedSharding(self.mesh, P("dp"))
+
+        def put(x):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, rows, lambda idx: x[idx])
+
+        return jax.tree.map(put, tree)
+
+    def _pack(self, rows: Sequence[StepRow | None], B: int, T: int):
+        """rows: one `StepRow` or None (padding) per batch row."""
+        return step_rows.pack(rows, B, T, max_pages=self.max_pages, page_size=self.page_size)
+
+    def _cost(self, rows) -> tuple[int, int]:
+        """The bytes and FLOPs a step needs at minimum: the physical floor for metrics (MBU/MFU)."""
+        return step_rows.cost(self.config, rows, param_bytes=self.param_bytes, num_params=self.num_params,
+                              kv_itemsize=self.kv_itemsize)
+
+    def _count(self, key: tuple, compiled: bool | None) -> None:
+        """Count a compilation: the jitted step's cache grew (or, where JAX does not tell, a new
+        bucket key). The cache also grows on a persistent-cache hit: still a stall while serving."""
+        if compiled is None:
+            compiled = key not in self._seen
+        self._seen.add(key)
+        if compiled:
+            self.num_compilations += 1
+            if self.warmed_up:
+                self.num_compilations_after_warmup += 1
+                logger.warning("compiled %s after warm-up", key)
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Compile every bucket now (the steps write only into the null page)."""
+        from tqdm import tqdm
+
+        shapes = [("decode", b, 1) for b in self.batch_buckets]
+        shapes += [("prefill", b, t) for b, t in self.prefill_shapes()]
+        for kind, B, T in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
+            rows = [StepRow(0, [0] * T, [0] * self.max_pages)] * (B * self.dp)
+            parts = [list(range(g * B, (g + 1) * B)) for g in range(self.dp)]
+            self._run(rows, parts, {}, kind)
+        if self.decode_steps > 1:
+            for B in tqdm(self.batch_buckets, desc="warm-up (multi-step decode)", unit="shape",
+                          disable=not progress):
+                self.execute_decode_steps([StepRow(0, [0], [0] * self.max_pages, num_steps=self.decode_steps)] * B)
+        self.records.clear()
+        self.total_real_tokens = self.total_padded_tokens = 0
+        self.warmed_up = True
+
+
+def _cache_size(fn) -> int | None:
+    """Entries in a jitted function's compilation cache (None if this JAX does not say)."""
+    size = getattr(fn, "_cache_size", None)
+    return size() if callable(size) else None
+
+
+def _device_of(params) -> Any:
+    """The device the (single-device) params live on; the default device if uncommitted."""
+    leaf = jax.tree.leaves(params)[0]
+    if isinstance(leaf, jax.Array) and getattr(leaf, "committed", False):
+        return next(iter(leaf.devices()))
+    return jax.devices()[0]

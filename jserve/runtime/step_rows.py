@@ -1,0 +1,56 @@
+"""A step's rows on the host: packed into the padded arrays a compiled step takes, and costed.
+
+Pure numpy and arithmetic, no device state (`jserve.runtime.runner` owns that). A row is a
+`jserve.runtime.steps.StepRow` (tokens at positions `start .. start + len(token_ids) - 1`, whose pages,
+and the earlier ones, are `page_ids`); None is a padding row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jserve.model.config import ModelConfig
+from jserve.runtime.paged_attention import PagedMeta
+
+
+def pack(rows, B: int, T: int, *, max_pages: int, page_size: int):
+    """`(tokens, positions, PagedMeta, last)` for B rows of T tokens: each row's tokens, their
+    positions and K/V slots, its page table padded with the null page 0 (where padding writes),
+    and the index of its last token (-1 for a padding row)."""
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.zeros((B, T), np.int32)
+    slots = np.zeros((B, T), np.int32)  # padding writes into the null page
+    q_start = np.zeros((B,), np.int32)
+    q_lens = np.zeros((B,), np.int32)
+    page_indices = np.zeros((B, max_pages), np.int32)
+    for b, row in enumerate(rows):
+        if row is None:
+            continue
+        start, ids, pages = row.start, row.token_ids, row.page_ids
+        n = len(ids)
+        pos = np.arange(start, start + n)
+        tokens[b, :n] = ids
+        positions[b, :n] = pos
+        table = np.asarray(pages, np.int32)
+        slots[b, :n] = table[pos // page_size] * page_size + pos % page_size
+        q_start[b], q_lens[b] = start, n
+        page_indices[b, :len(pages)] = pages
+    return tokens, positions, PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices), q_lens - 1
+
+
+def cost(config: ModelConfig, rows, *, param_bytes: int, num_params: int, kv_itemsize: int) -> tuple[int, int]:
+    """The bytes and FLOPs a step over these (real) rows needs at minimum: weights read once plus
+    the K/V read and written, and the matmuls and attention of the real tokens (the physical floor
+    behind the metrics' bandwidth and FLOP utilisation)."""
+    c = config
+    kv_token = c.kv_bytes_per_token(kv_itemsize)
+    new = sum(r.num_tokens for r in rows)
+    context = sum(r.start + r.num_tokens for r in rows)  # keys each row's last query reads
+    # Keys over all queries: query at position p reads p + 1 keys; a closed-form sum per row.
+    attended = sum(r.num_tokens * (2 * r.start + r.num_tokens + 1) // 2 for r in rows)
+    bytes_needed = param_bytes + kv_token * (context + new)
+    # Layers run for every new token; the head only for each row's last (embedding: a lookup).
+    layer_params = num_params - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    flops = 2 * layer_params * new + 2 * c.hidden_size * c.vocab_size * len(rows)
+    flops += 4 * c.num_layers * c.num_heads * c.head_dim * attended
+    return int(bytes_needed), int(flops)

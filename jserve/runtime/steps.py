@@ -1,0 +1,95 @@
+"""The runner's step contract: what the engine hands a step (`StepRow`s) and what it gets back
+(`StepOutput`). Host-side numpy; `jserve.runtime.runner` packs the rows into padded device arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jserve.core.request import GREEDY, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRow:
+    """One sequence's part of a step: compute `token_ids` at positions `start ..`, then sample.
+
+    Attributes:
+      start: position of the first token (= tokens already in the row's pages).
+      token_ids: the tokens to compute (one: a decode row; more: a prefill chunk).
+      page_ids: the row's pages, covering every position up to the last one computed (for a
+        multi-step decode, up to `start + num_steps - 1`: the scheduler's lookahead pages).
+      sampling: the request's settings; `sample_index` the index, within the request's output,
+        of the token this step samples (per-row seeds fold it in).
+      history: `(prompt_ids, output_ids)` where the request has repetition / presence /
+        frequency penalties, else None.
+      group: the row's data-parallel group (its page ids are local to that group's pool).
+      num_steps: decode steps to run in a multi-step call (1 .. `Runner.decode_steps`).
+      stop_ids, min_new: the row stops a multi-step call after sampling one of `stop_ids` once
+        it has sampled `min_new` tokens (`jserve.core.stop.StopPolicy.device_stops`).
+      next_ids: for a chunk whose prompt logprobs are wanted, the token after each of its
+        positions (-1 where there is none yet); the step then reports their logprobs.
+    """
+
+    start: int
+    token_ids: Sequence[int]
+    page_ids: Sequence[int]
+    sampling: SamplingParams = GREEDY
+    sample_index: int = 0
+    history: tuple[Sequence[int], Sequence[int]] | None = None
+    group: int = 0
+    num_steps: int = 1
+    stop_ids: tuple[int, ...] = ()
+    min_new: int = 0
+    next_ids: Sequence[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class PromptLogprobs:
+    """A chunk's prompt logprobs: at each of its positions, the logprob and rank of the next token
+    (`StepRow.next_ids`) and the `request.MAX_LOGPROBS` most likely tokens."""
+
+    logprob: np.ndarray  # float32 [tokens]
+    rank: np.ndarray  # int32 [tokens]
+    top_ids: np.ndarray  # int32 [tokens, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # float32 [tokens, MAX_LOGPROBS]
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What a step sampled, one entry per row in the order of the rows given (with a leading
+    axis of steps for a multi-step decode: entry j of row i is the row's (j+1)-th sample).
+
+    `top_ids` / `top_logprobs` hold `request.MAX_LOGPROBS` entries per sample, zeros where no row
+    of the call asked for logprobs; `num_valid` (multi-step decode only) counts each row's
+    samples before it stopped (entries past them are meaningless); `prompt` (single steps) the
+    prompt logprobs of each row that asked (`StepRow.next_ids`), None for the others."""
+
+    tokens: np.ndarray  # int32
+    logprob: np.ndarray  # float32: of the sampled token
+    rank: np.ndarray  # int32: of the sampled token (1 = most likely)
+    top_ids: np.ndarray  # int32 [..., MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # float32 [..., MAX_LOGPROBS]
+    num_valid: np.ndarray | None = None  # int32 [rows]
+    prompt: list[PromptLogprobs | None] | None = None
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "StepOutput":
+        return cls(**{f.name: arrays.get(f.name) for f in dataclasses.fields(cls)})
+
+    def rows(self, index: Sequence[int]) -> "StepOutput":
+        """These rows only (of a single step)."""
+        index = list(index)
+        arrays = {f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)
+                  if f.name not in ("num_valid", "prompt") and getattr(self, f.name) is not None}
+        prompt = None if self.prompt is None else [self.prompt[i] for i in index]
+        return StepOutput(**arrays, prompt=prompt)
+
+    def step(self, j: int) -> "StepOutput":
+        """Step j of a multi-step decode, as a single step's output."""
+        return StepOutput(self.tokens[j], self.logprob[j], self.rank[j], self.top_ids[j], self.top_logprobs[j])
