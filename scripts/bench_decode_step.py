@@ -10,7 +10,7 @@ step compiled with:
   - the layer matmuls and the tied LM head: the native kernel over packed weights on "native"
     (the runner's default on CPU, where no dot library is then left to choose), XLA's dots over
     unpacked weights otherwise ("cpu/..." keep the native attention kernel);
-  - decode layers: on "native" all in one native call (`pallas_kernels.decoder_layer`, the
+  - decode layers: on "native" all in one native call (`pallas_kernels.native.decoder_layer`, the
     runner's default), on "native/unfused" XLA ops around native matmul and attention calls.
 Variants take turns call by call (a busy machine slows them alike). `--breakdown` adds, for the
 "native/unfused" variant, the same step with one part replaced by a stand-in that costs next to nothing
@@ -60,7 +60,7 @@ from jserve.model.llama import LAYER_MATMULS  # noqa: E402
 from jserve.runtime.device_steps import forward as device_step  # noqa: E402
 from jserve.runtime.runner import PREFILL_BATCH_BUCKETS  # noqa: E402
 from jserve.runtime.steps import StepRow  # noqa: E402
-from pallas_kernels.matmul import native as native_matmul  # noqa: E402
+from pallas_kernels.native import matmul as native_matmul  # noqa: E402
 
 # name: (attention backend, XLA options, native matmuls over packed weights, fused decode layers).
 VARIANTS = {"native": ("cpu", None, True, True), "native/unfused": ("cpu", None, True, False),

@@ -1,6 +1,6 @@
 """How fast this machine streams memory, against the packed matmul kernel at M rows.
 
-Two C++ loops, built here with the native kernels' flags (`pallas_kernels.native_build.flags()`),
+Two C++ loops, built here with the native kernels' flags (`pallas_kernels.native.build.flags()`),
 two threads each streaming its own buffer (huge pages advised):
   - `stream`: one 64-byte load per line, then `work` FMAs on registers (the arithmetic a matmul
     at M rows does per weight line: 16 at M = 16), with or without a software prefetch `--prefetch`
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import native_build  # noqa: E402
+from pallas_kernels.native import build as native_build  # noqa: E402
 
 SOURCE = r"""
 #if defined(__AVX512F__)

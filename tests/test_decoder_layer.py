@@ -1,4 +1,4 @@
-"""The fused native decode layers (`pallas_kernels.decoder_layer`) against the model's own path
+"""The fused native decode layers (`pallas_kernels.native.decoder_layer`) against the model's own path
 (XLA ops around the native matmul and attention kernels) on the same packed weights and pages."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from jserve.runtime.kv_cache import init_kv_pages
 from jserve.model import model_graphdef
 from jserve.model.llama import LlamaModel
 from jserve.runtime.paged_attention import PagedMeta
-from pallas_kernels.decoder_layer import native
-from pallas_kernels.native_build import _cpu_flags
+from pallas_kernels.native import decoder_layer as native
+from pallas_kernels.native.build import _cpu_flags
 
 from conftest import run_python
 
@@ -128,7 +128,7 @@ import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import jax.numpy as jnp
 import test_decoder_layer as t
-from pallas_kernels.matmul import native
+from pallas_kernels.native import matmul as native
 assert native.panel() == 24, native.panel()
 t._assert_fused_matches(t.TINY, jnp.float32, [5, 30, None, 0, 17])
 t._assert_fused_matches(t.TINY, jnp.bfloat16, [300, 2], seed=2)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import run_python
-from pallas_kernels.matmul import native
+from pallas_kernels.native import matmul as native
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -55,7 +55,7 @@ def test_packed_many_matches_numpy(lead, k, ns):
 
 
 def _cpu_flags() -> set[str]:
-    from pallas_kernels.native_build import _cpu_flags
+    from pallas_kernels.native.build import _cpu_flags
 
     return set(_cpu_flags().split())
 
@@ -75,7 +75,7 @@ def test_each_simd_build_matches_numpy(arch, width, needs, tmp_path):
         pytest.skip(f"needs an x86 CPU with {needs or 'x86-64'}")
     run_python(f"""
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels.matmul import native
+from pallas_kernels.native import matmul as native
 assert native.panel() == {width}, native.panel()
 rng = np.random.default_rng(0)
 for dtype in (jnp.float32, jnp.bfloat16):
@@ -138,7 +138,7 @@ def test_packed_refuses_bad_shapes():
 
 
 def test_without_a_compiler_it_says_why_once(tmp_path):
-    code = ("from pallas_kernels.matmul import native\n"
+    code = ("from pallas_kernels.native import matmul as native\n"
             "assert not native.available() and not native.available()\n"
             "print('REASON', native.unavailable_reason())\n")
     done = run_python(code, tmp_path, CXX="/bin/false")

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from pallas_kernels import native_build
-from pallas_kernels.native_build import NativeLibrary
+from pallas_kernels.native import build as native_build
+from pallas_kernels.native.build import NativeLibrary
 
 
 @pytest.fixture
@@ -47,3 +47,22 @@ def test_the_arch_is_in_the_flags_and_the_key(library, monkeypatch):
     assert native_build.flags()[-1] == "-march=x86-64"
     other = library._build()
     assert other != native and _value(other) == 1
+
+
+def test_constants_shared_across_the_ffi_are_checked_at_load(library):
+    agreed = NativeLibrary("probe", library.source, {}, what="probe", fallback="none",
+                           include_dir=library.include_dir, constants={"Value": 1})
+    assert agreed.available()
+    drifted = NativeLibrary("probe", library.source, {}, what="probe", fallback="none",
+                            include_dir=library.include_dir, constants={"Value": 2})
+    assert not drifted.available()
+    assert "lib.cc's Value() is 1, the Python side expects 2" in drifted.unavailable_reason()
+
+
+def test_the_shipped_kernels_agree_with_their_python_side():
+    from pallas_kernels.native import decoder_layer, paged_attention
+
+    for lib in (decoder_layer, paged_attention):
+        if not lib.available():
+            pytest.skip(f"no native build: {lib.unavailable_reason()}")
+    assert decoder_layer._PER_LAYER == 11 and decoder_layer._K_PAGES == 9  # 2 norms, 7 weights, K, V

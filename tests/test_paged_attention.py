@@ -10,10 +10,11 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from conftest import run_python
-from pallas_kernels.paged_attention import (native, paged_attention,
-                                            paged_attention_reference, paged_prefill_attention)
+from pallas_kernels.native import paged_attention as native
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference, paged_prefill_attention
 
-# "cpu" decodes with the native kernel (native.py), "cpu_pallas" with the Pallas interpret one.
+# "cpu" decodes with the native kernel (native/paged_attention.py), "cpu_pallas" with the Pallas
+# interpret one.
 CPU_BACKENDS = ("cpu", "cpu_pallas")
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -269,7 +270,7 @@ def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
     # Linking with -ffast-math once pulled in crtfastmath.o, which set flush-to-zero process-wide
     # on load (hypothesis then refused to run in the same process).
     code = ("import sys\n"
-            "from pallas_kernels.paged_attention import native\n"
+            "from pallas_kernels.native import paged_attention as native\n"
             "assert native.available(), native.unavailable_reason()\n"
             "assert sys.float_info.min / 2 > 0, 'flush-to-zero is on'\n")
     run_python(code, tmp_path)
@@ -278,7 +279,8 @@ def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
 def test_without_a_compiler_the_cpu_backend_falls_back_to_pallas(tmp_path):
     code = (
         "import numpy as np, jax.numpy as jnp\n"
-        "from pallas_kernels.paged_attention import native, paged_attention\n"
+        "from pallas_kernels.native import paged_attention as native\n"
+        "from pallas_kernels.paged_attention import paged_attention\n"
         "q = jnp.ones((2, 4, 64)); pages = jnp.ones((2, 5, 16, 64))\n"
         "out = paged_attention(q, pages, pages, jnp.array([3, 0], jnp.int32),\n"
         "                      jnp.array([[1, 2], [0, 0]], jnp.int32), backend='cpu', sm_scale=0.1)\n"

@@ -13,8 +13,8 @@ from jserve.model.checkpoint import read_params
 from jserve.core.request import GREEDY, SamplingParams
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepRow
-from pallas_kernels.decoder_layer import native as native_layer
-from pallas_kernels.matmul import native as native_matmul
+from pallas_kernels.native import decoder_layer as native_layer
+from pallas_kernels.native import matmul as native_matmul
 
 from conftest import DATA
 

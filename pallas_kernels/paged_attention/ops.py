@@ -16,7 +16,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import cpu, gpu, native, reference, tpu
+from pallas_kernels.native import paged_attention as native
+from pallas_kernels.paged_attention import cpu, gpu, reference, tpu
 from pallas_kernels.paged_attention.common import pack_rows, unpack_rows
 
 BACKENDS = ("cpu", "cpu_pallas", "tpu", "gpu", "reference")

@@ -1,14 +1,14 @@
 """The native CPU backend: C++ kernels behind XLA FFI calls, for a CPU host.
 
-- Attention: the native paged-attention kernel (`pallas_kernels.paged_attention.native`), decode
+- Attention: the native paged-attention kernel (`pallas_kernels.native.paged_attention`), decode
   and prefill chunks alike; Pallas interpret mode where it cannot build or past its shapes.
-- Linears and the tied LM head: the packed matmul kernel (`pallas_kernels.matmul`) over weights
+- Linears and the tied LM head: the packed matmul kernel (`pallas_kernels.native.matmul`) over weights
   (and the tied embedding, transposed) packed once at load into [N / P, K, P] panels, float32 or
   bfloat16 as loaded. XLA's dots cannot read that layout, and a second, natural copy would double
   the weights' memory, so every matmul and the head run on the kernel, decode and prefill.
 - The layer stack: unrolled over per-layer weights and per-layer KV pages; a decode step (one
   token per row) runs all the layers as one fused native call
-  (`pallas_kernels.decoder_layer`), an implementation of `jserve.model.llama.DecoderLayer`'s
+  (`pallas_kernels.native.decoder_layer`), an implementation of `jserve.model.llama.DecoderLayer`'s
   contract for layers without biases or q/k norms (tests/test_decoder_layer.py checks it
   against the model's own layers); other steps run the model's layers.
 - Pages: 64 tokens each by default; without the packed matmuls some step shapes compile with
@@ -27,9 +27,9 @@ from jserve.runtime.backends.base import Backend
 from jserve.model.config import ModelConfig
 from jserve.model.llama import LAYER_MATMULS, XlaOps, unrolled_layers, xla_linear
 from jserve.runtime.paged_attention import PagedAttention
-from pallas_kernels.decoder_layer import native as native_layer
-from pallas_kernels.matmul import native as native_matmul
-from pallas_kernels.paged_attention import native as native_attention
+from pallas_kernels.native import decoder_layer as native_layer
+from pallas_kernels.native import matmul as native_matmul
+from pallas_kernels.native import paged_attention as native_attention
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def fused_layers_supported(config: ModelConfig) -> bool:
 
 
 def native_linear(x: jax.Array, w, out_features):
-    """A layer matmul over a packed weight (`pallas_kernels.matmul.native.pack`) on the native
+    """A layer matmul over a packed weight (`pallas_kernels.native.matmul.pack`) on the native
     kernel; a plain [in, out] weight stays an XLA dot. A tuple of packed weights (and of widths)
     runs as one call (`matmul_packed_many`): q/k/v and gate/up are 2 calls a layer, not 5. The
     products come back in x's dtype, as an XLA dot of x and a weight of that dtype would give them

@@ -1,4 +1,4 @@
-"""The native CPU matmul (`cpu_matmul.cc`), built on first use (`pallas_kernels.native_build`).
+"""The native CPU matmul (`matmul.cc`), built on first use (`pallas_kernels.native.build`).
 
 `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
 [N / P, K, P] panels (P = `panel()`: 24 columns where the build has AVX2, 48 with AVX-512),
@@ -17,11 +17,11 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.native_build import NativeLibrary
+from pallas_kernels.native.build import NativeLibrary
 
 TARGET = "jserve_matmul_packed"
 TARGET_MANY = "jserve_matmul_packed_many"
-_LIBRARY = NativeLibrary("matmul", Path(__file__).with_name("cpu_matmul.cc"),
+_LIBRARY = NativeLibrary("matmul", Path(__file__).with_name("matmul.cc"),
                          {TARGET: "JserveMatmulPacked", TARGET_MANY: "JserveMatmulPackedMany"},
                          what="native CPU matmul", fallback="using XLA's dot")
 
@@ -37,7 +37,7 @@ def unavailable_reason() -> str | None:
 
 @functools.cache
 def panel() -> int:
-    """Columns per packed panel of this machine's build (kPanel in cpu_matmul.cc: three SIMD
+    """Columns per packed panel of this machine's build (kPanel in matmul.cc: three SIMD
     vectors, 24 columns with AVX2, 48 with AVX-512, 24 in the plain-C++ fallback)."""
     if not available():
         raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")

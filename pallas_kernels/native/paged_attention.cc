@@ -368,6 +368,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
 
 }  // namespace
 
+// What the Python side (paged_attention.py) relies on, checked when the library loads.
+extern "C" int JserveMaxGroups() { return kMaxGroups; }
+extern "C" int JserveMaxHeadDim() { return kMaxHeadDim; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -1,11 +1,11 @@
-"""The fused decoder layer (`cpu_layer.cc`): built on first use (`pallas_kernels.native_build`),
+"""The fused decoder layer (`decoder_layer.cc`): built on first use (`pallas_kernels.native.build`),
 called as an XLA FFI target.
 
 `decoder_layers(...)` runs Llama layers (each: RMSNorm, q/k/v, rotary, the K/V write, paged
 decode attention, o, RMSNorm, gate/up, SiLU, down, both residuals) for one new token per row,
-over weights packed by `pallas_kernels.matmul.native.pack`, as one call: the paged runner's
-decode steps on CPU (see `jserve.cpu_kernels`). Layers with biases or q/k norms, and prefill
-chunks, stay on the model's own path.
+over weights packed by `pallas_kernels.native.matmul.pack`, as one call: the paged runner's
+decode steps on CPU (`jserve.runtime.backends.native_cpu`). Layers with biases or q/k norms, and
+prefill chunks, stay on the model's own path.
 """
 
 from __future__ import annotations
@@ -17,27 +17,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native_build import NativeLibrary
-from pallas_kernels.paged_attention import native as native_attention
+from pallas_kernels.native.build import NativeLibrary
+from pallas_kernels.native import paged_attention as native_attention
 
 TARGET = "jserve_decoder_layers"
-_LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("cpu_layer.cc"),
-                         {TARGET: "JserveDecoderLayers"}, what="native CPU decoder layer",
-                         fallback="running the layers as XLA ops and native matmul/attention calls")
-
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+NUM_WEIGHTS = 7  # a layer's matmul weights: wq, wk, wv, wo, w_gate, w_up, w_down
 _META = 7  # the call's arguments before the layers': x, cos, sin, slots, q_start, q_lens, page_indices
-_PER_LAYER = 11  # kArgsPerLayer in cpu_layer.cc
 
 
 class LayerArgs(NamedTuple):
-    """One layer's weights and pages for `decoder_layers`."""
+    """One layer's weights and pages for `decoder_layers`, in the order the call takes them
+    (`flat`): the layout of each layer's arguments is this structure's, and the library's
+    constants are checked against it when it loads."""
 
     attn_norm: jax.Array  # [hidden]
     mlp_norm: jax.Array  # [hidden]
     weights: tuple[jax.Array, ...]  # wq, wk, wv, wo, w_gate, w_up, w_down, each `pack(w)` of [in, out]
     k_pages: jax.Array  # [num_kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array
+
+    def flat(self) -> tuple:
+        return (self.attn_norm, self.mlp_norm, *self.weights, self.k_pages, self.v_pages)
+
+
+# Where each layer's arguments sit, from the structure above (the C++ side's kArgsPerLayer and
+# kKPagesArg must agree: checked at load).
+_SHAPE = LayerArgs("attn_norm", "mlp_norm", ("w",) * NUM_WEIGHTS, "k_pages", "v_pages").flat()
+_PER_LAYER, _K_PAGES = len(_SHAPE), _SHAPE.index("k_pages")
+_LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("decoder_layer.cc"),
+                         {TARGET: "JserveDecoderLayers"}, what="native CPU decoder layer",
+                         fallback="running the layers as XLA ops and native matmul/attention calls",
+                         constants={"JserveArgsPerLayer": _PER_LAYER, "JserveKPagesArg": _K_PAGES,
+                                    "JserveMaxGroups": native_attention.MAX_GROUPS,
+                                    "JserveMaxHeadDim": native_attention.MAX_HEAD_DIM})
 
 
 def available() -> bool:
@@ -66,24 +79,23 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
       cos, sin: [M, head_dim], the rotary tables at the rows' positions.
       layers: each layer's weights and pages; the rows' new K/V are written into the pages (in
         place where the caller donates them).
-      slots, q_start, q_lens, page_indices: as `jserve.model.paged_attention.PagedMeta` for a
+      slots, q_start, q_lens, page_indices: as `jserve.runtime.paged_attention.PagedMeta` for a
         decode step (q_lens 1 for a live row, 0 for a padded one).
     Returns:
       (x_out [M, hidden] float32, [(k_pages, v_pages) per layer]).
     """
     if not available():
         raise RuntimeError(f"native CPU decoder layer unavailable: {unavailable_reason()}")
-    if not layers or any(len(layer.weights) != 7 for layer in layers):
+    if not layers or any(len(layer.weights) != NUM_WEIGHTS for layer in layers):
         raise ValueError("decoder_layers needs at least one layer, each with 7 packed weights "
                          "(wq, wk, wv, wo, w_gate, w_up, w_down)")
     M = x.shape[0]
     pages = [p for layer in layers for p in (layer.k_pages, layer.v_pages)]
-    flat = [a for layer in layers for a in (layer.attn_norm, layer.mlp_norm, *layer.weights,
-                                            layer.k_pages, layer.v_pages)]
+    flat = [a for layer in layers for a in layer.flat()]
     aliases = {}
-    for i in range(len(layers)):
-        aliases[_META + _PER_LAYER * i + 9] = 1 + 2 * i
-        aliases[_META + _PER_LAYER * i + 10] = 2 + 2 * i
+    for i in range(len(layers)):  # each layer's k_pages and v_pages are written in place
+        aliases[_META + _PER_LAYER * i + _K_PAGES] = 1 + 2 * i
+        aliases[_META + _PER_LAYER * i + _K_PAGES + 1] = 2 + 2 * i
     call = jax.ffi.ffi_call(
         TARGET, (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
                  *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),

@@ -1,6 +1,6 @@
-"""The native CPU attention kernel (`cpu_native.cc`): built on first use, called as an XLA FFI target.
+"""The native CPU attention kernel (`paged_attention.cc`): built on first use, called as an XLA FFI target.
 
-See `pallas_kernels.native_build` for how it is built and cached. If there is no compiler or the
+See `pallas_kernels.native.build` for how it is built and cached. If there is no compiler or the
 build fails, `available()` says so once in the log and the "cpu" backend keeps its Pallas
 interpret-mode kernels (which the "cpu_pallas" backend always uses).
 """
@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native_build import NativeLibrary
+from pallas_kernels.native.build import NativeLibrary
 
 TARGET = "jserve_paged_attention"
-_LIBRARY = NativeLibrary("paged_attention", Path(__file__).with_name("cpu_native.cc"),
+MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # kMaxGroups, kMaxHeadDim in decode_attention.h (checked at load)
+_LIBRARY = NativeLibrary("paged_attention", Path(__file__).with_name("paged_attention.cc"),
                          {TARGET: "JservePagedAttention"}, what="native CPU attention kernel",
-                         fallback="using the Pallas interpret kernels")
-
-MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # kMaxGroups, kMaxHeadDim in decode_attention.h
+                         fallback="using the Pallas interpret kernels",
+                         constants={"JserveMaxGroups": MAX_GROUPS, "JserveMaxHeadDim": MAX_HEAD_DIM})
 
 
 def supports(groups: int, head_dim: int) -> bool:

@@ -42,8 +42,12 @@ class NativeLibrary:
     """One C++ source and the FFI targets (`{target name: exported symbol}`) it defines."""
 
     def __init__(self, name: str, source: Path, targets: dict[str, str], *, what: str,
-                 fallback: str, include_dir: Path = HEADERS):
+                 fallback: str, include_dir: Path = HEADERS, constants: dict[str, int] | None = None):
+        """`constants`: `{exported symbol: value}` the Python side relies on (shapes shared across
+        the FFI): each is an `extern "C" int` of the library, checked when it loads; a mismatch
+        leaves the library unavailable, with the reason."""
         self.name, self.source, self.targets = name, source, dict(targets)
+        self.constants = dict(constants or {})
         self.include_dir = include_dir
         self.what, self.fallback = what, fallback
         self._lock = threading.Lock()
@@ -57,6 +61,12 @@ class NativeLibrary:
             if self._ok is None:
                 try:
                     handle = ctypes.cdll.LoadLibrary(str(self._build()))
+                    for symbol, want in self.constants.items():
+                        fn = getattr(handle, symbol)
+                        fn.restype, fn.argtypes = ctypes.c_int, []
+                        if fn() != want:
+                            raise RuntimeError(f"{self.source.name}'s {symbol}() is {fn()}, the Python "
+                                               f"side expects {want}")
                     for target, symbol in self.targets.items():
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
                                                     platform="cpu")

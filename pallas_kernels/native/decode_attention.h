@@ -1,5 +1,5 @@
 // Decode attention over the paged KV cache, shared by the native CPU attention kernel
-// (paged_attention/cpu_native.cc) and the fused decoder layer (decoder_layer/cpu_layer.cc): the
+// (native/paged_attention.cc) and the fused decoder layer (decoder_layer/decoder_layer.cc): the
 // page layout, the 8-wide vector helpers, and DecodeWork, one token per row against its pages.
 //
 // Layouts (DESIGN §4):

@@ -1,5 +1,5 @@
-// The packed matmul's kernels, shared by the native CPU matmul (matmul/cpu_matmul.cc) and the
-// fused decoder layer (decoder_layer/cpu_layer.cc): weights packed once as [N / kPanel, K, kPanel]
+// The packed matmul's kernels, shared by the native CPU matmul (matmul/matmul.cc) and the
+// fused decoder layer (decoder_layer/decoder_layer.cc): weights packed once as [N / kPanel, K, kPanel]
 // column panels, and PackedPanel, all M rows of x against one panel.
 #ifndef JSERVE_PACKED_MATMUL_H_
 #define JSERVE_PACKED_MATMUL_H_

@@ -251,6 +251,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
 }
 
 constexpr size_t kArgsPerLayer = 11;  // attn_norm mlp_norm wq wk wv wo w_gate w_up w_down k v
+constexpr size_t kKPagesArg = 9;      // the layer's k_pages among them (v_pages follows)
 
 ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
                          ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots,
@@ -277,7 +278,7 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     out.push_back(**r);
   }
   auto xd = x.dimensions();
-  auto kd = in[9].dimensions();
+  auto kd = in[kKPagesArg].dimensions();
   auto pd = page_indices.dimensions();
   if (xd.size() != 2 || kd.size() != 4 || pd.size() != 2 || pd[0] != xd[0] ||
       !SameDims(x_out->dimensions(), xd)) {
@@ -285,12 +286,12 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
         "decoder_layer: x and x_out must be [M, hidden], the pages [kv_heads, num_pages, "
         "page_size, head_dim], page_indices [M, max_pages]");
   }
-  const ffi::DataType page_type = in[9].element_type();
+  const ffi::DataType page_type = in[kKPagesArg].element_type();
   std::vector<LayerArgs> layers(L);
   for (size_t l = 0; l < L; ++l) {
     const ffi::AnyBuffer* a = in.data() + kArgsPerLayer * l;
     for (int i = 0; i < 2; ++i) {
-      const ffi::AnyBuffer &page = a[9 + i], &result = out[2 * l + i];
+      const ffi::AnyBuffer &page = a[kKPagesArg + i], &result = out[2 * l + i];
       if (!SameDims(page.dimensions(), kd) || !SameDims(result.dimensions(), kd) ||
           page.element_type() != page_type || result.element_type() != page_type ||
           result.untyped_data() != page.untyped_data()) {
@@ -336,6 +337,12 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 }
 
 }  // namespace
+
+// What the Python side (decoder_layer.py) relies on, checked when the library loads.
+extern "C" int JserveArgsPerLayer() { return static_cast<int>(kArgsPerLayer); }
+extern "C" int JserveKPagesArg() { return static_cast<int>(kKPagesArg); }
+extern "C" int JserveMaxGroups() { return kMaxGroups; }
+extern "C" int JserveMaxHeadDim() { return kMaxHeadDim; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayers,
                               ffi::Ffi::Bind()

@@ -1,4 +1,4 @@
-// ParallelFor and Team for the native CPU kernels (cpu_matmul.cc, cpu_native.cc, cpu_layer.cc).
+// ParallelFor and Team for the native CPU kernels (matmul.cc, paged_attention.cc, decoder_layer.cc).
 // ParallelFor runs fn(0..n-1) on the caller and on XLA's intra-op thread pool. Include after
 // "xla/ffi/api/ffi.h".
 //
@@ -13,7 +13,7 @@
 // counter, SmolLM2's 30 layer matmuls + head (a /tmp chain, 2-core Xeon with AVX-512,
 // interleaved, ms): M=1 23.5 -> 22.7, 8 31.1 -> 30.1, 16 33.2 -> 31.3, 64 75.0 -> 70.0. For decode
 // attention the same within the noise on contiguous pages; on scattered pages it lets a task
-// prefetch the next task's first block (cpu_native.cc, Prefetcher).
+// prefetch the next task's first block (paged_attention.cc, Prefetcher).
 #ifndef JSERVE_PARALLEL_FOR_H_
 #define JSERVE_PARALLEL_FOR_H_
 
