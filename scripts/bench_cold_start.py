@@ -73,7 +73,8 @@ def measure(args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - t)
     import jserve
 
-    return dict(variant=args.variant, kernel=args.kernel, tree=str(Path(jserve.__file__).parents[1]), load_s=loaded - t0, warmup_s=ready - loaded,
+    return dict(variant=args.variant, kernel=args.kernel, tree=str(Path(jserve.__file__).parents[1]),
+                load_s=loaded - t0, warmup_s=ready - loaded,
                 ready_s=ready - t0, shapes=compiled, per_shape_s=(ready - loaded) / max(compiled, 1),
                 decode_ms=1e3 * statistics.median(times), decode_min_ms=1e3 * min(times),
                 batch=args.batch, context=args.context, runs=args.runs,
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         for spec in args.variants:
             name, _, tree = spec.partition("=")
             tree = Path(tree) if tree else ROOT
-            child = [sys.executable, str(Path(__file__).resolve()), "--variant", name if not spec.count("=") else "tree",
+            child = [sys.executable, str(Path(__file__).resolve()), "--variant", "tree" if "=" in spec else name,
                      "--kernel", args.kernel, "--batch", str(args.batch), "--context", str(args.context),
                      "--max-model-len", str(args.max_model_len), "--runs", str(args.runs)]
             if args.model:

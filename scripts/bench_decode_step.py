@@ -225,8 +225,9 @@ def main(argv=None):
     for dtype in dict.fromkeys(args.dtype):
         engine = build_engine(config, {k: v.astype(dtype) for k, v in params.items()}, _NoTokenizer(), [],
                               EngineConfig(max_model_len=2048 if max_len <= 2048 else max_len,
-                                           max_num_seqs=max(args.batch), max_num_batched_tokens=max(512, max(args.tokens)),
-                                           page_size=page_size, num_pages=max(args.batch) * math.ceil(max_len / page_size) + 1,
+                                           max_num_seqs=max(args.batch),
+                                           max_num_batched_tokens=max(512, max(args.tokens)), page_size=page_size,
+                                           num_pages=max(args.batch) * math.ceil(max_len / page_size) + 1,
                                            warmup=False))
         runner = engine.runner
         runner.huge_pages.wait()

@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=None, help="multiplies all lengths (default 1; --quick: 0.25)")
     p.add_argument("--in-lens", default="32,512", help="short,long prompt lengths before --scale")
     p.add_argument("--out-lens", default="32,256", help="short,long output lengths before --scale")
-    p.add_argument("--quick", action="store_true", help="32 requests at scale 0.25: a few minutes, most of it jserve's warm-up")
+    p.add_argument("--quick", action="store_true",
+                   help="32 requests at scale 0.25: a few minutes, most of it jserve's warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-python", default=str(REPO / ".venv-ref" / "bin" / "python"),
                    help="Python with torch + transformers; 'none' skips the HF side")

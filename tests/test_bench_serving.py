@@ -1,4 +1,5 @@
-"""jserve.bench (`jserve bench`, scripts/bench_serving.py) against a fake OpenAI-compatible SSE server on 127.0.0.1 (no model, no JAX)."""
+"""jserve.bench (`jserve bench`, scripts/bench_serving.py) against a fake OpenAI-compatible SSE server
+on 127.0.0.1 (no model, no JAX)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def test_penalties_match_vllm_arithmetic():
     np.testing.assert_array_equal(counts[0], [0, 0, 1, 2, 0, 0, 0, 0])
     np.testing.assert_array_equal(in_prompt[0], [0, 1, 1, 0, 0, 0, 0, 0])
     assert counts[1].sum() == 0 and in_prompt[1].sum() == 0
-    rep, pres, freq = np.array([1.5, 1.5], np.float32), np.array([0.5, 0.5], np.float32), np.array([0.25, 0.25], np.float32)
+    rep, pres = np.array([1.5, 1.5], np.float32), np.array([0.5, 0.5], np.float32)
+    freq = np.array([0.25, 0.25], np.float32)
     got = np.asarray(apply_penalties(jnp.asarray(logits), counts, in_prompt, rep, pres, freq))
     want = logits.copy()
     for t in (1, 2, 3):
@@ -93,7 +94,8 @@ def test_penalties_match_vllm_arithmetic():
 def test_logprobs_are_of_the_raw_distribution_even_with_penalties():
     logits = np.array([[2.0, 1.0, 0.0, -1.0, -2, -3, -4, -5]], np.float32)
     history, num_prompt = penalty_history([([0], [0])], 1, 4, V)
-    out = _sample(logits, [(0.0, 0, 1.0, 0.0, 0, 1, 10.0, 2.0, 2.0, 1)], (jnp.asarray(history), jnp.asarray(num_prompt)))
+    out = _sample(logits, [(0.0, 0, 1.0, 0.0, 0, 1, 10.0, 2.0, 2.0, 1)],
+                  (jnp.asarray(history), jnp.asarray(num_prompt)))
     assert int(out["tokens"][0]) == 1  # token 0 penalised away
     raw = logits[0] - np.log(np.exp(logits[0]).sum())
     np.testing.assert_allclose(float(out["logprob"][0]), raw[1], rtol=1e-5)

@@ -316,7 +316,8 @@ def test_client_errors(server, path, body, status, needle):
     assert_error(got, answer, status, contains=() if needle is None else (needle,))
 
 
-EXTREME = [dict(temperature=1e300), dict(temperature=1e-300), dict(top_p=1e-300), dict(min_p=1.0), dict(top_k=2**31 - 1),
+EXTREME = [dict(temperature=1e300), dict(temperature=1e-300), dict(top_p=1e-300), dict(min_p=1.0),
+           dict(top_k=2**31 - 1),
            dict(top_k=-1), dict(repetition_penalty=0.01), dict(repetition_penalty=10), dict(presence_penalty=-2,
            frequency_penalty=2), dict(seed=-2**63), dict(seed=2**64 - 1), dict(n=8, logprobs=MAX_LOGPROBS),
            dict(stop_token_ids=[0, 49151], min_tokens=MAX_MODEL_LEN), dict(priority=0, echo=True),

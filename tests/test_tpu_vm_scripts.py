@@ -188,8 +188,10 @@ def test_deploy_runs_on_all_workers_and_keeps_the_key_off_command_lines(fake_gcl
     assert scp["args"][:5] == ["compute", "tpus", "tpu-vm", "scp", "--recurse"]
     assert "slice:/tmp/" in scp["args"] and "--worker=all" in scp["args"]
     assert scp["staged"] == {"api_key": "0o600", "health_check.sh": scp["staged"]["health_check.sh"],
-                             "install.sh": scp["staged"]["install.sh"], "jserve.service": scp["staged"]["jserve.service"],
-                             "setup_service.sh": scp["staged"]["setup_service.sh"], "src.tar.gz": scp["staged"]["src.tar.gz"]}
+                             "install.sh": scp["staged"]["install.sh"],
+                             "jserve.service": scp["staged"]["jserve.service"],
+                             "setup_service.sh": scp["staged"]["setup_service.sh"],
+                             "src.tar.gz": scp["staged"]["src.tar.gz"]}
     assert scp["api_key"] == "s3cret-key\n"
     for call, worker in ((install, "all"), (check, "all"), (setup, "all"), (health, "0")):
         assert call["args"][:5] == ["compute", "tpus", "tpu-vm", "ssh", "slice"]
@@ -248,7 +250,8 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
     stub = tmp_path / "venv" / "bin" / "jserve"
     stub.write_text("#!/bin/sh\n")
     stub.chmod(0o755)
-    unit = (SCRIPTS_DIR / "jserve.service").read_text().replace("@USER@", "root").replace("@VENV@", str(tmp_path / "venv"))
+    unit = (SCRIPTS_DIR / "jserve.service").read_text().replace("@USER@", "root")
+    unit = unit.replace("@VENV@", str(tmp_path / "venv"))
     (tmp_path / "jserve.service").write_text(unit)
     p = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "jserve.service")],
                        capture_output=True, text=True, timeout=60)

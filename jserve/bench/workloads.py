@@ -109,6 +109,7 @@ def build_workload(workload: str, num_requests: int | None, endpoint: str, scale
             in_len, out_len = int(rec["input_len"]), int(rec.get("output_len", rec.get("max_tokens", SHORT_OUT)))
             specs.append(_spec(endpoint, _words(rng, in_len), out_len, in_len, "file"))
         else:
-            raise ValueError(f"{path}:{i % len(records) + 1}: need 'prompt' (+ 'max_tokens') or 'input_len' (+ 'output_len')")
+            raise ValueError(f"{path}:{i % len(records) + 1}: need 'prompt' (+ 'max_tokens') or "
+                             f"'input_len' (+ 'output_len')")
     return specs
 

@@ -124,7 +124,8 @@ class LLMEngine:
                 # Its prefill computes every prompt position (no prefix-cache hit skips any).
                 salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
             req = Request(rid, list(ids), sub, arrival, priority=priority, cache_salt=salt)
-            seq = _Sequence(group, i, req, self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens),
+            detok = self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
+            seq = _Sequence(group, i, req, detok,
                             logprobs=[] if params.logprobs is not None else None)
             group.sequences.append(seq)
         added = []
@@ -194,7 +195,8 @@ class LLMEngine:
         if seq is None or seq.index != 0 or seq.group.prompt_logprobs is None:
             return None
         prompt = seq.group.prompt_token_ids
-        if len(seq.group.prompt_logprobs) >= len(prompt) or chunk.start + chunk.num_tokens < len(seq.group.prompt_logprobs):
+        scored = len(seq.group.prompt_logprobs)
+        if scored >= len(prompt) or chunk.start + chunk.num_tokens < scored:
             return None
         return [prompt[q + 1] if q + 1 < len(prompt) else -1
                 for q in range(chunk.start, chunk.start + chunk.num_tokens)]
@@ -262,7 +264,8 @@ class LLMEngine:
                 if stop.text is not None:
                     seq.text = stop.text
                 seq.stop_reason = stop.stop_reason
-                status = RequestStatus.FINISHED_STOPPED if stop.finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
+                status = (RequestStatus.FINISHED_STOPPED if stop.finish_reason == "stop"
+                          else RequestStatus.FINISHED_LENGTH)
                 self.scheduler.finish_request(req.request_id, status)
         else:
             seq.text += delta

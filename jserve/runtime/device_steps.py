@@ -44,7 +44,8 @@ def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sa
     return sample_rows(final, sampling, history), prompt, kv
 
 
-def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps, stop_ids, min_new, sampling, history):
+def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps,
+                 stop_ids, min_new, sampling, history):
     """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
     early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
     padded row: no query, its K/V write into the null page."""

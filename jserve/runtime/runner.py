@@ -3,7 +3,8 @@
 A step takes `StepRow`s (`jserve.runtime.steps`): decode rows (one token) go to the decode step (batch
 bucket), longer chunks to the prefill step (rows x token buckets); the page table has a fixed
 width. Each step runs the model's forward (its backend's operations, `jserve.runtime.backends`) in one
-jit with the pages donated, then the sampler, a jit of its own; a `StepOutput` comes back. With `decode_steps` K > 1, `execute_decode_steps` runs up to K
+jit with the pages donated, then the sampler, a jit of its own; a `StepOutput` comes back. With
+`decode_steps` K > 1, `execute_decode_steps` runs up to K
 decode steps in one call (multi-step decode): a device loop feeds each row's sampled token back
 and stops a row at its stop ids or its step count. Shapes come from `buckets.py`; compilations
 are counted so that a server can prove none happens after warm-up. Over a mesh, rows of

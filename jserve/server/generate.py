@@ -108,7 +108,8 @@ def _timing_headers(usage: dict, request_id: str) -> dict[str, str]:
             "x-jserve-prefill-ms": str(usage["prefill_ms"]), "x-jserve-decode-ms": str(usage["decode_ms"])}
 
 
-async def run_generation(request: web.Request, state: "ServerState", req: protocol.GenerateRequest) -> web.StreamResponse:
+async def run_generation(request: web.Request, state: "ServerState",
+                         req: protocol.GenerateRequest) -> web.StreamResponse:
     request_id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     rids = [f"{request_id}-{i}" for i in range(len(req.prompts))]
     n = req.params.n

@@ -5,7 +5,8 @@ The library is compiled with the machine's C++ compiler (`$CXX`, else `g++`) aga
 headers that ship with jaxlib, with `-march=native` (or `-march=$JSERVE_NATIVE_ARCH`: e.g.
 `x86-64-v3` builds the AVX2 kernels on an AVX-512 machine), and cached under `$JSERVE_KERNEL_CACHE`
 (default `~/.cache/jserve/kernels`), keyed on the source, the headers it may include
-(`pallas_kernels/*.h`), the jaxlib version, the flags and the CPU's flags. Without a compiler, or if the build fails, `available()` is False and says why once
+(`pallas_kernels/native/*.h`), the jaxlib version, the flags and the CPU's flags. Without a
+compiler, or if the build fails, `available()` is False and says why once
 in the log; every caller keeps a pure-XLA path for that case.
 """
 
