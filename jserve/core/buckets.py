@@ -6,12 +6,12 @@ import bisect
 from typing import Sequence
 
 # Batch 1 has its own bucket: one row's matmuls are matrix-vector products, which XLA:CPU runs
-# near memory bandwidth (SmolLM2 decode at 256 context: 35 ms at batch 1 vs 51 ms for one row
-# padded to 2; scripts/bench_decode_step.py --batch 1 2). DESIGN.md §6 saw a one-row scatter copy
-# the whole cache; the paged step's HLO still has a copy of each layer's pool, but it is done in
-# place (the pages are donated): batch-1 step time did not grow with a 6x larger pool (31 ms).
-# The runner drops it without the native CPU kernel (the Pallas interpret kernel took 1.5 s at
-# batch 1), and the dense-cache runner keeps 2 as its smallest (DESIGN.md §6).
+# near memory bandwidth, so a row of its own beats one row padded to 2 (docs/performance.md).
+# With a dense cache a one-row scatter became cache-sized copies (batch 1 decode slower than
+# batch 2); the paged step's HLO still has a copy of each layer's pool, but it is done in place
+# (the pages are donated), so batch-1 step time does not grow with the pool. The native CPU
+# backend drops batch 1 without its native attention kernel (`batch_buckets`: the Pallas
+# interpret kernel is far slower there), and a dense cache keeps 2 as its smallest.
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DENSE_BATCH_BUCKETS = DEFAULT_BATCH_BUCKETS[1:]
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)

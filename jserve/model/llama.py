@@ -77,8 +77,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def rotary_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos and sin [batch, tokens, 1, head_dim] for `apply_rotary`, once per step for all layers.
 
-    (Computed inside every layer, XLA:CPU evaluated 60 sin/cos tables per SmolLM2 decode step:
-    1.4 % of the step's CPU time in libm's sincosf.)
+    (Computed inside every layer, XLA:CPU evaluated a sin and a cos table per layer and decode
+    step, in libm's sincosf; docs/performance.md.)
     """
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, head_dim/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
@@ -212,7 +212,7 @@ def xla_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
     """Float32 logits [rows, vocab] = x [rows, hidden] @ embed [vocab, hidden].T, as an XLA dot.
 
     Written E @ x.T, not x @ E.T: at one row XLA:CPU runs the former as a matrix-vector product
-    over E's contiguous rows and the latter as a transposing copy fused with the dot (3x slower,
+    over E's contiguous rows and the latter as a transposing copy fused with the dot (much slower,
     docs/performance.md); from two rows on both become the same dot.
     """
     flat = jax.lax.dot_general(embed, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

@@ -2,12 +2,9 @@
 
 Why: the decode step streams every weight and, worse, reads K/V in page-sized chunks scattered
 over the pool. With 4 KiB memory pages every chunk needs its own TLB entry and the hardware
-prefetcher stops at each 4 KiB boundary. Measured on the 2-core development machine (a plain
-two-thread read, `docs/performance.md`): random 4 KiB chunks 9.3 -> 17.3 GB/s with huge pages,
-16 KiB chunks 20.4 -> 22.8, a contiguous buffer 18.3 -> 21.5. The whole SmolLM2 decode step at
-16 rows, pages scattered (`scripts/bench_page_layout.py`, runners interleaved in one process):
-365 cached tokens 59.4 -> 56.9 ms with 64-token pages (70.4 -> 61.8 with 16), 1000 cached tokens
-95.1 -> 91.0 (117.1 -> 105.7).
+prefetcher stops at each 4 KiB boundary. Huge pages raise the read bandwidth of random 4 KiB
+chunks most, of larger chunks and of contiguous buffers less, and shorten the decode step with
+its pages scattered over the pool, more so with small KV pages (`docs/performance.md`).
 
 How: `madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned range around each buffer, then
 `MADV_COLLAPSE` (Linux 6.1+), which rebuilds the pages already there as huge pages at once
@@ -16,8 +13,8 @@ fail (another OS, an older kernel, huge pages off, no free 2 MiB of physical mem
 stays as it was. XLA keeps a donated buffer's address from step to step (the KV pages are updated
 in place), so the advice outlives the steps.
 
-Collapsing copies every page: ~250 MB/s here (SmolLM2's weights and the default 512 MiB pool,
-1.3 GB: ~5 s), so the runner does it on a background thread (`Advice`), beside the
+Collapsing copies every page, slowly (seconds for SmolLM2's weights and the default 512 MiB
+pool; `docs/performance.md`), so the runner does it on a background thread (`Advice`), beside the
 warm-up's compilations; the kernel keeps the pages consistent while steps use them (khugepaged
 collapses live processes' memory the same way). `JSERVE_HUGE_PAGES=0` turns it off.
 """

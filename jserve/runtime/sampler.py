@@ -111,11 +111,8 @@ def argmax(x: jax.Array, chunk: int = 512) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` (the first maximum), from the maxima of `chunk`-wide pieces: the
     piece's max, the first piece holding the row's max, then the first index of it in that piece.
     XLA:CPU runs argmax's (value, index) reduction element by element, and a max then a min over
-    all the indices writes and rereads an int32 copy of x: [16, 49152] float32 logits, standalone
-    (jitted, medians, 2-core Xeon): jnp.argmax 2.1 ms, max + min 0.74 ms, this 0.42 ms (0.06 of
-    which any call costs). In the SmolLM2 decode step at 16 rows (jax.profiler, XLA's ops outside
-    the native calls), with `sample` no longer passing the logits through a conditional: the
-    sampler's ops 1.66 -> ~0.6-0.9 ms. A row of NaNs gives some index in range."""
+    all the indices writes and rereads an int32 copy of x; this is faster than both on a decode
+    step's logits (docs/performance.md). A row of NaNs gives some index in range."""
     V = x.shape[-1]
     n = -(-V // chunk)
     if n == 1:
@@ -188,7 +185,7 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
         needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
         filtered = jax.lax.cond(needs_filter, _filtered_logits, lambda l, *_: l, scaled, top_k, top_p, min_p)
         # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
-        # (*measured* 33 ms for 16 x 49152 threefry draws on the dev CPU, more than the model step).
+        # (those draws cost more than the whole model step on a CPU; docs/performance.md).
         probs = jax.nn.softmax(filtered, axis=-1)
         cdf = jnp.cumsum(probs, axis=-1)
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
@@ -205,7 +202,7 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
     else:
         # Only steps that carry a penalised row pay for the [batch, vocab] counts. The tokens, not
         # the penalised logits, leave the conditional: a [batch, vocab] result would be copied out
-        # of it (0.27 ms of a SmolLM2 decode step at 16 rows, *measured*).
+        # of it on every step.
         has_penalty = jnp.any((repetition != 1.0) | (presence != 0.0) | (frequency != 0.0))
 
         def penalised(l):

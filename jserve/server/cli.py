@@ -155,12 +155,12 @@ def freeze_startup_heap() -> int:
     """Collect, then move every object alive now (JAX, Flax, the loaded engine) into the garbage
     collector's permanent generation; returns how many.
 
-    Why: a loaded SmolLM2 engine leaves ~670k tracked objects, and a full collection walks all of
-    them: 320-370 ms (*measured*, 2-core development machine), with the GIL held, so every stream
-    stalls that long whenever enough survivors pile up to trigger one. Frozen, they are never
-    walked again (0.0 ms); what the server allocates later is collected as usual. vLLM freezes its
-    startup heap the same way. Only for a long-lived process: cyclic garbage among frozen objects
-    is never reclaimed."""
+    Why: a loaded SmolLM2 engine leaves hundreds of thousands of tracked objects, and a full
+    collection walks all of them, for hundreds of milliseconds, with the GIL held, so every stream
+    stalls that long whenever enough survivors pile up to trigger one (docs/performance.md).
+    Frozen, they are never walked again; what the server allocates later is collected as usual.
+    vLLM freezes its startup heap the same way. Only for a long-lived process: cyclic garbage
+    among frozen objects is never reclaimed."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -1,11 +1,11 @@
 """Tokenization and chat-template rendering off the event loop, in a worker process.
 
 Why a process: the `tokenizers` library holds the GIL while it encodes, so a thread does not
-help (*measured*: a 3.6 MB prompt took 2.1 s to encode and stalled the event loop 3.0 s from a
-worker thread). Large inputs (over `INLINE_BYTES` of body) go to one spawned process holding its
-own copy of the tokenizer; small ones, nearly all requests, run inline (well under a
-millisecond). At most `max_jobs` large jobs are queued or running; past that, 429. A dead worker
-is replaced and the request answered 503 with `Retry-After`.
+help: a prompt of some megabytes takes seconds to encode, and from a worker thread it stalls the
+event loop as long (docs/performance.md). Large inputs (over `INLINE_BYTES` of body) go to one
+spawned process holding its own copy of the tokenizer; small ones, nearly all requests, run
+inline (well under a millisecond). At most `max_jobs` large jobs are queued or running; past
+that, 429. A dead worker is replaced and the request answered 503 with `Retry-After`.
 
 Before any of that, `check_text_size` rejects text that cannot fit: every token covers at most
 `max_token_bytes` bytes, so text longer than twice `max_input_tokens * max_token_bytes` bytes is

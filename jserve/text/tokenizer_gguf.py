@@ -90,7 +90,7 @@ def read_gguf_metadata(path_or_reader: Any, prefix: str = "tokenizer.") -> dict[
 
 
 def _read_metadata_fast(path: Path, prefix: str) -> dict[str, Any]:
-    # gguf.GGUFReader slices a memmap once per string (~10 s for a 49k vocabulary); the header
+    # gguf.GGUFReader slices a memmap once per string (seconds for a large vocabulary); the header
     # holds plain length-prefixed records, so parse it directly.
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         magic, version = struct.unpack_from("<4sI", buf, 0)

@@ -1,8 +1,9 @@
 // Decode attention over the paged KV cache, shared by the native CPU attention kernel
-// (native/paged_attention.cc) and the fused decoder layer (decoder_layer/decoder_layer.cc): the
+// (paged_attention.cc) and the fused decoder layer (decoder_layer.cc): the
 // page layout, the 8-wide vector helpers, and DecodeWork, one token per row against its pages.
 //
-// Layouts (DESIGN §4):
+// Layouts (the contract of all the paged-attention kernels, pallas_kernels/paged_attention/ops.py;
+// a page id outside the pool reads page 0, the null page):
 //   q        f32 [batch, num_kv_heads, groups, head_dim]: the row's query heads k * groups + g
 //   k_pages  f32|bf16 [num_kv_heads, num_pages, page_size, head_dim]; v_pages alike
 //   q_start  s32 [batch]: the row's position (its key is already in the pages)
@@ -60,10 +61,8 @@ constexpr int64_t kKeyBlock = 64;
 
 #if defined(__AVX512F__)
 // 16-wide vectors for the AVX-512 build's scores and V accumulation (JSERVE_V16): half the
-// multiply-adds of the 8-wide loops. 30 layers of decode attention, 16 rows x 384 cached tokens,
-// two threads (a /tmp harness, interleaved, medians of 9, GB/s): pages scattered 21.5 -> 21.7
-// and 22.7 -> 23.2, contiguous 23.4 -> 24.1 and 23.1 -> 24.1; one thread over L2-resident K/V
-// 28.4 -> 32.1 (2-core Xeon).
+// multiply-adds of the 8-wide loops: a little faster from memory, clearly over L2-resident K/V
+// (docs/performance.md).
 // Not in the AVX2 build: twice the registers would spill.
 #define JSERVE_V16 1
 typedef float v16 __attribute__((vector_size(64)));
@@ -100,9 +99,9 @@ inline void AccumulateDims(const float* pt, int64_t js, int64_t rs, const float*
   for (int64_t j = 0; j < n; ++j) {
     // NR broadcasts, then each V vector loaded once for all NR rows: 12 accumulators + 3
     // broadcasts + 1 V vector = the 16 ymm registers at NR = 3 (v8). Row by row, GCC kept 4 V
-    // vectors live and spilled an accumulator, a store-to-load chain through every key: one
-    // thread's decode over L2-resident K/V took 4020 cycles per 64-key block that way, 3580
-    // now (*measured*, a /tmp harness; from DRAM both run at the memory's pace).
+    // vectors live and spilled an accumulator, a store-to-load chain through every key that
+    // slowed decode over L2-resident K/V (from DRAM both run at the memory's pace;
+    // docs/performance.md).
     const float* vj = vrow[j] + dc;
     VT p[NR];
     for (int i = 0; i < NR; ++i) p[i] = SplatV<VT>(pt[j * js + (r + i) * rs]);
@@ -141,9 +140,9 @@ typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 // dst[0..D) = the bfloat16 row src widened to float32, 8 at a time (a zero-extension and a
-// shift: vpmovzxwd + vpslld with AVX2). GCC left the element-by-element loop scalar: one thread's
-// decode over bfloat16 K/V took 13040 cycles per 64-key block from L2 and 18280 from DRAM that
-// way, 6190 and 7810 now (float32 pages: 3580 and ~9700; *measured*, a /tmp harness).
+// shift: vpmovzxwd + vpslld with AVX2). GCC left the element-by-element loop scalar, and decode
+// over bfloat16 K/V took more than twice as long that way, from L2 and from DRAM
+// (docs/performance.md).
 inline void WidenRow(const uint16_t* src, float* dst, int64_t D) {
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
@@ -158,9 +157,8 @@ inline void WidenRow(const uint16_t* src, float* dst, int64_t D) {
 // Pointers to the K and V rows of keys j0 .. j0 + n - 1 (n <= kKeyBlock) of one KV head: into
 // the pages for f32, widened into `wide` (2 * kKeyBlock rows of D) for bf16. A page id outside
 // the pool reads page 0. Page by page: one division per call. A division per key (key / P with
-// P known only at run time: a 64-bit idiv) was ~1/5 of the time of one thread's decode over
-// L2-resident float32 K/V: 24.4 -> 30.6 GB/s without it; from memory, 16 rows x 384 cached on
-// two threads, 19.7 -> 20.7 (a /tmp harness, interleaved, 2-core Xeon).
+// P known only at run time: a 64-bit idiv) took a large share of decode over L2-resident K/V,
+// and a smaller one from memory (docs/performance.md).
 template <typename T>
 inline void GatherRows(const T* k_head, const T* v_head, const int32_t* table, int64_t num_pages,
                        int64_t P, int64_t D, int64_t j0, int64_t n, float* wide,
@@ -210,10 +208,8 @@ inline __attribute__((always_inline)) void SumLanes4(const v8* a, float* out) {
 
 // p[g][j + i] = q_g . krow[j + i] for 4 keys and NG (<= 3) heads: each K vector loaded once for
 // all the heads (12 accumulators + 3 queries + 1 K vector = the 16 ymm registers). One head x 8
-// keys at a time, with K reloaded per head, took ~10 % longer: one thread's decode over
-// L2-resident K/V, 3540-4200 -> 3220-3260 cycles per 64-key block in two interleaved runs (a
-// /tmp harness); 30 layers of SmolLM2 decode attention at 16 rows on both threads, 384 / 1024
-// cached tokens: 17.1 -> 16.6 ms contiguous, 19.5 -> 19.2 and 52.3 -> 50.9 ms scattered (*measured*).
+// keys at a time, with K reloaded per head, was slower, over L2-resident K/V and from memory
+// alike (docs/performance.md).
 template <int NG, int HD>
 inline void Dots4(const float* const* krow, const float* q, int64_t head_dim, float* p, int64_t j) {
   const int64_t D = HD > 0 ? HD : head_dim;
@@ -272,16 +268,11 @@ KeyBlockLines KeyBlockAt(const Shape& s, int64_t kv_head, const int32_t* table, 
 
 // Prefetches the block that comes next (the next 64 keys, or after a task's last block the next
 // task's first: with ParallelFor's contiguous shares usually this thread's next task) into L2,
-// in equal shares over the steps of this block's scores. On a 2-core Zen 3 no prefetch variant
-// changed decode attention beyond the noise (one thread, docs/performance.md: the next block at
-// once into L1 or L2, two blocks ahead, spread over the scores); on a 2-core Xeon (AVX-512, ~100
-// ns to memory) the SmolLM2 decode step at 16 rows x 384 cached tokens went from 62.3 to
-// 58.7-59.3 ms with the next block of the same task (into L2 / L1; --breakdown: attention 18.6 ->
-// 16.5 / 16.9 ms), interleaved. With the pages scattered over the pool, as the engine leaves
-// them (bench_page_layout.py, interleaved, 15-21 rounds, ms): no prefetch 70.4 / 107.5 at 384 /
-// 1024 cached, the next block 64.3 / 91.2 and 60.4 / 90.5, also the next task's first block
-// 62.0 / 88.7 and 59.7 / 87.9 (two blocks ahead as well: 59.3 / 87.3, not kept); 4 rows x 384
-// 32.7 -> 32.3. On contiguous pages the next task's block made no difference.
+// in equal shares over the steps of this block's scores. Where memory is far, prefetching the
+// next block shortens decode attention, most with the pages scattered over the pool as the engine
+// leaves them; on some machines no prefetch variant changed it beyond the noise. The next task's
+// first block helps on scattered pages only (on contiguous ones it made no difference); two
+// blocks ahead as well was tried and not kept (docs/performance.md).
 struct Prefetcher {
   Prefetcher(KeyBlockLines block, int64_t steps)
       : b(block), per_step((block.lines + steps - 1) / std::max<int64_t>(steps, 1)) {}

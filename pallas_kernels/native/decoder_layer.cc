@@ -6,12 +6,12 @@
 // what jserve.model.llama computes for a layer without biases or q/k norms, in float32 (weights
 // float32 or bfloat16, pages float32 or bfloat16).
 //
-// Why: run as XLA ops, a SmolLM2 decode step at 16 rows spent ~6 ms outside its matmuls,
-// attention and head (~18 small fusions per layer, each a pass of XLA's thunk executor) and ~4
-// ms between the native calls (each wakes a helper thread of XLA's pool anew). Here the caller
-// and the pool's helpers run all the layers' phases as one Team (parallel_for.h): the helpers are
-// woken once per step and wait between phases spinning. One call per layer (30 calls) left ~22
-// us between calls and ~25 us of waking per layer (*measured*, 2-core Xeon).
+// Why: run as XLA ops, a decode step spent a large part of its time outside its matmuls,
+// attention and head (~18 small fusions per layer, each a pass of XLA's thunk executor) and
+// between the native calls (each wakes a helper thread of XLA's pool anew). Here the caller and
+// the pool's helpers run all the layers' phases as one Team (parallel_for.h): the helpers are
+// woken once per step and wait between phases spinning. One call per layer still paid a gap
+// between calls and a wake-up per layer (docs/performance.md).
 //
 // Arguments: x f32 [M, D] (the rows' hidden states), cos and sin f32 [M, head_dim] (the rotary
 // tables at each row's position, llama.rotary_tables), slots s32 [M] (page * page_size + offset
@@ -214,7 +214,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
       };
       if (work.merges() == 0) {
         // One task per (row, KV head), which reads no other's K/V: written, then attended, in
-        // one phase (SmolLM2 at 16 rows x 384 cached: a separate phase took ~25 us a layer).
+        // one phase (a separate phase cost measurable time per layer; docs/performance.md).
         t.For(work.tasks(), [&](int64_t i) {
           rotate_and_write(i / KVH, i % KVH);
           work.Task(i);

@@ -1,5 +1,5 @@
-// The packed matmul's kernels, shared by the native CPU matmul (matmul/matmul.cc) and the
-// fused decoder layer (decoder_layer/decoder_layer.cc): weights packed once as [N / kPanel, K, kPanel]
+// The packed matmul's kernels, shared by the native CPU matmul (matmul.cc) and the
+// fused decoder layer (decoder_layer.cc): weights packed once as [N / kPanel, K, kPanel]
 // column panels, and PackedPanel, all M rows of x against one panel.
 #ifndef JSERVE_PACKED_MATMUL_H_
 #define JSERVE_PACKED_MATMUL_H_
@@ -15,8 +15,9 @@
 
 namespace jserve_native {
 
-// Why: at the decode step's few rows XLA:CPU's dots run the layer matmuls at 40-80 GFLOP/s, as
-// libraries pack the weight panel on every call; here the weights are packed once, at load.
+// Why: at the decode step's few rows XLA:CPU's dots run the layer matmuls far below the machine's
+// FLOP rate, as libraries pack the weight panel on every call; here the weights are packed once,
+// at load.
 // Layout: panel p holds columns kPanel*p .. kPanel*(p+1)-1 of w [K, N] as [K][kPanel] (N padded
 // with zero columns to a multiple of kPanel; out has the padded width). kPanel is 3 vectors: 24
 // columns with AVX2, 48 with AVX-512 (the build's -march=native picks; `JserveMatmulPanel()`
@@ -26,14 +27,10 @@ namespace jserve_native {
 // Loop order per task (a run of panels): for each panel, for each block of kKc rows of W, for
 // each kMR-row block of x: micro-kernel. The [kKc, kPanel] block of W is read from memory once and
 // re-read from L1 by the other row blocks; the rows kPrefetch ahead are software-prefetched into
-// L2, the prefetches spread over the row blocks. Into L2 (T1) rather than L1 (T0): the same on a
-// 2-core Zen 3 (AVX2: 34.9 vs 34.8 ms), faster on a 2-core Xeon (AVX-512, where 128 rows ahead
-// are 24 KB of the 48 KB L1; 30 layers + head, interleaved, contiguous shares, ms: M=1 22.7 ->
-// 20.9, 4 27.1 -> 23.1, 8 30.1 -> 26.0, 16 31.3 -> 30.2, 64 70.0 -> 69.0). Tuned with AVX2 on
-// a 2-core Zen 3 (a helper session's prototype, /tmp/gemm, measured against XLA's dots;
-// docs/performance.md). There, at M = 512 it is ~10 % slower than XLA's YNNPACK dot, at M <= 64
-// faster (30-layer chain, ms, packed / YNNPACK / Eigen: M=1 16.7 / 19.8 / 19.3, 8 17.4 / 39.9 /
-// 29.0, 16 31.3 / 54.8 / 35.5, 64 110 / 126 / 124, 512 823 / 712 / 759).
+// L2, the prefetches spread over the row blocks. Into L2 (T1) rather than L1 (T0): the same with
+// AVX2, faster with AVX-512, where 128 rows ahead are 24 KB of a 48 KB L1. Tuned with AVX2 against
+// XLA's dots: faster than them at M <= 64, the decode step's rows, slower than XLA's YNNPACK dot
+// at M = 512 (docs/performance.md).
 
 #if defined(__AVX512F__)
 // 16 float lanes: a panel is 48 columns (3 zmm) and the micro-kernel takes up to 8 rows: 24
@@ -88,11 +85,9 @@ constexpr int64_t kLine = 16;        // floats per cache line
 // o[MR, kPanel] (+)= x[MR, kl] @ w[kl, kPanel] (w: a block of a packed panel, rows kPanel values
 // apart; x rows ldx apart, o rows ldo apart). Each k also prefetches into L2 the cache lines
 // that begin in the next `share` floats at pf + k * share and before: each line once, at most
-// three per k (share <= 48 floats), without an inner loop. Before, each k ran a loop of one
-// prefetch per 16 floats plus one for the share's last float (at 16 rows, 3 prefetches for a
-// share of 1.5 lines). This way, PackedPanel over 60 [576, 1536] float32 weights on two threads
-// (a /tmp harness, interleaved, medians of 9, GB/s): M=1 28.4 -> 31.1, 8 24.8 -> 27.3, 16
-// 21.1 -> 23.3, 32 14.7 -> 15.5 (2-core Xeon, AVX-512; the AVX2 build at 16 rows 16.2 -> 17.2).
+// three per k (share <= 48 floats), without an inner loop. A loop per k of one prefetch per 16
+// floats plus one for the share's last float (at 16 rows, 3 prefetches for a share of 1.5 lines)
+// streamed the weights more slowly at every row count (docs/performance.md).
 template <int MR, typename T = float>
 inline __attribute__((always_inline)) void Kernel(int64_t kl, const float* __restrict x,
                                                   int64_t ldx, const T* __restrict w,
@@ -163,7 +158,7 @@ inline void RowBlocks(int64_t M, int64_t K, int64_t kl, const float* x, const T*
     const float* p = pf + (m / kMR) * kl * share;
     Kernel<kMR, T>(kl, x + m * K, K, w, o + m * ldo, ldo, accumulate, p, share);
   }
-  if (m < M) {  // a separate tail keeps the main loop's kernel alone (~15 % faster at M = 16)
+  if (m < M) {  // a separate tail keeps the main loop's kernel alone (faster at M = 16)
     TailKernel<kMR - 1, T>(static_cast<int>(M - m), kl, x + m * K, K, w, o + m * ldo, ldo,
                            accumulate, pf + (m / kMR) * kl * share, share);
   }
@@ -174,13 +169,9 @@ inline void RowBlocks(int64_t M, int64_t K, int64_t kl, const float* x, const T*
 // start of the next panel, which comes next; prefetches never fault). A bfloat16 panel is
 // prefetched as its bfloat16 rows (half the bytes) and widened (one shift per vector): by the
 // kernel as it loads each weight, or, from kBufferRows rows of x on, once per [kl, kPanel] block
-// into a float32 buffer that the row blocks then read from L1. AVX2, SmolLM2's 30 layers + head,
-// bfloat16, ms, in the kernel vs a buffer, interleaved (uncommitted harnesses): M=1 13.6 vs 17.2,
-// 4 12.5-13.9 vs 15.5-18.1, 8 23.9-25.6 vs 23.5-26.5, 16 37.7-48.9 vs 35.6-43.1, 64 174.5 vs
-// 141.8 (float32 133.9-143.7). The SmolLM2 step (bench_decode_step.py --dtype float32 bfloat16),
-// ms, float32 vs bfloat16, one run with the widening in the kernel only, one with the buffer from
-// 16 rows: a 512-token prefill chunk 1082 vs 1454, then 1090 vs 1100; decode at 16 rows x 384
-// cached 54.6 vs 65.2, then 57.8 vs 61.0.
+// into a float32 buffer that the row blocks then read from L1. Widening in the kernel is faster
+// at a few rows, the buffer from kBufferRows on; with the buffer a bfloat16 prefill chunk runs
+// about as fast as float32, without it much slower (docs/performance.md).
 constexpr int64_t kBufferRows = 16;
 
 template <typename T>

@@ -1,21 +1,20 @@
 // Native CPU paged attention (decode, chunked prefill), called from JAX as an XLA FFI custom call.
 //
 // Why: in Pallas interpret mode every op of the kernel becomes an XLA:CPU op; the page gathers,
-// small batched dots and reductions ran at 5-10 GB/s and dominated the decode step at realistic
-// contexts. This kernel reads each live K/V row once, straight from the pool, with an online
-// softmax, and splits (row, KV head) pairs over XLA's intra-op thread pool: decode (DecodeWork in
-// decode_attention.h, rows with long contexts split further), prefill chunks in tiles
-// (AttendTile), other head sizes one token at a time (AttendOne).
+// small batched dots and reductions ran far below memory bandwidth and dominated the decode
+// step at realistic contexts. This kernel reads each live K/V row once, straight from the pool,
+// with an online softmax, and splits (row, KV head) pairs over XLA's intra-op thread pool: decode
+// (DecodeWork in decode_attention.h, rows with long contexts split further), prefill chunks in
+// tiles (AttendTile), other head sizes one token at a time (AttendOne).
 //
 // Decode reads K/V from wherever the page table points, so it runs at the machine's bandwidth
-// for scattered chunks of page_size * head_dim floats, not its streaming bandwidth: 16 rows x
-// 365 cached tokens x 30 layers, pages scattered over a pool twice the size, ~10 GB/s with
-// 4 KB pages (16 tokens), ~13 GB/s with 16 KB pages (64 tokens); a plain read of random 4 KB
-// chunks reaches 9-13 GB/s on this machine, of 16 KB chunks 20 GB/s, of a contiguous buffer
-// 18-23 GB/s. Hence the CPU engine's page size of 64 (kv_cache.default_page_size) and huge
-// pages under the pool (jserve/huge_pages.py).
+// for scattered chunks of page_size * head_dim floats, not its streaming bandwidth, and scattered
+// chunks read faster the larger they are (docs/performance.md). Hence the CPU engine's page size
+// of 64 (NativeCpuBackend.default_page_size, jserve/runtime/backends/native_cpu.py) and huge
+// pages under the pool (jserve/runtime/huge_pages.py).
 //
-// Layouts (DESIGN §4; the same contract as the Pallas kernels):
+// Layouts (the same contract as the Pallas kernels, pallas_kernels/paged_attention/ops.py; padded
+// page-table slots point to page 0, the null page):
 //   q        f32 [batch, num_kv_heads, tokens * groups, head_dim]   queries packed per KV head:
 //            row r is token r / groups of the row's chunk, query head k * groups + r % groups
 //   k_pages  f32|bf16 [num_kv_heads, num_pages, page_size, head_dim]

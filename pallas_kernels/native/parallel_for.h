@@ -7,13 +7,12 @@
 // memory stream and its prefetches run on from one task into the next (with a shared counter two
 // threads took alternate tasks and every task started cold); a helper that starts late loses
 // its tail to the others. The caller is usually not a pool thread (XLA runs the custom call on
-// the thread that launched the step), so pool.num_threads() runners keep one per core: *measured*
-// 5-17 % faster than one helper per pool thread for the packed matmul on a 2-core Zen 3 (and, for
-// decode attention, 16 rows x 365 cached: 16.8 vs 13.5 ms). Contiguous shares instead of a shared
-// counter, SmolLM2's 30 layer matmuls + head (a /tmp chain, 2-core Xeon with AVX-512,
-// interleaved, ms): M=1 23.5 -> 22.7, 8 31.1 -> 30.1, 16 33.2 -> 31.3, 64 75.0 -> 70.0. For decode
-// attention the same within the noise on contiguous pages; on scattered pages it lets a task
-// prefetch the next task's first block (paged_attention.cc, Prefetcher).
+// the thread that launched the step), so pool.num_threads() runners keep one per core: faster
+// than one helper per pool thread for the packed matmul. Contiguous shares instead of a shared
+// counter made the layer matmuls faster at every row count measured; for decode attention they
+// are the same within the noise on contiguous pages, and on scattered pages they let a task
+// prefetch the next task's first block (decode_attention.h, Prefetcher). The measurements are in
+// docs/performance.md.
 #ifndef JSERVE_PARALLEL_FOR_H_
 #define JSERVE_PARALLEL_FOR_H_
 

@@ -8,10 +8,9 @@ kernels do few, large steps over live pages only, and see the whole page pool as
 - Decode (one token per row, `_decode_kernel`, `grid=()`): a work list of (row, key block)
   items covering only the live blocks of all rows; each loop step gathers the pages of about
   one block per row (all KV heads, one row gather) and computes a partial softmax per item;
-  a flash-decoding combine merges each row's items at the end. Measured (scripts/
-  bench_kernels.py; SmolLM2 shapes, batch 16) 1.3-2x faster than the former one-grid-step-per-
-  row kernel and faster than a jnp gather of exactly the live pages, let alone of the page
-  table the engine passes (max_model_len / page_size slots per row).
+  a flash-decoding combine merges each row's items at the end. It is faster than a kernel of
+  one grid step per row and than a jnp gather of exactly the live pages, let alone of the page
+  table the engine passes (max_model_len / page_size slots per row; docs/performance.md).
 - Chunked prefill (`_kernel`, `grid=(batch,)`): one grid step per batch row, a `fori_loop`
   over the row's live pages `pages_per_block` at a time, online softmax in float32; here each
   step is a real matmul (tokens x groups query rows), so per-row steps are cheap enough.

@@ -195,10 +195,10 @@ def smem_bytes(head_dim: int, block_len: int, stages: int, width: int, itemsize:
 def default_splits(ctas: int, max_blocks: int, smem: int) -> int:
     """Key splits: the most that keep the grid within one wave of resident CUDA blocks.
 
-    Measured on an H200 (docs/performance.md, seventh session): decode at batch 1-32, 2k
-    context, was fastest when `ctas * splits` came closest to, without passing, the blocks
-    the multiprocessors hold at once (two per SM at 80 KiB of shared memory, head_dim 128;
-    a second, partial wave cost 15-25%). Each split keeps at least two key blocks.
+    On an H200, decode was fastest when `ctas * splits` came closest to, without passing, the
+    blocks the multiprocessors hold at once (two per SM at 80 KiB of shared memory, head_dim
+    128): a second, partial wave costs more than the extra splits gain (docs/performance.md,
+    "Paged attention on an NVIDIA H200"). Each split keeps at least two key blocks.
     """
     cores = getattr(jax.devices()[0], "core_count", None) or 132
     per_core = max(1, min(4, _SMEM_PER_CORE // (smem + 1024)))  # 1 KiB reserved per block
@@ -228,11 +228,11 @@ def paged_attention_rows(
     dtype (q is cast to it).
 
     `pages_per_block * page_size` keys per pipeline stage must be a multiple of 64 (wgmma's
-    K for the P.V product); `stages` blocks are in flight per CUDA block (2 measured fastest
-    on an H200: at 80 KiB of shared memory per block, two blocks share a multiprocessor).
-    `splits` divides each row's keys among that many CUDA blocks, merged afterwards
-    (flash-decoding; default `default_splits`: only when batch x KV heads is too small to
-    fill the GPU). Raises ValueError when the blocks do not fit in shared memory.
+    K for the P.V product); `stages` blocks are in flight per CUDA block (2 is the fastest
+    on an H200, docs/performance.md: at 80 KiB of shared memory per block, two blocks share a
+    multiprocessor). `splits` divides each row's keys among that many CUDA blocks, merged
+    afterwards (flash-decoding; default `default_splits`: only when batch x KV heads is too small
+    to fill the GPU). Raises ValueError when the blocks do not fit in shared memory.
     """
     batch, num_kv_heads, rows, head_dim = q.shape
     _, _, page_size, _ = k_pages.shape

@@ -1,11 +1,15 @@
 """Public paged-attention entry points: validate, pack queries as rows, dispatch on `backend`.
 
-Backends: "cpu" (the native kernel of `native.py`, decode and prefill chunks of any length,
-when it builds; without a compiler, or past `native.MAX_GROUPS` query heads per KV head, Pallas
-interpret mode, coarse grid), "cpu_pallas" (Pallas interpret mode always), "tpu" (Mosaic TPU
-kernel), "gpu" (Mosaic GPU kernel for Hopper, `gpu.py`, with bfloat16/float16 K/V, head_dim a
-multiple of 64 and page_size a multiple of 8; anything else runs the reference's XLA path,
-which gathers every slot of the page table) and "reference". All backends share one layout contract (DESIGN §4).
+Backends: "cpu" (the native kernel, `pallas_kernels.native.paged_attention`, decode
+and prefill chunks of any length, when it builds; without a compiler, or past `native.MAX_GROUPS`
+query heads per KV head, Pallas interpret mode, coarse grid), "cpu_pallas" (Pallas interpret mode
+always), "tpu" (Mosaic TPU kernel), "gpu" (Mosaic GPU kernel for Hopper, `gpu.py`, with
+bfloat16/float16 K/V, head_dim a multiple of 64 and page_size a multiple of 8; anything else runs
+the reference's XLA path, which gathers every slot of the page table) and "reference".
+
+All backends share one layout contract: K/V pages [num_kv_heads, num_pages, page_size, head_dim]
+per layer; page tables int32[batch, max_pages_per_seq] whose padded slots point to page 0, the
+null page (never -1: JAX gathers wrap negative indices); lengths int32[batch], 0 for a padded row.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pallas_kernels.paged_attention.common import pack_rows, unpack_rows
 
 BACKENDS = ("cpu", "cpu_pallas", "tpu", "gpu", "reference")
 # Keys per compute block: 128 fills a TPU lane row, and on CPU 64-256 keys ran within noise
-# of each other (batch 16, 3 or 8 KV heads, contexts 256-2048), 128 most often the fastest.
+# of each other, 128 most often the fastest (docs/performance.md).
 _DEFAULT_BLOCK_KEYS = 128
 _STATIC = ("backend", "sm_scale", "soft_cap", "sliding_window", "pages_per_block")
 
