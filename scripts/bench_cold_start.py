@@ -8,9 +8,10 @@ Variants (`--variants`, each run in its own process, in turn, `--rounds` times):
   - "scan":     the XLA backend as it ships (a scanned layer stack over folded KV pages);
   - "unrolled": the XLA backend with the stack unrolled over the same pages (`scan=False`);
   - "native":   the native CPU backend.
-`--tree PATH` runs a variant from another checkout (e.g. the commit before the redesign, whose
-runner only unrolls: name it "base=/path/to/checkout"); the script then imports that tree's
-jserve, so use only options both trees take.
+A variant "NAME=PATH" runs another checkout's default (e.g. the commit before the redesign, whose
+runner only unrolls: "base=/path/to/checkout"), importing that tree's jserve; give
+`--tree-python` an interpreter whose site-packages hold the dependencies but no editable install
+of jserve (an editable install's finder would hand out this tree's modules).
 
 Prints a table and writes JSON (`--out`):
   python scripts/bench_cold_start.py --kernel reference --variants scan unrolled base=/tmp/base
@@ -43,7 +44,7 @@ def measure(args: argparse.Namespace) -> dict:
         def call(runner, rows):
             runner.execute([StepRow(*r) for r in rows])
     except ImportError:
-        from jserve.runtime.runner import GREEDY
+        from jserve.runner import GREEDY  # the module's name before the redesign (noqa: the old tree)
 
         def call(runner, rows):
             runner.execute(rows, [GREEDY] * len(rows))
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--out", default=None, help="JSON file for the results")
+    p.add_argument("--tree-python", default=sys.executable, help="the interpreter for NAME=PATH variants")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child's
     args = p.parse_args(argv)
     if args.variant is not None:
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
         for spec in args.variants:
             name, _, tree = spec.partition("=")
             tree = Path(tree) if tree else ROOT
-            child = [sys.executable, str(Path(__file__).resolve()), "--variant", "tree" if "=" in spec else name,
+            python = args.tree_python if "=" in spec else sys.executable
+            child = [python, str(Path(__file__).resolve()), "--variant", "tree" if "=" in spec else name,
                      "--kernel", args.kernel, "--batch", str(args.batch), "--context", str(args.context),
                      "--max-model-len", str(args.max_model_len), "--runs", str(args.runs)]
             if args.model:

@@ -217,16 +217,16 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
     log: list[tuple] = []
     original, original_steps = runner._run, runner.execute_decode_steps
 
-    def run_and_log(*a, **kw):
-        original(*a, **kw)
-        all_rows, parts = (a[0], a[2]) if len(a) >= 3 else (kw["all_rows"], kw["parts"])
+    def run_and_log(all_rows, parts, *a, **kw):  # Runner._run(all_rows, parts, results, kind)
+        original(all_rows, parts, *a, **kw)
         index = [i for part in parts for i in part]  # parts: the row indices of each dp group
-        log.append((runner.records[-1], [(len(index), sum(all_rows[i][0] + len(all_rows[i][1]) for i in index))]))
+        log.append((runner.records[-1], [(len(index), sum(all_rows[i].start + all_rows[i].num_tokens
+                                                          for i in index))]))
 
-    def decode_steps_and_log(rows, *a, **kw):
-        out = original_steps(rows, *a, **kw)
-        valid = out["num_valid"]
-        per_step = [(int((valid > j).sum()), sum(r[0] + 1 + j for r, n in zip(rows, valid) if n > j))
+    def decode_steps_and_log(rows):
+        out = original_steps(rows)
+        valid = out.num_valid
+        per_step = [(int((valid > j).sum()), sum(r.start + 1 + j for r, n in zip(rows, valid) if n > j))
                     for j in range(int(valid.max()))]
         log.append((runner.records[-1], per_step))
         return out

@@ -9,13 +9,10 @@ from typing import Sequence
 # near memory bandwidth, so a row of its own beats one row padded to 2 (docs/performance.md).
 # With a dense cache a one-row scatter became cache-sized copies (batch 1 decode slower than
 # batch 2); the paged step's HLO still has a copy of each layer's pool, but it is done in place
-# (the pages are donated), so batch-1 step time does not grow with the pool. The native CPU
-# backend drops batch 1 without its native attention kernel (`batch_buckets`: the Pallas
-# interpret kernel is far slower there), and a dense cache keeps 2 as its smallest.
+# (the pages are donated), so batch-1 step time does not grow with the pool. A backend without
+# the native attention kernel drops batch 1 (`Backend.batch_buckets`: batch 2 serves it).
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-DENSE_BATCH_BUCKETS = DEFAULT_BATCH_BUCKETS[1:]
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-DEFAULT_LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def pick(buckets: Sequence[int], n: int) -> int:
