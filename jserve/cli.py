@@ -24,9 +24,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jserve.runtime import distributed
-    from jserve.llm import LLM
     from jserve.core.request import SamplingParams
+    from jserve.llm import LLM
+    from jserve.runtime import distributed
 
     leader = distributed.from_args(args)
     # One prompt: compile only the shapes it needs instead of warming every bucket.
@@ -65,10 +65,10 @@ def _human(n: float) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from jserve.runtime.backends import NativeCpuBackend, XlaBackend
-    from jserve.model.checkpoint import read_model_config
-    from jserve.engine.llm_engine import resolve_max_model_len
     from jserve.engine.config import EngineConfig
+    from jserve.engine.llm_engine import resolve_max_model_len
+    from jserve.model.checkpoint import read_model_config
+    from jserve.runtime.backends import NativeCpuBackend, XlaBackend
     from jserve.runtime.kv_cache import device_memory_bytes, dtype_bytes, plan_memory
 
     config, weight_dtype = read_model_config(args.model)

@@ -9,7 +9,6 @@ from typing import Any, Mapping, Sequence, Union
 
 from jserve.core.request import RequestOutput, SamplingParams
 
-
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
 
 
@@ -48,9 +47,9 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
                  shardings: Any = None, compilation_cache: str | os.PathLike | bool | None = None,
                  **settings: Any):
-        from jserve.model.checkpoint import load_checkpoint, resolve_model
-        from jserve.engine.llm_engine import build_engine, resolve_max_model_len
         from jserve.engine.config import EngineConfig
+        from jserve.engine.llm_engine import build_engine, resolve_max_model_len
+        from jserve.model.checkpoint import load_checkpoint, resolve_model
         from jserve.text.tokenizer import Tokenizer
 
         engine_config = EngineConfig.from_settings(**settings)  # bad settings are named before loading

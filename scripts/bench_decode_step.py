@@ -48,16 +48,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jserve.model.checkpoint import load_checkpoint, resolve_model  # noqa: E402
+from jserve.core import buckets  # noqa: E402
 from jserve.engine import EngineConfig, build_engine  # noqa: E402
+from jserve.llm import enable_compilation_cache  # noqa: E402
+from jserve.model.checkpoint import load_checkpoint, resolve_model  # noqa: E402
+from jserve.model.llama import LAYER_MATMULS  # noqa: E402
 from jserve.runtime.backends import NativeCpuBackend  # noqa: E402
 from jserve.runtime.backends.native_cpu import EIGEN_DOTS, NativeCpuOps  # noqa: E402
-from jserve.llm import enable_compilation_cache  # noqa: E402
+from jserve.runtime.device_steps import forward as device_step  # noqa: E402
 from jserve.runtime.kv_cache import write_kv  # noqa: E402
 from jserve.runtime.paged_attention import PagedAttention  # noqa: E402
-from jserve.core import buckets  # noqa: E402
-from jserve.model.llama import LAYER_MATMULS  # noqa: E402
-from jserve.runtime.device_steps import forward as device_step  # noqa: E402
 from jserve.runtime.runner import PREFILL_BATCH_BUCKETS  # noqa: E402
 from jserve.runtime.steps import StepRow  # noqa: E402
 from pallas_kernels.native import matmul as native_matmul  # noqa: E402

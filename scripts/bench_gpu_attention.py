@@ -37,8 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.paged_attention import gpu, paged_attention, paged_prefill_attention  # noqa: E402
 from pallas_kernels.paged_attention.common import pack_rows, unpack_rows  # noqa: E402
-from pallas_kernels.paged_attention.reference import (  # noqa: E402
-    paged_prefill_attention_reference)
+from pallas_kernels.paged_attention.reference import paged_prefill_attention_reference  # noqa: E402
 
 DATASHEET_BW = 4.8e12  # H200 HBM3e, bytes/s
 SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # q heads, KV heads, head_dim

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-
 from bench_offline import build_workload  # noqa: E402
+
 from jserve import LLM, SamplingParams  # noqa: E402
 
 

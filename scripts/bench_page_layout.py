@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jserve.model.checkpoint import load_checkpoint, resolve_model  # noqa: E402
 from jserve.llm import enable_compilation_cache  # noqa: E402
+from jserve.model.checkpoint import load_checkpoint, resolve_model  # noqa: E402
 from jserve.runtime.runner import Runner  # noqa: E402
 from jserve.runtime.steps import StepRow  # noqa: E402
 

@@ -52,10 +52,10 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
     import jax
 
-    from jserve.llm import LLM
     from jserve.core.request import SamplingParams
-    from jserve.runtime.steps import StepRow
+    from jserve.llm import LLM
     from jserve.runtime.sharding import parse_mesh
+    from jserve.runtime.steps import StepRow
 
     golden = json.loads((REPO / "tests" / "data" / "smollm2_golden.json").read_text())["cases"]
     results = []

@@ -15,14 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.model.checkpoint import read_params
-from jserve.engine import EngineConfig, build_engine
+from conftest import DATA
 from jserve.core.request import CompletionOutput, RequestOutput, SamplingParams
 from jserve.core.scheduler import Request, RequestStatus
+from jserve.engine import EngineConfig, build_engine
+from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jserve.model.checkpoint import read_params
 from jserve.text.tokenizer import Tokenizer
-
-from conftest import DATA
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jserve.runtime import backends
-from jserve.model.checkpoint import read_params
-from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
+from conftest import DATA
 from jserve.core.request import SamplingParams
+from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
+from jserve.model.checkpoint import read_params
+from jserve.runtime import backends
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepRow
-
-from conftest import DATA
 
 WANTS_LOGPROBS = SamplingParams(temperature=0.0, logprobs=5)
 
@@ -134,8 +133,8 @@ def test_prompt_logprobs_on_the_paged_runner_match_the_model(backend):
     """Prompt logprobs come from the engine's own prefill chunks (no second runner): each
     position's chosen-token logprob and top-3 equal the model's; a second request of the same
     prompt (whose pages the prefix cache holds) and n=2 get them whole too."""
-    from jserve.engine import EngineConfig, build_engine
     from jserve.core.request import SamplingParams
+    from jserve.engine import EngineConfig, build_engine
 
     config, params = _load("smollm2")
     engine = build_engine(config, params, _Tok(), [], EngineConfig(

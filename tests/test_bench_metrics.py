@@ -14,9 +14,8 @@ import sys
 import pytest
 
 import jserve.bench as bench
-from jserve.bench import server_metrics
-
 from conftest import DATA, free_port, wait_healthy
+from jserve.bench import server_metrics
 
 _SERVE = '''
 import dataclasses, sys

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from conftest import DATA
 from jserve import cli
 from jserve.model.checkpoint import convert, load_checkpoint, read_params, unpermute_rotary
-
-from conftest import DATA
 
 
 @pytest.fixture

@@ -13,17 +13,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import run_python
+from jserve.model import model_graphdef
+from jserve.model.config import ModelConfig
+from jserve.model.llama import LlamaModel
 from jserve.runtime.backends import NativeCpuBackend
 from jserve.runtime.backends.native_cpu import fused_layers_supported
-from jserve.model.config import ModelConfig
 from jserve.runtime.kv_cache import init_kv_pages
-from jserve.model import model_graphdef
-from jserve.model.llama import LlamaModel
 from jserve.runtime.paged_attention import PagedMeta
 from pallas_kernels.native import decoder_layer as native
 from pallas_kernels.native.build import _cpu_flags
-
-from conftest import run_python
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU decoder layer (no compiler)")
 

@@ -12,12 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.model.checkpoint import read_params
-from jserve.engine import EngineConfig, build_engine
-from jserve.core.request import SamplingParams
-from jserve.text.tokenizer import Tokenizer
-
 from conftest import DATA
+from jserve.core.request import SamplingParams
+from jserve.engine import EngineConfig, build_engine
+from jserve.model.checkpoint import read_params
+from jserve.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

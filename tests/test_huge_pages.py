@@ -6,11 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.runtime import huge_pages
-from jserve.model.checkpoint import read_params
-from jserve.runtime.runner import Runner
-
 from conftest import DATA
+from jserve.model.checkpoint import read_params
+from jserve.runtime import huge_pages
+from jserve.runtime.runner import Runner
 
 needs_thp = pytest.mark.skipif(not huge_pages.supported(), reason="no transparent huge pages here")
 

@@ -91,8 +91,8 @@ for dtype in (jnp.float32, jnp.bfloat16):
 
 def test_native_linear_takes_a_tuple_of_weights():
     # The model's hook: a tuple of packed weights is one call, a tuple with a plain weight is not.
-    from jserve.runtime.backends.native_cpu import native_linear
     from jserve.model.llama import xla_linear
+    from jserve.runtime.backends.native_cpu import native_linear
 
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jserve.model.checkpoint import read_params
-from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
-
 from conftest import DATA
+from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
+from jserve.model.checkpoint import read_params
 
 ARCHS = ["llama2", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "smollm2"]
 
@@ -62,8 +61,9 @@ def test_cached_greedy_decode_matches_transformers(arch):
 
 
 def test_config_parses_rope_and_features():
-    from jserve.model.config import ModelConfig
     import json
+
+    from jserve.model.config import ModelConfig
 
     cfgs = {a: ModelConfig.from_hf_config(json.loads((DATA / "arch" / a / "config.json").read_text()))
             for a in ARCHS}

@@ -14,13 +14,19 @@ import pytest
 
 from jserve.core.page_table import PageTable
 from jserve.core.request import SamplingParams
-from jserve.runtime.steps import StepRow
 from jserve.core.scheduler import RequestStatus, SchedulerConfig, StepPlan
-
-from test_engine import make_engine, run_outputs as run_all, tiny  # noqa: F401 (tiny: the module-scoped fixture)
-from test_scheduler import (FakeDevice, assert_reference_outputs, check_plan, fake_next_token, make_request,
-                            make_scheduler, mixed_requests)
-
+from jserve.runtime.steps import StepRow
+from test_engine import make_engine, tiny  # noqa: F401 (tiny: the module-scoped fixture)
+from test_engine import run_outputs as run_all
+from test_scheduler import (
+    FakeDevice,
+    assert_reference_outputs,
+    check_plan,
+    fake_next_token,
+    make_request,
+    make_scheduler,
+    mixed_requests,
+)
 
 # ------------------------------------------------------------------------------ page table
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from conftest import run_python

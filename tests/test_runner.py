@@ -7,16 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import DATA
+from jserve.core.request import GREEDY, SamplingParams
+from jserve.model.checkpoint import read_params
 from jserve.runtime.backends import NativeCpuBackend, XlaBackend
 from jserve.runtime.backends.native_cpu import EIGEN_DOTS
-from jserve.model.checkpoint import read_params
-from jserve.core.request import GREEDY, SamplingParams
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepRow
 from pallas_kernels.native import decoder_layer as native_layer
 from pallas_kernels.native import matmul as native_matmul
-
-from conftest import DATA
 
 
 def _model_logits(config, params, ids):

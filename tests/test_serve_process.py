@@ -20,7 +20,6 @@ import aiohttp
 
 from conftest import DATA, free_port, wait_healthy
 
-
 _SERVE = '''
 import dataclasses
 import os

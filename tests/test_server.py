@@ -23,16 +23,14 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import DATA
+from jserve.core.request import MAX_LOGPROBS, SamplingParams
+from jserve.engine import EngineConfig, build_engine
 from jserve.engine.async_engine import AsyncLLMEngine
 from jserve.model.checkpoint import read_params
-from jserve.engine import EngineConfig, build_engine
-from jserve.core.request import SamplingParams
-from jserve.core.request import MAX_LOGPROBS
 from jserve.server import ServerState, build_app
 from jserve.server.http import CappedSite
 from jserve.text.tokenizer import Tokenizer
-
-from conftest import DATA
 
 MODEL = "tiny-smollm2"
 MAX_MODEL_LEN = 128
@@ -432,18 +430,31 @@ def test_disconnect_mid_stream_frees_pages(server):
 
 
 def test_disconnect_while_waiting_for_a_plain_reply_aborts(server):
-    # The client gives up after 0.1 s, a few tens of steps at most (a tiny-model step takes ~3 ms
-    # with the native kernel; at 0.3 s a CI run got through 96 of the 100 before the abort).
+    # The client gives up after 0.1 s. Each engine step is held to >= 4 ms for this test, so the
+    # 100 tokens would take >= 0.4 s: the abort must land well before them (unpaced, a tiny-model
+    # step takes about a millisecond and the whole request could finish inside the 0.1 s).
     async def go():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
             with pytest.raises(asyncio.TimeoutError):
                 await session.post(server.url + "/v1/completions",
                                    json={"prompt": PROMPTS[2], "max_tokens": 100, "ignore_eos": True})
 
+    llm = server.state.engine.engine
+    step = llm.step
+
+    def paced_step():
+        t0 = time.monotonic()
+        out = step()
+        time.sleep(max(0.0, 0.004 - (time.monotonic() - t0)))
+        return out
+
     steps = server.call(server.state.engine.stats())["num_steps"]
-    asyncio.run(go())
-    stats = engine_idle(server)
-    assert stats["pages_in_use"] == 0 and stats["num_running"] == 0
+    llm.step = paced_step  # the engine thread looks the method up at every step
+    try:
+        asyncio.run(go())
+        stats = engine_idle(server)
+    finally:
+        del llm.step
     assert 0 < stats["num_steps"] - steps < 90  # it ran, and stopped well before its 100 tokens
 
 

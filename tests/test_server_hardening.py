@@ -25,7 +25,6 @@ from jserve.server import ServerState, tokenizer_pool
 from jserve.server.cli import DEFAULT_MODEL_NAMES
 from jserve.server.http import Timeouts
 from jserve.server.limits import Limits
-
 from test_server import CHAT, Server, assert_error, engine, engine_idle, request  # noqa: F401 - fixtures
 
 README = Path(__file__).parents[1] / "README.md"

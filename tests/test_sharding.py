@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jserve.model.config import ModelConfig
+from jserve.core.request import SamplingParams
 from jserve.engine import EngineConfig, build_engine
 from jserve.model import LlamaModel
-from jserve.core.request import SamplingParams
-from jserve.runtime.sharding import (head_layout, laid_out_config, lay_out_params, make_mesh, parse_mesh,
-                             place_params)
+from jserve.model.config import ModelConfig
+from jserve.runtime.sharding import head_layout, laid_out_config, lay_out_params, make_mesh, parse_mesh, place_params
 
 MESHES = ["tp=2", "tp=3", "tp=4", "tp=8", "dp=2,tp=2", "dp=8"]
 

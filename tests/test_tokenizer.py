@@ -171,6 +171,7 @@ def test_load_hugging_face_folder(smollm2, tmp_path):
 def test_gguf_pre_tokenizer_table():
     """Every supported pre name builds; the digit grouping differs as in the original tokenizers."""
     import tokenizers
+
     from jserve.text.tokenizer_gguf import PRE_TOKENIZERS
 
     expected_digits = {"gpt-2": ["Ġ12345"], "smollm": ["Ġ", "1", "2", "3", "4", "5"],

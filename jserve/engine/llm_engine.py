@@ -19,13 +19,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from jserve.core.dp_scheduler import DataParallelScheduler
-from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from jserve.core.page_table import PageTable
 from jserve.core.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
-from jserve.runtime.runner import Runner
 from jserve.core.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, SchedulerProtocol, StepPlan
-from jserve.runtime.steps import StepOutput, StepRow
 from jserve.core.stop import StopPolicy
+from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from jserve.runtime.runner import Runner
+from jserve.runtime.steps import StepOutput, StepRow
 from jserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.runtime.paged_attention import PagedMeta
 from jserve.core.request import MAX_LOGPROBS
+from jserve.runtime.paged_attention import PagedMeta
 from jserve.runtime.sampler import prompt_logprobs, sample
 
 

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jserve.runtime.kv_cache import write_kv
+
 # Imported here, not on first use: importing Pallas registers JAX config options, which change the
 # tracing context, so a step first traced before the import would be compiled a second time later.
 from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention

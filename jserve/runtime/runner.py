@@ -26,14 +26,14 @@ import jax
 import numpy as np
 
 from jserve.core import buckets
+from jserve.core.stop import MAX_DEVICE_STOP_IDS
+from jserve.model import model_graphdef
+from jserve.model.config import ModelConfig
 from jserve.runtime import backends, device_steps, step_rows
 from jserve.runtime.backends import Backend
-from jserve.model.config import ModelConfig
 from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
-from jserve.model import model_graphdef
 from jserve.runtime.sampler import SamplingArrays, penalty_history
 from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRow
-from jserve.core.stop import MAX_DEVICE_STOP_IDS
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class Runner:
         self.huge_pages = self.backend.advise_memory((self.params, self.kv))
         self._jit_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec as P
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
 
             self._jit_kwargs["out_shardings"] = (NamedSharding(mesh, P()),
                                                  jax.tree.map(lambda _: kv_sharding, self.kv))
@@ -387,7 +388,8 @@ class Runner:
         """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""
         if self.mesh is None:
             return tree
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         rows = NamedSharding(self.mesh, P("dp"))
 

@@ -287,7 +287,8 @@ def param_sharding(mesh, name: str, shape: tuple[int, ...], *, stacked: bool = F
 
 
 def kv_sharding(mesh):
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     return NamedSharding(mesh, P(*KV_PAGES_SPEC))
 
@@ -299,7 +300,8 @@ def restore_sharding(mesh, name: str, shape: tuple[int, ...], layout: HeadLayout
     restore split over all devices along some axis that divides evenly (so no device ever holds
     a full copy) and are laid out by a jitted function afterwards.
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     changed = not layout.is_identity and name in ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_gate",
                                                    "w_up", "b_gate", "b_up", "w_down")

@@ -21,13 +21,13 @@ from typing import Any, Callable
 from aiohttp import web
 
 from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server import fields, protocol, tokenizer_pool, watchdog
 from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request, error_body
 from jserve.server.generate import DISCONNECTED, run_generation
 from jserve.server.http import Timeouts
 from jserve.server.limits import Admission, Limits
+from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server.tenancy import TENANT, tenant_of_key
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from aiohttp import web
 
-from jserve.engine.async_engine import EngineDeadError
 from jserve.core.request import RequestOutput
+from jserve.engine.async_engine import EngineDeadError
 from jserve.server import protocol
 from jserve.server.errors import APIError
 from jserve.server.tenancy import TENANT, engine_salt

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native.build import NativeLibrary
 from pallas_kernels.native import paged_attention as native_attention
+from pallas_kernels.native.build import NativeLibrary
 
 TARGET = "jserve_decoder_layers"
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))

@@ -8,8 +8,7 @@ or head sizes it does not take) or "reference" (pure jnp).
 """
 
 from pallas_kernels.paged_attention.ops import BACKENDS, paged_attention, paged_prefill_attention
-from pallas_kernels.paged_attention.reference import (paged_attention_reference,
-                                                      paged_prefill_attention_reference)
+from pallas_kernels.paged_attention.reference import paged_attention_reference, paged_prefill_attention_reference
 
 __all__ = ["BACKENDS", "paged_attention", "paged_prefill_attention", "paged_attention_reference",
            "paged_prefill_attention_reference"]

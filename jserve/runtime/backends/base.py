@@ -12,11 +12,10 @@ from __future__ import annotations
 import abc
 from typing import Any, Sequence
 
-
+from jserve.model import ModelOps, model_params, params_layout
 from jserve.model.config import ModelConfig
 from jserve.runtime.huge_pages import Advice as HugePagesAdvice
 from jserve.runtime.kv_cache import init_kv_pages
-from jserve.model import ModelOps, model_params, params_layout
 
 
 class Backend(abc.ABC):

@@ -23,9 +23,9 @@ from typing import Any, Sequence
 
 import jax
 
-from jserve.runtime.backends.base import Backend
 from jserve.model.config import ModelConfig
 from jserve.model.llama import LAYER_MATMULS, XlaOps, unrolled_layers, xla_linear
+from jserve.runtime.backends.base import Backend
 from jserve.runtime.paged_attention import PagedAttention
 from pallas_kernels.native import decoder_layer as native_layer
 from pallas_kernels.native import matmul as native_matmul

@@ -16,9 +16,9 @@ from typing import Any, Sequence
 
 import jax
 
-from jserve.runtime.backends.base import Backend
 from jserve.model.config import ModelConfig
 from jserve.model.llama import XlaOps
+from jserve.runtime.backends.base import Backend
 from jserve.runtime.paged_attention import PagedAttention
 from pallas_kernels.paged_attention import gpu as gpu_kernel
 
