@@ -15,6 +15,8 @@ of jserve (an editable install's finder would hand out this tree's modules).
 
 Prints a table and writes JSON (`--out`):
   python scripts/bench_cold_start.py --kernel reference --variants scan unrolled base=/tmp/base
+  python scripts/bench_cold_start.py --kernel gpu --dtype bfloat16 --variants scan unrolled   # on a GPU
+  python scripts/bench_cold_start.py --kernel tpu --dtype bfloat16 --variants scan unrolled   # on a TPU
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def measure(args: argparse.Namespace) -> dict:
         backend = XlaBackend(args.kernel, scan=args.variant == "scan")
     elif args.variant == "native":
         backend = "cpu"
-    llm = LLM(args.model, backend=backend, **kwargs)
+    llm = LLM(args.model, backend=backend, dtype=args.dtype, **kwargs)
     loaded = time.perf_counter()
     runner = llm.runner
     runner.warmup(progress=False)
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--kernel", default="reference", help="the XLA backend's attention kernel")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="weight (and KV) dtype; the Mosaic GPU kernel needs bfloat16")
     p.add_argument("--variants", nargs="+", default=["scan", "unrolled"],
                    help="scan, unrolled, native, or NAME=TREE for another checkout's default")
     p.add_argument("--rounds", type=int, default=1)
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
             child = [python, str(Path(__file__).resolve()), "--variant", "tree" if "=" in spec else name,
                      "--kernel", args.kernel, "--batch", str(args.batch), "--context", str(args.context),
                      "--max-model-len", str(args.max_model_len), "--runs", str(args.runs)]
+            if args.dtype:
+                child += ["--dtype", args.dtype]
             if args.model:
                 child += ["--model", args.model]
             env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
