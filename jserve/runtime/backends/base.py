@@ -17,6 +17,10 @@ from jserve.model.config import ModelConfig
 from jserve.runtime.huge_pages import Advice as HugePagesAdvice
 from jserve.runtime.kv_cache import init_kv_pages
 
+# XLA:CPU's Eigen dots instead of its default (YNNPACK) for a step shape: some CPU steps run faster
+# with them (each backend says which; docs/performance.md has the measurements).
+EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
 
 class Backend(abc.ABC):
     """How the paged runner's steps execute.

@@ -18,24 +18,20 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Sequence
 
 import jax
 
 from jserve.model.config import ModelConfig
 from jserve.model.llama import LAYER_MATMULS, XlaOps, unrolled_layers, xla_linear
-from jserve.runtime.backends.base import Backend
+from jserve.runtime.backends.base import EIGEN_DOTS, Backend
 from jserve.runtime.paged_attention import PagedAttention
 from pallas_kernels.native import decoder_layer as native_layer
 from pallas_kernels.native import matmul as native_matmul
 from pallas_kernels.native import paged_attention as native_attention
 
-logger = logging.getLogger(__name__)
-
-# XLA:CPU's dot library per step shape where the packed matmuls are off: Eigen's dots instead
-# of YNNPACK's for decode at 8 and 16 rows (with the native attention) and prefill of one row.
-EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# Where the packed matmuls are off: Eigen's dots instead of YNNPACK's for decode at 8 and 16 rows
+# (with the native attention) and prefill of one row.
 EIGEN_DECODE_BATCHES = (8, 16)
 EIGEN_PREFILL_BATCHES = (1,)
 

@@ -18,15 +18,14 @@ import jax
 
 from jserve.model.config import ModelConfig
 from jserve.model.llama import XlaOps
-from jserve.runtime.backends.base import Backend
+from jserve.runtime.backends.base import EIGEN_DOTS, Backend
 from jserve.runtime.paged_attention import PagedAttention
 from pallas_kernels.paged_attention import gpu as gpu_kernel
 
 logger = logging.getLogger(__name__)
 
 KERNELS = ("tpu", "gpu", "reference", "cpu_pallas")
-# Prefill of one row on a CPU compiles with XLA's Eigen dots (faster than YNNPACK's there).
-EIGEN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# Prefill of one row on the interpret kernel compiles with XLA's Eigen dots (base.EIGEN_DOTS).
 
 
 def platform_kernel() -> str:
