@@ -60,3 +60,14 @@ def test_llm_names_a_bad_setting_before_loading_anything(tmp_path):
 
     with pytest.raises(ValueError, match="unknown engine setting 'max_batch'"):
         LLM(str(tmp_path / "missing"), max_batch=4)
+
+
+def test_the_backend_names_are_the_backends():
+    """`EngineConfig` (pure Python) lists the backend names; `jserve.runtime.backends.create`
+    builds them: the two lists must not drift apart."""
+    from jserve.engine.config import BACKEND_NAMES
+    from jserve.runtime import backends
+
+    assert sorted(BACKEND_NAMES) == sorted(backends.NAMES)
+    for name in BACKEND_NAMES:
+        assert backends.create(name).name == name

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from jserve.core.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, StepPlan
+from jserve.core.plan import Request, RequestStatus, ScheduledChunk, StepPlan
+from jserve.core.scheduler import Scheduler
 
 
 class DataParallelScheduler:

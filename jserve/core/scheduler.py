@@ -54,17 +54,20 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import enum
 import itertools
 import logging
 import operator
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 from jserve.core.page_table import PageTable
-from jserve.core.request import SamplingParams
+
+# The plan's types are this module's vocabulary too (and importable from here).
+from jserve.core.plan import Request, RequestStatus, ScheduledChunk, SchedulerProtocol, StepPlan
 from jserve.core.stop import tokens_left
+
+__all__ = ["Request", "RequestStatus", "ScheduledChunk", "Scheduler", "SchedulerConfig",
+           "SchedulerProtocol", "StepPlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,128 +92,6 @@ class SchedulerConfig:
                              "token each step)")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"  # waiting again, to recompute prompt + output so far
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-
-    @property
-    def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
-
-    @property
-    def finish_reason(self) -> str | None:
-        """The OpenAI / `CompletionOutput.finish_reason` word, None while unfinished."""
-        return self.value if self.is_finished else None
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """The engine's mutable per-request state; identity-hashed."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    priority: int = 0  # lower runs first; first come first served among equals
-    cache_salt: str | None = None
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    num_preemptions: int = 0
-    num_computed_tokens: int = 0  # tokens whose K/V is written (0 while waiting)
-    num_cached_tokens: int = 0  # prefix-cache hit tokens at first admission (usage reports)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
-
-    def token_slice(self, start: int, stop: int) -> list[int]:
-        """`all_token_ids[start:stop]` without copying the whole history (a decode needs one token)."""
-        num_prompt = len(self.prompt_token_ids)
-        if stop <= num_prompt:
-            return self.prompt_token_ids[start:stop]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:stop - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - num_prompt]
-
-
-@dataclasses.dataclass
-class ScheduledChunk:
-    request: Request
-    start: int  # position of the first token computed this step (= tokens computed before)
-    token_ids: list[int]  # the tokens fed this step: all_token_ids[start:start + n]
-    page_ids: list[int]  # the request's pages after allocation (enough for start + n tokens)
-    samples: bool  # the chunk reaches the last known token: its last logit's sample is kept
-    num_steps: int = 1  # decode steps this call runs for the request (> 1: multi-step decode)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """One step's work: the chunks to compute, in row order, and what scheduling them did."""
-
-    chunks: list[ScheduledChunk]
-    preempted: list[Request]
-    num_batched_tokens: int
-    groups: list[int] | None = None  # chunk i's data-parallel group (None: all in group 0)
-
-    def __post_init__(self):
-        if self.groups is None:
-            self.groups = [0] * len(self.chunks)
-        if len(self.groups) != len(self.chunks):
-            raise ValueError(f"{len(self.groups)} groups for {len(self.chunks)} chunks")
-
-    @property
-    def num_steps(self) -> int:
-        """Decode steps of the device call: > 1 for a multi-step decode."""
-        return max((c.num_steps for c in self.chunks), default=1)
-
-
-class SchedulerProtocol(Protocol):
-    """What the engine drives: `Scheduler`, or `DataParallelScheduler` over one per group."""
-
-    num_preemptions: int
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    @property
-    def num_running(self) -> int: ...
-
-    def has_unfinished(self) -> bool: ...
-
-    def get_request(self, request_id: str) -> Request | None: ...
-
-    def add_request(self, request: Request) -> None: ...
-
-    def abort_request(self, request_id: str) -> Request | None: ...
-
-    def finish_request(self, request_id: str, status: RequestStatus) -> None: ...
-
-    def schedule(self) -> StepPlan: ...
-
-    def next_decode_step(self, chunk: ScheduledChunk) -> ScheduledChunk | None: ...
-
-    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]: ...
 
 
 class Scheduler:

@@ -20,8 +20,9 @@ import numpy as np
 
 from jserve.core.dp_scheduler import DataParallelScheduler
 from jserve.core.page_table import PageTable
+from jserve.core.plan import Request, RequestStatus, ScheduledChunk, SchedulerProtocol, StepPlan
 from jserve.core.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
-from jserve.core.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, SchedulerProtocol, StepPlan
+from jserve.core.scheduler import Scheduler
 from jserve.core.stop import StopPolicy
 from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from jserve.runtime.runner import Runner
@@ -182,7 +183,9 @@ class LLMEngine:
         for chunk, group in zip(plan.chunks, plan.groups):
             req = chunk.request
             p = req.params
-            stop_ids, min_new = self.stop_policy.device_stops(p, len(req.output_token_ids))
+            # Stop ids on the device: only a multi-step call checks them.
+            stop_ids, min_new = (self.stop_policy.device_stops(p, len(req.output_token_ids))
+                                 if chunk.num_steps > 1 else ((), 0))
             history = (req.prompt_token_ids, req.output_token_ids) if chunk.samples and p.has_penalties else None
             rows.append(StepRow(chunk.start, chunk.token_ids, chunk.page_ids, p, len(req.output_token_ids),
                                 history, group, chunk.num_steps, stop_ids, min_new, self._next_ids(chunk)))
@@ -209,16 +212,12 @@ class LLMEngine:
             if scored is None or seq is None:
                 continue
             group, k = seq.group, seq.group.params.prompt_logprobs
-            decode = self.tokenizer.decode
             for j, q in enumerate(range(chunk.start, chunk.start + chunk.num_tokens)):
                 if q + 1 != len(group.prompt_logprobs) or q + 1 >= len(group.prompt_token_ids):
                     continue  # scored before (a recompute after preemption), or past the prompt
-                token = group.prompt_token_ids[q + 1]
-                entry = {int(t): Logprob(float(lp), rank, decode([int(t)]))
-                         for rank, (t, lp) in enumerate(zip(scored.top_ids[j][:k], scored.top_logprobs[j][:k]), 1)}
-                if token not in entry:
-                    entry[token] = Logprob(float(scored.logprob[j]), int(scored.rank[j]), decode([token]))
-                group.prompt_logprobs.append(entry)
+                group.prompt_logprobs.append(self._logprob_entry(
+                    scored.top_ids[j], scored.top_logprobs[j], scored.logprob[j], scored.rank[j],
+                    group.prompt_token_ids[q + 1], k))
 
     def _take(self, plan: StepPlan, out: StepOutput, changed: dict[str, "_Group"]) -> None:
         """Hand a step's samples (a row per chunk of `plan`) to the scheduler and accept each new
@@ -254,7 +253,8 @@ class LLMEngine:
         req = seq.request
         token = req.output_token_ids[-1]
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(out, i, token, req.params.logprobs))
+            seq.logprobs.append(self._logprob_entry(out.top_ids[i], out.top_logprobs[i], out.logprob[i],
+                                                    out.rank[i], token, req.params.logprobs))
         delta = seq.detok.add([token])
         if not req.is_finished:  # the scheduler finishes requests that reach the context length
             new_from = len(seq.text)
@@ -272,12 +272,14 @@ class LLMEngine:
         if req.is_finished and not isinstance(seq.stop_reason, str):
             seq.text += seq.detok.flush()
 
-    def _logprob_entry(self, out: StepOutput, i: int, token: int, k: int) -> dict[int, Logprob]:
+    def _logprob_entry(self, top_ids, top_logprobs, logprob, rank, token: int, k: int) -> dict[int, Logprob]:
+        """One position's logprobs: its `k` most likely tokens, and `token` (sampled, or the
+        prompt's next) with its own logprob and rank whether among them or not."""
         decode = self.tokenizer.decode
-        entry = {int(t): Logprob(float(lp), rank, decode([int(t)]))
-                 for rank, (t, lp) in enumerate(zip(out.top_ids[i][:k], out.top_logprobs[i][:k]), 1)}
+        entry = {int(t): Logprob(float(lp), r, decode([int(t)]))
+                 for r, (t, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]), 1)}
         if token not in entry:
-            entry[token] = Logprob(float(out.logprob[i]), int(out.rank[i]), decode([token]))
+            entry[token] = Logprob(float(logprob), int(rank), decode([token]))
         return entry
 
     # ------------------------------------------------------------------------------ stats

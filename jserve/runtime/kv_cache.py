@@ -17,6 +17,7 @@ import numpy as np
 
 from jserve.model.config import ModelConfig
 
+KV_LAYOUTS = ("per_layer", "folded")  # see init_kv_pages
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
 
 
@@ -113,8 +114,8 @@ def init_kv_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp
     `jserve.runtime.paged_attention.PagedAttention`)."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
-    if layout not in ("per_layer", "folded"):
-        raise ValueError(f"layout must be 'per_layer' or 'folded', got {layout!r}")
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
     folded = layout == "folded"
     pages = num_pages * (config.num_layers if folded else 1)
     shape = (config.num_kv_heads, pages, page_size, config.head_dim)

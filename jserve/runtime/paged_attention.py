@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jserve.runtime.kv_cache import write_kv
+from jserve.runtime.kv_cache import KV_LAYOUTS, write_kv
 
 # Imported here, not on first use: importing Pallas registers JAX config options, which change the
 # tracing context, so a step first traced before the import would be compiled a second time later.
@@ -28,9 +28,6 @@ class PagedMeta(NamedTuple):
     q_start: jax.Array  # [batch]: position of the row's first new token (= tokens already cached)
     q_lens: jax.Array  # [batch]: real new tokens of the row (0 for a padded row)
     page_indices: jax.Array  # [batch, max_pages]: the row's pages; padding -> page 0
-
-
-KV_LAYOUTS = ("per_layer", "folded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +48,10 @@ class PagedAttention:
     mesh: Any = None  # a ('dp', 'tp') jax.sharding.Mesh: run per device on its heads and pages
     kv_layout: str = "per_layer"
     num_layers: int = 1  # for the folded layout
+
+    def __post_init__(self):
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
 
     def __call__(self, layer, q, k, v, cache, meta: PagedMeta):
         k_pages, v_pages = cache if self.kv_layout == "folded" else cache[layer]

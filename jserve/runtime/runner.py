@@ -15,7 +15,6 @@ broadcasts each step's inputs to the others (`follow`).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import logging
 import math
@@ -33,25 +32,11 @@ from jserve.runtime import backends, device_steps, step_rows
 from jserve.runtime.backends import Backend
 from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
 from jserve.runtime.sampler import SamplingArrays, penalty_history
-from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRow
+from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRecord, StepRow
 
 logger = logging.getLogger(__name__)
 
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """What one compiled call did, for metrics (padding waste, time)."""
-
-    kind: str  # "decode" | "prefill"
-    bucket: tuple[int, ...]
-    real_tokens: int
-    padded_tokens: int
-    seconds: float
-    bytes_needed: int  # weights once + K/V read and written for the real tokens
-    flops_needed: int  # matmuls and attention for the real tokens (padding excluded)
-    steps: int = 1  # model steps the call ran (> 1: a multi-step decode; `seconds` covers them all)
 
 
 class Runner:
@@ -123,7 +108,6 @@ class Runner:
             replicated, kv_out = self._jit_kwargs["out_shardings"]
             score_kwargs["out_shardings"] = (replicated, replicated, kv_out)
         self._score_step = jax.jit(functools.partial(device_steps.score, self.graphdef, self.ops), **score_kwargs)
-        self._scored: set[int] = set()
         self.num_score_compilations = 0
         if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
             raise ValueError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
@@ -212,9 +196,8 @@ class Runner:
         out, plp, self.kv = self._score_step(self.params, self.kv, *args[0], *args[1:])
         out, plp = jax.device_get((out, plp))
         seconds = time.perf_counter() - t0
-        if (T not in self._scored) if cached is None else _cache_size(self._score_step) > cached:
+        if self._is_new(("score", B, T), None if cached is None else _cache_size(self._score_step) > cached):
             self.num_score_compilations += 1
-        self._scored.add(T)
         self._record(StepRecord("prefill", (B, T), row.num_tokens, B * T, seconds, *self._cost([row])))
         results[i] = {key: value[row.group] for key, value in out.items()}
         prompt[i] = PromptLogprobs(**{key: value[row.group, :row.num_tokens] for key, value in plp.items()})
@@ -408,13 +391,17 @@ class Runner:
         return step_rows.cost(self.config, rows, param_bytes=self.param_bytes, num_params=self.num_params,
                               kv_itemsize=self.kv_itemsize)
 
-    def _count(self, key: tuple, compiled: bool | None) -> None:
-        """Count a compilation: the jitted step's cache grew (or, where JAX does not tell, a new
-        bucket key). The cache also grows on a persistent-cache hit: still a stall while serving."""
+    def _is_new(self, key: tuple, compiled: bool | None) -> bool:
+        """Whether a call compiled: its jitted function's cache grew (or, where JAX does not tell,
+        its shape `key` is new). The cache also grows on a persistent-cache hit: still a stall."""
         if compiled is None:
             compiled = key not in self._seen
         self._seen.add(key)
-        if compiled:
+        return compiled
+
+    def _count(self, key: tuple, compiled: bool | None) -> None:
+        """Count a step's compilation (after warm-up too: none should happen while serving)."""
+        if self._is_new(key, compiled):
             self.num_compilations += 1
             if self.warmed_up:
                 self.num_compilations_after_warmup += 1

@@ -41,26 +41,28 @@ class SamplingArrays:
         with greedy rows."""
         if len(rows) > batch:
             raise ValueError(f"{len(rows)} rows exceed the batch of {batch}")
-        cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(cls)}
-        for row in list(rows) + [None] * (batch - len(rows)):
-            p, step = row if row is not None else (GREEDY, 0)
-            for name, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
-                                ("min_p", p.min_p), ("seed", (p.seed or 0) % 2**32), ("step", step),
-                                ("repetition_penalty", p.repetition_penalty),
-                                ("presence_penalty", p.presence_penalty),
-                                ("frequency_penalty", p.frequency_penalty),
-                                ("logprobs", int(p.logprobs is not None))):
-                cols[name].append(value)
-        return cls(**{name: np.asarray(values, _DTYPES[name]) for name, values in cols.items()})
+        padded = [row if row is not None else (GREEDY, 0) for row in list(rows) + [None] * (batch - len(rows))]
+        return cls(**{name: np.asarray([value(p, step) for p, step in padded], dtype)
+                      for name, (dtype, value) in _FIELDS.items()})
 
     def at_step(self, j) -> "SamplingArrays":
         """The same rows `j` samples later (multi-step decode: per-row seeds fold in the step)."""
         return dataclasses.replace(self, step=self.step + j)
 
 
-_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
-           "seed": np.uint32, "step": np.int32, "repetition_penalty": np.float32,
-           "presence_penalty": np.float32, "frequency_penalty": np.float32, "logprobs": np.int32}
+# Each field's dtype and its value for a row `(params, step)`.
+_FIELDS = {
+    "temperature": (np.float32, lambda p, step: p.temperature),
+    "top_k": (np.int32, lambda p, step: p.top_k),
+    "top_p": (np.float32, lambda p, step: p.top_p),
+    "min_p": (np.float32, lambda p, step: p.min_p),
+    "seed": (np.uint32, lambda p, step: (p.seed or 0) % 2**32),
+    "step": (np.int32, lambda p, step: step),
+    "repetition_penalty": (np.float32, lambda p, step: p.repetition_penalty),
+    "presence_penalty": (np.float32, lambda p, step: p.presence_penalty),
+    "frequency_penalty": (np.float32, lambda p, step: p.frequency_penalty),
+    "logprobs": (np.int32, lambda p, step: int(p.logprobs is not None)),
+}
 
 
 def penalty_history(rows: Sequence[tuple[Sequence[int], Sequence[int]] | None], batch: int,
@@ -156,8 +158,7 @@ def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
 
 
 def sample(logits: jax.Array, sampling: SamplingArrays,
-           penalties: tuple[jax.Array, jax.Array] | None = None, *, num_logprobs: int = 0,
-           always_logprobs: bool = False):
+           penalties: tuple[jax.Array, jax.Array] | None = None, *, num_logprobs: int = 0):
     """Sample one token per row.
 
     Args:
@@ -165,7 +166,7 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
       sampling: the rows' settings; its penalties apply when `penalties` (history, num_prompt:
         see `penalty_history`) is given. Where no row wants logprobs (`sampling.logprobs`), the
         logprob outputs are zeros and cost nothing (the log-softmax and top-k over the
-        vocabulary are most of this function's time), unless `always_logprobs`.
+        vocabulary are most of this function's time).
       num_logprobs: static; how many top logprobs to return per row (0: none).
     Returns:
       dict with `tokens` int32 [batch], `logprob` float32 [batch] (of the chosen token),
@@ -221,8 +222,6 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
             out["top_ids"], out["top_logprobs"] = top_ids.astype(jnp.int32), top_lp
         return out
 
-    if always_logprobs:
-        return {"tokens": tokens, **logprob_outputs(raw)}
     skipped = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(logprob_outputs, raw))
     return {"tokens": tokens, **jax.lax.cond(jnp.any(sampling.logprobs != 0), logprob_outputs,
                                              lambda raw: skipped, raw)}

@@ -1,5 +1,6 @@
-"""The runner's step contract: what the engine hands a step (`StepRow`s) and what it gets back
-(`StepOutput`). Host-side numpy; `jserve.runtime.runner` packs the rows into padded device arrays."""
+"""The runner's step contract: what the engine hands a step (`StepRow`s), what it gets back
+(`StepOutput`), and what each compiled call did, for metrics (`StepRecord`). Host-side numpy;
+`jserve.runtime.runner` packs the rows into padded device arrays."""
 
 from __future__ import annotations
 
@@ -93,3 +94,17 @@ class StepOutput:
     def step(self, j: int) -> "StepOutput":
         """Step j of a multi-step decode, as a single step's output."""
         return StepOutput(self.tokens[j], self.logprob[j], self.rank[j], self.top_ids[j], self.top_logprobs[j])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one compiled call did, for metrics (padding waste, time)."""
+
+    kind: str  # "decode" | "prefill"
+    bucket: tuple[int, ...]
+    real_tokens: int
+    padded_tokens: int
+    seconds: float
+    bytes_needed: int  # weights once + K/V read and written for the real tokens
+    flops_needed: int  # matmuls and attention for the real tokens (padding excluded)
+    steps: int = 1  # model steps the call ran (> 1: a multi-step decode; `seconds` covers them all)

@@ -33,7 +33,7 @@ class Backend(abc.ABC):
 
     name: str  # what `--attention-backend` calls it
     param_layout: str  # "list" or "stacked" (`jserve.model.LAYOUTS`)
-    kv_layout: str  # "per_layer" or "folded" (`jserve.runtime.paged_attention.KV_LAYOUTS`)
+    kv_layout: str  # "per_layer" or "folded" (`jserve.runtime.kv_cache.KV_LAYOUTS`)
     default_page_size: int  # tokens per KV page when the user gives none
 
     def __init__(self, kernel: str, *, mesh: Any = None, huge_pages: bool = True):
