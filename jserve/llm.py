@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
@@ -36,6 +37,11 @@ class LLM:
         (default) keeps the checkpoint's; a conversion then writes float32. On an NVIDIA GPU
         the paged-attention kernel needs a bfloat16 KV cache (this, or `kv_cache_dtype`).
       shardings: optional weight shardings, passed to `checkpoint.load_checkpoint` (without a mesh).
+      quantization (a setting): "int8", "int4" or "fp8" quantizes a float checkpoint's weights at
+        load (`jserve.model.quant`), "gguf" serves a .gguf file's own quantized weights; a
+        quantized checkpoint needs none. A quantized model is served only if its quality report
+        passes the gate (`jserve.engine.quality_gate`; settings quality_gate, quality_max_kl,
+        quality_min_top1); `self.quantization` holds the record and report.
       compilation_cache: directory for JAX's persistent compilation cache; False turns it off.
       **settings: the engine's settings by name, as `jserve.engine.config.EngineConfig` lists and
         documents them (max_model_len, max_num_seqs, max_num_batched_tokens, page_size, backend,
@@ -57,7 +63,8 @@ class LLM:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
         if dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
-        self.path = resolve_model(model, dtype=dtype or "float32")
+        self.path = resolve_model(model, dtype=dtype or "float32",
+                                  keep_quantized=engine_config.quantization == "gguf")
         mesh = engine_config.mesh
         if mesh is not None:
             from jserve.model.checkpoint import read_model_config
@@ -73,6 +80,8 @@ class LLM:
         # Cast while restoring: a float32 checkpoint served in bfloat16 never holds both copies.
         self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings,
                                                                       dtype=dtype)
+        params, self.quantization = _quantization(self.path, self.config, params, self.generation_config,
+                                                  engine_config)
         self.tokenizer = Tokenizer.load(self.path)
         engine_config = resolve_max_model_len(engine_config, self.config)
         self.max_model_len = engine_config.max_model_len
@@ -142,6 +151,40 @@ class LLM:
                 return item["prompt"], self.tokenizer.encode(item["prompt"])
             raise ValueError(f"a prompt dict needs 'prompt' (str) or 'prompt_token_ids', got keys {list(item)}")
         return None, _check_ids(item)
+
+
+def _quantization(path: Path, config, params: dict, generation: Mapping[str, Any], settings) -> tuple[dict, Any]:
+    """Quantize at load if asked, then apply the quality gate: (params, the quantization record
+    with its report, or None for a float model)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jserve.engine import quality_gate
+    from jserve.model import quant
+    from jserve.model.checkpoint import quality_report_path, quantization_record
+
+    record = generation.get("quantization")
+    how = f"Evaluate it: jserve eval --model {path} --reference <its float source> --save"
+    if settings.quantization in quant.SCHEMES:
+        if record is not None:
+            raise ValueError(f"{path} is already quantized ({record['label']}); quantization="
+                             f"{settings.quantization!r} applies to float checkpoints")
+        spec = quant.QuantSpec.parse(settings.quantization, settings.quantization_group_size)
+        report_file = quality_report_path(path, spec.label())
+        how = (f"Evaluate it once (stored in {report_file}): jserve eval --model {path} --quantization "
+               f"{spec.scheme}" + (f" --group-size {spec.group_size}" if spec.scheme == "int4" else "") + " --save")
+        host = {k: v if quant.is_quantized(v) else np.asarray(v) for k, v in params.items()}
+        params = quant.quantize_params(config, host, spec)
+        record = quantization_record(spec.label(), spec.to_json(), params, source=str(path))
+        if report_file.is_file():
+            record["report"] = json.loads(report_file.read_text())
+        params = {k: jax.tree.map(jnp.asarray, v) for k, v in params.items()}
+    elif settings.quantization == "gguf" and record is None:
+        raise ValueError(f"quantization='gguf' needs a .gguf model with quantized tensors; {path} holds float weights")
+    quality_gate.check(record, gate=settings.quality_gate, max_kl=settings.quality_max_kl,
+                       min_top1=settings.quality_min_top1, how_to_evaluate=how)
+    return params, record
 
 
 def _check_ids(ids: Any) -> list[int]:

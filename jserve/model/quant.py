@@ -229,8 +229,8 @@ def quantize(w: np.ndarray, scheme: str, group_size: int = 0, symmetric: bool = 
 
 # ----------------------------------------------------------------------------------- XLA matmul
 
-def xla_quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [..., K] @ w in x's dtype, as XLA ops (the XLA backends' quantized linear).
+def xla_quantized_linear(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
+    """x [..., K] @ w in `out_dtype` (default x's), as XLA ops (the XLA backends' quantized linear).
 
     Per channel (one group): the codes are converted in the dot's operand and the scale applied to
     the [.., N] product, so the weight is read as codes. In groups: x is split into its K / G
@@ -247,17 +247,26 @@ def xla_quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         y = jnp.dot(x, q.astype(cdt), preferred_element_type=jnp.float32) * scales[0]
         if w.offsets is not None:
             y = y + jnp.sum(x.astype(jnp.float32), axis=-1, keepdims=True) * w.offsets.astype(jnp.float32)[0]
-        return y.astype(x.dtype)
+        return y.astype(out_dtype or x.dtype)
     G = K // groups
     lead = x.shape[:-1]
     xg = x.reshape(-1, groups, G)
+    offsets = None if w.offsets is None else w.offsets.astype(jnp.float32)
+    if offsets is not None and w.scheme == "int4":
+        # Unsigned codes centred on 0 (q - 8; the offset takes 8 steps): the partial sums then do not
+        # carry a large common term that the offsets' share cancels (bfloat16 partials lose it).
+        q = q - 8
+        offsets = offsets + 8 * scales
     qg = q.reshape(groups, G, N).astype(cdt)
-    part = jnp.einsum("mgk,gkn->mgn", xg, qg, preferred_element_type=jnp.float32)
+    # float32 partial sums for float32 activations; a bfloat16 model's come back rounded once to
+    # bfloat16, as its float matmuls' products do (XLA:CPU has no batched bf16 x bf16 -> f32 dot).
+    part = jnp.einsum("mgk,gkn->mgn", xg, qg,
+                      preferred_element_type=jnp.float32 if cdt == jnp.float32 else None).astype(jnp.float32)
     y = jnp.einsum("mgn,gn->mn", part, scales)
-    if w.offsets is not None:
+    if offsets is not None:
         xs = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [m, groups]
-        y = y + xs @ w.offsets.astype(jnp.float32)
-    return y.reshape(*lead, N).astype(x.dtype)
+        y = y + xs @ offsets
+    return y.reshape(*lead, N).astype(out_dtype or x.dtype)
 
 
 def embed_rows(table: QuantizedWeight, tokens: jax.Array, dtype) -> jax.Array:
@@ -271,3 +280,54 @@ def embed_rows(table: QuantizedWeight, tokens: jax.Array, dtype) -> jax.Array:
     if table.offsets is not None:
         cols = cols + jnp.take(table.offsets, tokens, axis=1).astype(jnp.float32)[:, None]
     return jnp.moveaxis(cols.reshape(D, *tokens.shape), 0, -1).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------- whole models
+
+LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # = jserve.model.llama's
+
+
+def quantize_stacked(w: Any, scheme: str, group_size: int = 0, symmetric: bool = True) -> QuantizedWeight:
+    """`quantize` a stacked weight [layers, K, N] one layer at a time (bounded host memory)."""
+    parts = [quantize(np.asarray(w[i], np.float32), scheme, group_size, symmetric) for i in range(w.shape[0])]
+    return QuantizedWeight(np.stack([p.values for p in parts]), np.stack([p.scales for p in parts]),
+                           None if parts[0].offsets is None else np.stack([p.offsets for p in parts]),
+                           scheme, parts[0].group_size)
+
+
+def quantize_params(config: Any, params: dict[str, Any], spec: QuantSpec) -> dict[str, Any]:
+    """Checkpoint-layout float params (stacked per-layer arrays) -> the same dict with the layer
+    matmuls quantized by `spec`, and the LM head (a tied embedding: held as its transpose
+    [hidden, vocab], which the head and the lookup both read) by `spec.embed_scheme` per channel.
+    An untied input embedding stays float (a step reads only its rows)."""
+    out = dict(params)
+    for name in LAYER_MATMULS:
+        w = params[name]
+        if is_quantized(w):
+            raise ValueError(f"weight {name!r} is already quantized ({w.describe()})")
+        K = w.shape[-2]
+        if spec.group_size and K % spec.group_size:
+            raise ValueError(f"group size {spec.group_size} does not divide {name}'s input dimension {K}")
+        out[name] = quantize_stacked(w, spec.scheme, spec.group_size, spec.symmetric)
+    if spec.embed_scheme is not None:
+        if config.tie_word_embeddings:
+            out["embed"] = quantize(np.asarray(params["embed"], np.float32).T, spec.embed_scheme)
+        else:
+            out["lm_head"] = quantize(np.asarray(params["lm_head"], np.float32), spec.embed_scheme)
+    return out
+
+
+def param_bytes(params: Any) -> int:
+    """Bytes of every array in a params tree (quantized weights' codes, scales and offsets included)."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
+
+
+def float_dtype(params: dict[str, Any]) -> Any:
+    """The float weights' dtype (the activations'): the final norm's, which is never quantized."""
+    return params["final_norm"].dtype
+
+
+def param_count(params: Any) -> int:
+    """Weights in a params tree, a quantized weight counting its float shape's elements."""
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    return sum(int(np.prod(w.shape)) for w in leaves)

@@ -26,7 +26,7 @@ import numpy as np
 
 from jserve.core import buckets
 from jserve.core.stop import MAX_DEVICE_STOP_IDS
-from jserve.model import model_graphdef
+from jserve.model import model_graphdef, quant
 from jserve.model.config import ModelConfig
 from jserve.runtime import backends, device_steps, step_rows
 from jserve.runtime.backends import Backend
@@ -65,9 +65,8 @@ class Runner:
             raise ValueError(f"num_pages ({num_pages}) must be a multiple of dp ({self.dp})")
         self.pages_per_group = num_pages // self.dp
         # The real weights' bytes and count (the step's floor), not those of padded packed panels.
-        leaves = jax.tree.leaves(params)
-        self.param_bytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
-        self.num_params = sum(int(x.size) for x in leaves)
+        self.param_bytes = quant.param_bytes(params)
+        self.num_params = quant.param_count(params)
         self.params = self.backend.prepare_params(config, params)
         self.page_size = page_size or self.backend.default_page_size
         self.num_pages = num_pages
@@ -85,7 +84,7 @@ class Runner:
             # Committed to a device from the start: the step returns committed (donated) pages, and
             # a first call with uncommitted ones would compile each shape a second time later.
             kv_sharding = jax.sharding.SingleDeviceSharding(_device_of(self.params))
-        kv_dtype = kv_dtype or self.params["embed"].dtype
+        kv_dtype = kv_dtype or quant.float_dtype(self.params)
         self.backend.check(config, kv_dtype, self.page_size)
         self.kv = self.backend.init_kv(config, num_pages, self.page_size, kv_dtype, kv_sharding)
         self.kv_itemsize = jax.tree.leaves(self.kv)[0].dtype.itemsize
