@@ -97,8 +97,10 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """K and V bytes of one token over all layers: `dtype_bytes` per element, plus
+        `scale_bytes` per KV head (a quantized cache's scale per token and head)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + scale_bytes)
 
     # ----------------------------------------------------------------------------- builders
 

@@ -41,6 +41,11 @@ class PagedAttention:
     traced layer index (a scanned stack) addresses its pages by adding the offset to the page
     table and slots, so no layer's pages are ever sliced out or copied, and every kernel reads
     them as it reads one layer's.
+
+    A quantized cache's entries are `(k_pages, v_pages, k_scales, v_scales)` (int8 or
+    float8_e4m3fn codes; float32 scales [num_kv_heads, pages, page_size], folded alike, with the
+    pages' partition spec less its head_dim entry): new K/V are quantized as they are written
+    and every kernel reads the codes with their scales.
     """
 
     kernel: str = "cpu"  # the paged-attention kernel (`pallas_kernels.paged_attention.BACKENDS`)
@@ -54,10 +59,10 @@ class PagedAttention:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
 
     def __call__(self, layer, q, k, v, cache, meta: PagedMeta):
-        k_pages, v_pages = cache if self.kv_layout == "folded" else cache[layer]
+        entry = cache if self.kv_layout == "folded" else cache[layer]  # (k, v[, k_scales, v_scales])
         local = functools.partial(self._local, layer)
         if self.mesh is None:
-            out, k_pages, v_pages = local(q, k, v, k_pages, v_pages, meta)
+            out, *entry = local(q, k, v, meta, *entry)
         else:
             # Each device holds its tp share of heads and its dp group's pages and rows: the
             # kernel runs on those alone (page ids and slots in `meta` are group-local).
@@ -65,31 +70,33 @@ class PagedAttention:
 
             from jserve.runtime.sharding import KV_PAGES_SPEC
 
-            heads, pages, rows = P("dp", None, "tp", None), P(*KV_PAGES_SPEC), P("dp")
+            heads, rows = P("dp", None, "tp", None), P("dp")
+            specs = (P(*KV_PAGES_SPEC),) * 2 + (P(*KV_PAGES_SPEC[:3]),) * (len(entry) - 2)
             meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None))
-            out, k_pages, v_pages = jax.shard_map(
-                local, mesh=self.mesh, in_specs=(heads, heads, heads, pages, pages, meta_spec),
-                out_specs=(heads, pages, pages), check_vma=False)(q, k, v, k_pages, v_pages, meta)
+            out, *entry = jax.shard_map(
+                local, mesh=self.mesh, in_specs=(heads, heads, heads, meta_spec, *specs),
+                out_specs=(heads, *specs), check_vma=False)(q, k, v, meta, *entry)
+        entry = tuple(entry)
         if self.kv_layout == "folded":
-            return out, (k_pages, v_pages)
-        return out, cache[:layer] + ((k_pages, v_pages),) + cache[layer + 1:]
+            return out, entry
+        return out, cache[:layer] + (entry,) + cache[layer + 1:]
 
-    def _local(self, layer, q, k, v, k_pages, v_pages, meta: PagedMeta):
+    def _local(self, layer, q, k, v, meta: PagedMeta, k_pages, v_pages, *scales):
         B, T, H, D = q.shape
-        if self.kv_layout == "folded":  # this layer's block of pages
+        if self.kv_layout == "folded":  # this layer's block of pages (and of their scales)
             offset = layer * (k_pages.shape[1] // self.num_layers)
             meta = PagedMeta(meta.slots + offset * k_pages.shape[2], meta.q_start, meta.q_lens,
                              meta.page_indices + offset)
         K = k.shape[2]
-        k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D), meta.slots)
-        scale = D ** -0.5
+        entry = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D), meta.slots, *scales)
+        k_pages, v_pages, *scales = entry
+        kw = dict(backend=self.kernel, sm_scale=D ** -0.5, sliding_window=self.sliding_window)
+        if scales:
+            kw.update(k_scales=scales[0], v_scales=scales[1])
         if T == 1:  # decode: the query sits at the last cached position
             lengths = (meta.q_start + meta.q_lens) * (meta.q_lens > 0)
-            out = paged_attention(q[:, 0], k_pages, v_pages, lengths, meta.page_indices,
-                                  backend=self.kernel, sm_scale=scale,
-                                  sliding_window=self.sliding_window)[:, None]
+            out = paged_attention(q[:, 0], k_pages, v_pages, lengths, meta.page_indices, **kw)[:, None]
         else:
             out = paged_prefill_attention(q, k_pages, v_pages, meta.q_start, meta.q_lens,
-                                          meta.page_indices, backend=self.kernel, sm_scale=scale,
-                                          sliding_window=self.sliding_window)
-        return out, k_pages, v_pages
+                                          meta.page_indices, **kw)
+        return (out, *entry)

@@ -5,7 +5,9 @@
 // Layouts (the contract of all the paged-attention kernels, pallas_kernels/paged_attention/ops.py;
 // a page id outside the pool reads page 0, the null page):
 //   q        f32 [batch, num_kv_heads, groups, head_dim]: the row's query heads k * groups + g
-//   k_pages  f32|bf16 [num_kv_heads, num_pages, page_size, head_dim]; v_pages alike
+//   k_pages  f32|bf16 [num_kv_heads, num_pages, page_size, head_dim]; v_pages alike; or quantized
+//            codes, int8 (int8_t) or float8_e4m3fn (Fp8, its bits), with f32 scales
+//            [num_kv_heads, num_pages, page_size] per tensor: a row is codes * its token's scale
 //   q_start  s32 [batch]: the row's position (its key is already in the pages)
 //   q_lens   s32 [batch]: 1 for a live row, 0 for a padded one (its output is 0)
 //   page_indices s32 [batch, max_pages]
@@ -13,6 +15,7 @@
 #define JSERVE_DECODE_ATTENTION_H_
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,12 +38,41 @@ inline float Bf16ToF32(uint16_t x) {
   return f;
 }
 
+// float8_e4m3fn pages: the code's bits (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no
+// infinities, S.1111.111 is NaN).
+struct Fp8 {
+  uint8_t bits;
+};
+
+// The 256 float8_e4m3fn values, by bits.
+inline const float* Fp8Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) x = std::nanf("");
+      t[b] = b & 128 ? -x : x;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// Quantized page codes: int8 or float8_e4m3fn, each row with a float32 scale.
+template <typename T>
+constexpr bool kQuantized = std::is_same<T, int8_t>::value || std::is_same<T, Fp8>::value;
+
 template <typename T>
 inline float Load(const T* p, int i);
 template <>
 inline float Load<float>(const float* p, int i) { return p[i]; }
 template <>
 inline float Load<uint16_t>(const uint16_t* p, int i) { return Bf16ToF32(p[i]); }
+template <>
+inline float Load<int8_t>(const int8_t* p, int i) { return p[i]; }
+template <>
+inline float Load<Fp8>(const Fp8* p, int i) { return Fp8Table()[p[i].bits]; }
 
 struct Shape {
   int64_t batch, kv_heads, tokens, groups, head_dim, num_pages, page_size, max_pages;
@@ -154,17 +186,41 @@ inline void WidenRow(const uint16_t* src, float* dst, int64_t D) {
   for (; d < D; ++d) dst[d] = Bf16ToF32(src[d]);
 }
 
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+
+// dst[0..D) = the int8 codes src times scale, 8 at a time (a sign extension, a conversion and
+// a multiply).
+inline void WidenRow(const int8_t* src, float* dst, int64_t D, float scale) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    i8x8 c;
+    std::memcpy(&c, src + d, sizeof c);
+    const v8 w = __builtin_convertvector(c, v8) * scale;
+    std::memcpy(dst + d, &w, sizeof w);
+  }
+  for (; d < D; ++d) dst[d] = src[d] * scale;
+}
+
+// dst[0..D) = the float8_e4m3fn codes src times scale (a table lookup per code).
+inline void WidenRow(const Fp8* src, float* dst, int64_t D, float scale) {
+  const float* table = Fp8Table();
+  for (int64_t d = 0; d < D; ++d) dst[d] = table[src[d].bits] * scale;
+}
+
 // Pointers to the K and V rows of keys j0 .. j0 + n - 1 (n <= kKeyBlock) of one KV head: into
-// the pages for f32, widened into `wide` (2 * kKeyBlock rows of D) for bf16. A page id outside
-// the pool reads page 0. Page by page: one division per call. A division per key (key / P with
+// the pages for f32, widened into `wide` (2 * kKeyBlock rows of D) for bf16, and for quantized
+// codes widened and multiplied by their scales (`k_scale_head`, `v_scale_head`: the KV head's
+// scales, [num_pages][P]). A page id outside the pool reads page 0. Page by page: one division per call. A division per key (key / P with
 // P known only at run time: a 64-bit idiv) took a large share of decode over L2-resident K/V,
 // and a smaller one from memory (docs/performance.md).
 template <typename T>
 inline void GatherRows(const T* k_head, const T* v_head, const int32_t* table, int64_t num_pages,
                        int64_t P, int64_t D, int64_t j0, int64_t n, float* wide,
-                       const float** krow, const float** vrow) {
+                       const float** krow, const float** vrow,
+                       const float* k_scale_head = nullptr, const float* v_scale_head = nullptr) {
   int64_t slot = j0 / P, offset = j0 % P;
   const T *kp = nullptr, *vp = nullptr;
+  const float *ksp = nullptr, *vsp = nullptr;  // quantized: the current key's scales
   for (int64_t j = 0; j < n; ++j, ++offset, kp += D, vp += D) {
     if (j == 0 || offset == P) {
       if (offset == P) ++slot, offset = 0;
@@ -172,10 +228,21 @@ inline void GatherRows(const T* k_head, const T* v_head, const int32_t* table, i
       if (page < 0 || page >= num_pages) page = 0;
       kp = k_head + (page * P + offset) * D;
       vp = v_head + (page * P + offset) * D;
+      if constexpr (kQuantized<T>) {
+        ksp = k_scale_head + page * P + offset;
+        vsp = v_scale_head + page * P + offset;
+      }
     }
     if constexpr (std::is_same<T, float>::value) {
       krow[j] = kp;
       vrow[j] = vp;
+    } else if constexpr (kQuantized<T>) {
+      float* kw = wide + j * D;
+      float* vw = wide + (kKeyBlock + j) * D;
+      WidenRow(kp, kw, D, *ksp++);
+      WidenRow(vp, vw, D, *vsp++);
+      krow[j] = kw;
+      vrow[j] = vw;
     } else {
       float* kw = wide + j * D;
       float* vw = wide + (kKeyBlock + j) * D;
@@ -289,14 +356,17 @@ struct Prefetcher {
 
 // Keys begin .. end - 1 of row `table`'s KV head k for one token's G queries (qs [G][D], scaled
 // by sm_scale): leaves the running max m[g], sum l[g] and unnormalised acc[g][D]. `after`: the
-// block to prefetch during the last one.
+// block to prefetch during the last one. Quantized pages: `k_scales`, `v_scales` (all heads').
 template <typename T, int HD>
 void DecodeRange(const Shape& s, int64_t k, const int32_t* table, int64_t begin, int64_t end,
                  const float* qs, const T* k_pages, const T* v_pages, float soft_cap, float* m,
-                 float* l, float* acc, KeyBlockLines after) {
+                 float* l, float* acc, KeyBlockLines after, const float* k_scales = nullptr,
+                 const float* v_scales = nullptr) {
   const int64_t D = s.head_dim, G = s.groups, P = s.page_size;
   const T* k_head = k_pages + k * s.num_pages * P * D;
   const T* v_head = v_pages + k * s.num_pages * P * D;
+  const float* ks_head = k_scales ? k_scales + k * s.num_pages * P : nullptr;
+  const float* vs_head = v_scales ? v_scales + k * s.num_pages * P : nullptr;
   alignas(64) float p[kMaxGroups * kKeyBlock];  // P [query][key] of the block
   float alpha[kMaxGroups];
   const float* krow[kKeyBlock + 8];  // + padding lanes of the last 8 keys
@@ -308,7 +378,8 @@ void DecodeRange(const Shape& s, int64_t k, const int32_t* table, int64_t begin,
   std::fill(acc, acc + G * D, 0.0f);
   for (int64_t j0 = begin; j0 < end; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - j0), n8 = (n + 7) / 8 * 8;
-    GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide.data(), krow, vrow);
+    GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide.data(), krow, vrow, ks_head,
+               vs_head);
     for (int64_t j = n; j < n8; ++j) krow[j] = krow[n - 1];  // scored, then masked
     Prefetcher next(j0 + n < end ? KeyBlockAt(s, k, table, j0 + n, end, k_pages, v_pages) : after,
                     (n + 3) / 4);
@@ -356,14 +427,17 @@ constexpr int64_t kMinSplitKeys = 256;
 
 // Decode for the whole batch: tasks are (row, KV head, part of the keys). Rows x heads fewer
 // than 4 per thread split their keys into parts, each a DecodeRange of its own, merged after
-// (`Merge(pair)` for each of `merges()` pairs, once every task is done).
+// (`Merge(pair)` for each of `merges()` pairs, once every task is done). Quantized pages take
+// their scales, `k_scales` and `v_scales`.
 template <typename T>
 class DecodeWork {
  public:
   DecodeWork(const Shape& s, const float* q, const T* k_pages, const T* v_pages,
              const int32_t* q_start, const int32_t* q_lens, const int32_t* page_indices,
-             float* out, float sm_scale, float soft_cap, int32_t window, int64_t threads)
-      : s_(s), q_(q), k_pages_(k_pages), v_pages_(v_pages), q_start_(q_start), q_lens_(q_lens),
+             float* out, float sm_scale, float soft_cap, int32_t window, int64_t threads,
+             const float* k_scales = nullptr, const float* v_scales = nullptr)
+      : s_(s), q_(q), k_pages_(k_pages), v_pages_(v_pages), k_scales_(k_scales),
+        v_scales_(v_scales), q_start_(q_start), q_lens_(q_lens),
         page_indices_(page_indices), out_(out), sm_scale_(sm_scale), soft_cap_(soft_cap),
         window_(window), pairs_(s.batch * s.kv_heads), stride_(s.groups * (s.head_dim + 2)) {
     int64_t longest = 0;
@@ -402,11 +476,14 @@ class DecodeWork {
     }
     const int32_t* table = page_indices_ + b * s_.max_pages;
     if (D == 64) {
-      DecodeRange<T, 64>(s_, k, table, begin, end, qs, k_pages_, v_pages_, soft_cap_, m, l, acc, after);
+      DecodeRange<T, 64>(s_, k, table, begin, end, qs, k_pages_, v_pages_, soft_cap_, m, l, acc, after,
+                         k_scales_, v_scales_);
     } else if (D == 128) {
-      DecodeRange<T, 128>(s_, k, table, begin, end, qs, k_pages_, v_pages_, soft_cap_, m, l, acc, after);
+      DecodeRange<T, 128>(s_, k, table, begin, end, qs, k_pages_, v_pages_, soft_cap_, m, l, acc, after,
+                          k_scales_, v_scales_);
     } else {
-      DecodeRange<T, 0>(s_, k, table, begin, end, qs, k_pages_, v_pages_, soft_cap_, m, l, acc, after);
+      DecodeRange<T, 0>(s_, k, table, begin, end, qs, k_pages_, v_pages_, soft_cap_, m, l, acc, after,
+                        k_scales_, v_scales_);
     }
     if (splits_ == 1) {
       float* ob = out_ + pair * G * D;
@@ -465,6 +542,7 @@ class DecodeWork {
   Shape s_;
   const float* q_;
   const T *k_pages_, *v_pages_;
+  const float *k_scales_, *v_scales_;  // quantized pages' scales; null for float pages
   const int32_t *q_start_, *q_lens_, *page_indices_;
   float* out_;
   float sm_scale_, soft_cap_;

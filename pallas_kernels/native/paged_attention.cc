@@ -17,8 +17,11 @@
 // page-table slots point to page 0, the null page):
 //   q        f32 [batch, num_kv_heads, tokens * groups, head_dim]   queries packed per KV head:
 //            row r is token r / groups of the row's chunk, query head k * groups + r % groups
-//   k_pages  f32|bf16 [num_kv_heads, num_pages, page_size, head_dim]
+//   k_pages  f32|bf16 [num_kv_heads, num_pages, page_size, head_dim], or quantized codes:
+//            s8 or f8e4m3fn, a row being its codes times the token's scale
 //   v_pages  same as k_pages
+//   k_scales, v_scales  f32 [num_kv_heads, num_pages, page_size] for quantized pages; empty
+//            (0 elements) for float ones
 //   q_start  s32 [batch]   position of the row's first new token (= keys cached before it)
 //   q_lens   s32 [batch]   real new tokens of the row; tokens past it (and padded rows) output 0
 //   page_indices s32 [batch, max_pages]
@@ -54,7 +57,7 @@ template <typename T>
 void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float* q,
                const T* k_pages, const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
                const int32_t* page_indices, float* out, float sm_scale, float soft_cap,
-               int32_t window) {
+               int32_t window, const float* k_scales, const float* v_scales) {
   const int64_t D = s.head_dim, G = s.groups, P = s.page_size;
   const int64_t first_row = ((b * s.kv_heads + k) * s.tokens + token) * G;
   const float* qb = q + first_row * D;
@@ -82,6 +85,8 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
   const int32_t* table = page_indices + b * s.max_pages;
   const T* k_head = k_pages + k * s.num_pages * P * D;
   const T* v_head = v_pages + k * s.num_pages * P * D;
+  const float* ks_head = kQuantized<T> ? k_scales + k * s.num_pages * P : nullptr;
+  const float* vs_head = kQuantized<T> ? v_scales + k * s.num_pages * P : nullptr;
   alignas(64) float scores[kMaxGroups][64];
   for (int64_t t0 = begin; t0 < end;) {
     int64_t page = table[t0 / P];
@@ -90,6 +95,9 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
     const int64_t n = std::min<int64_t>({P - off, end - t0, 64});
     const T* kp = k_head + (page * P + off) * D;
     const T* vp = v_head + (page * P + off) * D;
+    // Quantized pages: the block's scales (a token's dot product and probability take them).
+    const float* ksp = kQuantized<T> ? ks_head + page * P + off : nullptr;
+    const float* vsp = kQuantized<T> ? vs_head + page * P + off : nullptr;
     if (t0 + n < end) {
       // The next block's rows live on another page, somewhere else in the pool: start fetching
       // them now, the hardware prefetcher only follows this page.
@@ -112,6 +120,7 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * Load(kt, static_cast<int>(d));
+        if constexpr (kQuantized<T>) dot *= ksp[t];
         if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
         scores[g][t] = dot;
         block_max = std::max(block_max, dot);
@@ -128,7 +137,7 @@ void AttendOne(const Shape& s, int64_t b, int64_t k, int64_t token, const float*
       float* ag = acc + g * D;
       for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
       for (int64_t t = 0; t < n; ++t) {
-        const float p = pg[t];
+        const float p = kQuantized<T> ? pg[t] * vsp[t] : pg[t];
         const T* vt = vp + t * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ag[d] += p * Load(vt, static_cast<int>(d));
@@ -189,7 +198,7 @@ template <typename T>
 void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, const float* q,
                 const T* k_pages, const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
                 const int32_t* page_indices, float* out, float sm_scale, float soft_cap,
-                int32_t window) {
+                int32_t window, const float* k_scales, const float* v_scales) {
   const int64_t D = s.head_dim, G = s.groups, P = s.page_size;
   const int64_t first_row = ((b * s.kv_heads + k) * s.tokens + t0) * G;
   const float* qb = q + first_row * D;
@@ -226,11 +235,13 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
   const int32_t* table = page_indices + b * s.max_pages;
   const T* k_head = k_pages + k * s.num_pages * P * D;
   const T* v_head = v_pages + k * s.num_pages * P * D;
+  const float* ks_head = kQuantized<T> ? k_scales + k * s.num_pages * P : nullptr;
+  const float* vs_head = kQuantized<T> ? v_scales + k * s.num_pages * P : nullptr;
   const float* krow[kKeyBlock];
   const float* vrow[kKeyBlock];
   for (int64_t j0 = begin; j0 < end; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - j0);
-    GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide, krow, vrow);
+    GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide, krow, vrow, ks_head, vs_head);
     int64_t jp = 0;
     for (; jp + 3 <= n; jp += 3) ScoresRows<3>(krow + jp, qt, st + jp * kTileRows, D, rows8);
     if (n - jp == 2) ScoresRows<2>(krow + jp, qt, st + jp * kTileRows, D, rows8);
@@ -288,7 +299,8 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
 
 template <typename T>
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
-               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
+               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+               ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
                ffi::Buffer<ffi::S32> page_indices, ffi::Result<ffi::Buffer<ffi::F32>> out,
                int32_t groups, float sm_scale, float soft_cap, int32_t window) {
   auto qd = q.dimensions();
@@ -303,6 +315,20 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
   if (kd[0] != s.kv_heads || kd[3] != s.head_dim || s.groups > kMaxGroups ||
       s.head_dim > kMaxHeadDim) {
     return ffi::Error::InvalidArgument("paged attention: unsupported shapes");
+  }
+  const float* ksc = nullptr;
+  const float* vsc = nullptr;
+  if constexpr (kQuantized<T>) {
+    const int64_t want = s.kv_heads * s.num_pages * s.page_size;
+    auto sd = k_scales.dimensions();
+    if (sd.size() != 3 || sd[0] != s.kv_heads || sd[1] != s.num_pages || sd[2] != s.page_size ||
+        static_cast<int64_t>(v_scales.element_count()) != want) {
+      return ffi::Error::InvalidArgument("paged attention: scales must be [kv_heads, num_pages, page_size]");
+    }
+    ksc = k_scales.typed_data();
+    vsc = v_scales.typed_data();
+  } else if (k_scales.element_count() != 0 || v_scales.element_count() != 0) {
+    return ffi::Error::InvalidArgument("paged attention: float pages take no scales");
   }
   const float* qp = q.typed_data();
   const T* kp = reinterpret_cast<const T*>(k_pages.untyped_data());
@@ -319,13 +345,14 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
       const int64_t tile = i % tiles, bk = i / tiles;
       const int64_t t0 = tile * tile_tokens, t1 = std::min(s.tokens, t0 + tile_tokens);
       AttendTile<T>(s, bk / s.kv_heads, bk % s.kv_heads, t0, t1, qp, kp, vp, qs, ql, pi, op,
-                    sm_scale, soft_cap, window);
+                    sm_scale, soft_cap, window, ksc, vsc);
     };
     ParallelFor(pool, s.batch * s.kv_heads * tiles, tile_task);
     return ffi::Error::Success();
   }
   if (s.tokens == 1 && s.head_dim % 8 == 0) {
-    DecodeWork<T> work(s, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window, pool.num_threads());
+    DecodeWork<T> work(s, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window, pool.num_threads(),
+                       ksc, vsc);
     ParallelFor(pool, work.tasks(), [&work](int64_t i) { work.Task(i); });
     for (int64_t pair = 0; pair < work.merges(); ++pair) work.Merge(pair);
     return ffi::Error::Success();
@@ -338,7 +365,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
     const int64_t b = bk / s.kv_heads, k = bk % s.kv_heads;
     const int64_t stop = std::min(s.tokens, (run + 1) * kTokensPerTask);
     for (int64_t t = run * kTokensPerTask; t < stop; ++t) {
-      AttendOne<T>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window);
+      AttendOne<T>(s, b, k, t, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window, ksc, vsc);
     }
   };
   ParallelFor(pool, s.batch * s.kv_heads * runs, task);
@@ -346,7 +373,8 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
-                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> q_start,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
+                          ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> q_start,
                           ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_indices,
                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t groups, float sm_scale,
                           float soft_cap, int32_t sliding_window) {
@@ -355,13 +383,20 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   }
   switch (k_pages.element_type()) {
     case ffi::F32:
-      return Run<float>(pool, q, k_pages, v_pages, q_start, q_lens, page_indices, out, groups,
-                        sm_scale, soft_cap, sliding_window);
+      return Run<float>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens, page_indices,
+                        out, groups, sm_scale, soft_cap, sliding_window);
     case ffi::BF16:
-      return Run<uint16_t>(pool, q, k_pages, v_pages, q_start, q_lens, page_indices, out, groups,
-                           sm_scale, soft_cap, sliding_window);
+      return Run<uint16_t>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens,
+                           page_indices, out, groups, sm_scale, soft_cap, sliding_window);
+    case ffi::S8:
+      return Run<int8_t>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens,
+                         page_indices, out, groups, sm_scale, soft_cap, sliding_window);
+    case ffi::F8E4M3FN:
+      return Run<Fp8>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens, page_indices,
+                      out, groups, sm_scale, soft_cap, sliding_window);
     default:
-      return ffi::Error::InvalidArgument("paged attention: pages must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument(
+          "paged attention: pages must be float32, bfloat16, int8 or float8_e4m3fn");
   }
 }
 
@@ -377,6 +412,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::AnyBuffer>()         // k_pages
                                   .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales (empty: float pages)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices

@@ -23,9 +23,14 @@ _LIBRARY = NativeLibrary("paged_attention", Path(__file__).with_name("paged_atte
                          constants={"JserveMaxGroups": MAX_GROUPS, "JserveMaxHeadDim": MAX_HEAD_DIM})
 
 
-def supports(groups: int, head_dim: int) -> bool:
-    """Whether the kernel takes this many query heads per KV head and this head_dim."""
-    return groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM
+# float pages, and quantized codes (with float32 scales per token and KV head)
+PAGE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
+
+
+def supports(groups: int, head_dim: int, dtype=jnp.float32) -> bool:
+    """Whether the kernel takes this many query heads per KV head, this head_dim and pages of
+    this dtype."""
+    return groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and jnp.dtype(dtype) in PAGE_DTYPES
 
 
 def available() -> bool:
@@ -40,15 +45,19 @@ def unavailable_reason() -> str | None:
 def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          q_start: jax.Array, q_lens: jax.Array, page_indices: jax.Array, *,
                          groups: int, sm_scale: float, soft_cap: float | None,
-                         sliding_window: int | None) -> jax.Array:
+                         sliding_window: int | None, k_scales: jax.Array | None = None,
+                         v_scales: jax.Array | None = None) -> jax.Array:
     """Attention of packed query rows [batch, num_kv_heads, tokens * groups, head_dim]; f32 out.
 
-    Same contract as `cpu.paged_attention_rows` (decode is the one-token case).
+    Same contract as `cpu.paged_attention_rows` (decode is the one-token case); int8 and
+    float8_e4m3fn pages take their float32 scales [num_kv_heads, num_pages, page_size].
     """
     if not available():
         raise RuntimeError(f"native CPU attention kernel unavailable: {unavailable_reason()}")
+    if k_scales is None:  # float pages: the kernel takes empty scales
+        k_scales = v_scales = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_rows.shape, jnp.float32),
                             vmap_method="sequential")
-    return call(q_rows.astype(jnp.float32), k_pages, v_pages, q_start, q_lens, page_indices,
+    return call(q_rows.astype(jnp.float32), k_pages, v_pages, k_scales, v_scales, q_start, q_lens, page_indices,
                 groups=np.int32(groups), sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int32(sliding_window or 0))

@@ -11,6 +11,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Quantized K/V pages: codes of one of these dtypes, with float32 scales [num_kv_heads,
+# num_pages, page_size] (one per token and KV head): a key or value row is `codes * scale`.
+# The value is the largest code magnitude a row's absolute maximum maps to.
+QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+QUANT_DTYPES = tuple(QUANT_MAX)
+
 # Finite, so a fully masked block leaves the running max finite and exp() of the
 # correction factor well defined (no inf - inf).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -58,3 +64,10 @@ def attention_mask(key_pos, row, q_start, q_len, *, groups: int, sliding_window:
     if sliding_window is not None:
         mask &= row < (rel + sliding_window) * groups  # position - key < sliding_window
     return mask
+
+
+def dequantize(codes: jax.Array, scales: jax.Array | None) -> jax.Array:
+    """float32 rows from pages (`scales` None: float pages) or codes [..., head_dim] and their
+    scales [...]."""
+    x = codes.astype(jnp.float32)
+    return x if scales is None else x * scales[..., None]

@@ -15,7 +15,10 @@ kernels do few, large steps over live pages only, and see the whole page pool as
   over the row's live pages `pages_per_block` at a time, online softmax in float32; here each
   step is a real matmul (tokens x groups query rows), so per-row steps are cheap enough.
 
-Queries come packed as rows (`common.pack_rows`).
+Queries come packed as rows (`common.pack_rows`). Quantized pages (int8 / float8_e4m3fn codes)
+come with scale refs [num_kv_heads, num_pages, page_size], gathered with their pages: the key
+scales multiply the scores of their keys and the value scales the probabilities, so the codes
+are only widened, never multiplied out row by row.
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ def _kernel(
     q_ref,              # [num_kv_heads, rows, head_dim]: this batch row's block
     k_ref,              # [num_kv_heads, num_pages, page_size, head_dim]: the whole pool
     v_ref,              # [num_kv_heads, num_pages, page_size, head_dim]
-    o_ref,              # [num_kv_heads, rows, head_dim]
-    *,
+    *refs,              # (k_scales_ref, v_scales_ref [num_kv_heads, num_pages, page_size],)? o_ref
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     groups: int,
     pages_per_block: int,
 ):
+    *scale_refs, o_ref = refs
+    ks_ref, vs_ref = scale_refs or (None, None)
     b = pl.program_id(0)
     q_start, q_len = q_start_ref[b], q_lens_ref[b]
     num_kv_heads, rows, head_dim = q_ref.shape
@@ -55,17 +59,19 @@ def _kernel(
     row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     begin, end = key_range(q_start, q_len, 0, (rows - 1) // groups, sliding_window=sliding_window)
 
-    def load(ref, j):  # -> [kv_heads, block_len, head_dim] float32
+    def load(ref, j):  # -> [kv_heads, block_len, ...] (head_dim for pages; none for scales)
         pages = []
         for i in range(pages_per_block):
             # Slots past the table's end only hold positions >= every length: clamp, then mask.
             slot = jnp.minimum(j * pages_per_block + i, max_pages - 1)
-            pages.append(ref[:, page_indices_ref[b, slot]])  # [kv_heads, page_size, head_dim]
+            pages.append(ref[:, page_indices_ref[b, slot]])  # [kv_heads, page_size, ...]
         return jnp.concatenate(pages, axis=1).astype(jnp.float32)
 
     def body(j, carry):
         m, l, acc = carry  # [kv_heads, rows, 1] x2, [kv_heads, rows, head_dim]
         s = jnp.einsum("krd,ktd->krt", q, load(k_ref, j))
+        if ks_ref is not None:
+            s = s * load(ks_ref, j)[:, None, :]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = j * block_len + lax.broadcasted_iota(jnp.int32, (1, block_len), 1)
@@ -76,6 +82,8 @@ def _kernel(
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + p.sum(axis=-1, keepdims=True)
+        if vs_ref is not None:
+            p = p * load(vs_ref, j)[:, None, :]
         acc = alpha * acc + jnp.einsum("krt,ktd->krd", p, load(v_ref, j))
         return m_new, l, acc
 
@@ -98,14 +106,14 @@ def _decode_kernel(
     q_ref,              # [batch, num_kv_heads, groups, head_dim]
     k_ref,              # [num_kv_heads, num_pages, page_size, head_dim]: the whole pool
     v_ref,              # [num_kv_heads, num_pages, page_size, head_dim]
-    o_ref,              # [batch, num_kv_heads, groups, head_dim]
-    *,
+    *refs,              # (k_scales_ref, v_scales_ref,)? o_ref [batch, num_kv_heads, groups, head_dim]
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     pages_per_block: int,
     chunk: int,
 ):
+    *scale_refs, o_ref = refs
     batch, num_kv_heads, groups, head_dim = q_ref.shape
     _, num_pages, page_size, _ = k_ref.shape
     max_pages = page_indices_ref.shape[1]
@@ -131,6 +139,8 @@ def _decode_kernel(
     # The pool as rows of one page of one head: a row gather moves whole pages.
     k_rows = k_ref[...].reshape(num_kv_heads * num_pages, page_size * head_dim)
     v_rows = v_ref[...].reshape(num_kv_heads * num_pages, page_size * head_dim)
+    # Quantized pages: their scales as rows alike, [num_kv_heads * num_pages, page_size].
+    scale_rows = [ref[...].reshape(num_kv_heads * num_pages, page_size) for ref in scale_refs]
     head_offset = lax.broadcasted_iota(jnp.int32, (1, num_kv_heads, 1), 1) * num_pages
     q = q_ref[...].astype(jnp.float32) * sm_scale
     row = lax.broadcasted_iota(jnp.int32, (1, 1, groups, 1), 2)
@@ -142,6 +152,9 @@ def _decode_kernel(
         shape = (chunk, num_kv_heads, block_len, head_dim)
         k = k_rows[rows].reshape(shape).astype(jnp.float32)
         s = jnp.einsum("wkgd,wktd->wkgt", q[r], k)
+        scales = [x[rows].reshape(shape[:3])[:, :, None, :] for x in scale_rows]  # [w, k, 1, t]
+        if scales:
+            s = s * scales[0]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = j[:, None, None, None] * block_len + lax.broadcasted_iota(
@@ -153,10 +166,13 @@ def _decode_kernel(
         m = s.max(axis=-1, keepdims=True)
         p = jnp.where(mask, jnp.exp(s - m), 0.0)
         v = v_rows[rows].reshape(shape).astype(jnp.float32)
+        l = p.sum(axis=-1, keepdims=True)
+        if scales:
+            p = p * scales[1]
         # Multiply-then-sum lets XLA fuse the V gather into the reduction (no gathered copy).
         acc = (p[..., None] * v[:, :, None]).sum(axis=3)
         return tuple(lax.dynamic_update_slice_in_dim(buf, x, c * chunk, 0)
-                     for buf, x in zip(bufs, (m, p.sum(axis=-1, keepdims=True), acc)))
+                     for buf, x in zip(bufs, (m, l, acc)))
 
     init = (jnp.full((num_items, num_kv_heads, groups, 1), MASK_VALUE, jnp.float32),
             jnp.zeros((num_items, num_kv_heads, groups, 1), jnp.float32),
@@ -189,10 +205,13 @@ def paged_attention_rows(
     sliding_window: int | None,
     groups: int,
     pages_per_block: int,
+    k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Runs the interpret-mode kernel; returns [batch, num_kv_heads, rows, head_dim] in q's dtype."""
     batch, num_kv_heads, rows, head_dim = q.shape
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    scales = () if k_scales is None else (k_scales, v_scales)
     if rows == groups:  # decode: one token per row
         # About one block per row per step (so the last step wastes less than one block per
         # row), at most _CHUNK_KEYS keys.
@@ -204,11 +223,11 @@ def paged_attention_rows(
             kernel,
             grid=(),
             in_specs=[whole(q_start), whole(q_lens), whole(page_indices), whole(q),
-                      whole(k_pages), whole(v_pages)],
+                      whole(k_pages), whole(v_pages), *map(whole, scales)],
             out_specs=whole(q),
             out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
             interpret=True,
-        )(q_start, q_lens, page_indices, q, k_pages, v_pages)
+        )(q_start, q_lens, page_indices, q, k_pages, v_pages, *scales)
     kernel = functools.partial(_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, groups=groups,
                                pages_per_block=pages_per_block)
@@ -217,8 +236,8 @@ def paged_attention_rows(
         kernel,
         grid=(batch,),
         in_specs=[whole(q_start), whole(q_lens), whole(page_indices), row_block,
-                  whole(k_pages), whole(v_pages)],
+                  whole(k_pages), whole(v_pages), *map(whole, scales)],
         out_specs=row_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=True,
-    )(q_start, q_lens, page_indices, q, k_pages, v_pages)
+    )(q_start, q_lens, page_indices, q, k_pages, v_pages, *scales)

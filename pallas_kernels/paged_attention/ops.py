@@ -8,7 +8,10 @@ bfloat16/float16 K/V, head_dim a multiple of 64 and page_size a multiple of 8; a
 the reference's XLA path, which gathers every slot of the page table) and "reference".
 
 All backends share one layout contract: K/V pages [num_kv_heads, num_pages, page_size, head_dim]
-per layer; page tables int32[batch, max_pages_per_seq] whose padded slots point to page 0, the
+per layer (float32, bfloat16, float16, or quantized: int8 or float8_e4m3fn codes with float32
+`k_scales` / `v_scales` [num_kv_heads, num_pages, page_size], one per token and KV head, a row
+being `codes * scale`; the Mosaic GPU kernel does not take quantized pages, which run the
+reference's XLA path there); page tables int32[batch, max_pages_per_seq] whose padded slots point to page 0, the
 null page (never -1: JAX gathers wrap negative indices); lengths int32[batch], 0 for a padded row.
 """
 
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.native import paged_attention as native
 from pallas_kernels.paged_attention import cpu, gpu, reference, tpu
-from pallas_kernels.paged_attention.common import pack_rows, unpack_rows
+from pallas_kernels.paged_attention.common import QUANT_DTYPES, pack_rows, unpack_rows
 
 BACKENDS = ("cpu", "cpu_pallas", "tpu", "gpu", "reference")
 # Keys per compute block: 128 fills a TPU lane row, and on CPU 64-256 keys ran within noise
@@ -40,7 +43,7 @@ def _check(name: str, x, ndim: int, dtypes=None) -> None:
 
 
 def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_scale, soft_cap,
-              sliding_window, pages_per_block, q_shape) -> None:
+              sliding_window, pages_per_block, q_shape, k_scales=None, v_scales=None) -> None:
     """Raises ValueError naming the bad argument.
 
     q is [batch, tokens, num_q_heads, head_dim]; messages show the caller's `q_shape`.
@@ -48,11 +51,24 @@ def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_s
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    _check("k_pages", k_pages, 4, floats)
-    _check("v_pages", v_pages, 4, floats)
+    _check("k_pages", k_pages, 4, floats + QUANT_DTYPES)
+    _check("v_pages", v_pages, 4, floats + QUANT_DTYPES)
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match "
                          f"k_pages {k_pages.shape} {k_pages.dtype}")
+    quantized = k_pages.dtype in QUANT_DTYPES
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if not quantized:
+            if x is not None:
+                raise ValueError(f"{name} given for {k_pages.dtype} pages (only int8 and "
+                                 "float8_e4m3fn pages take scales)")
+            continue
+        if x is None:
+            raise ValueError(f"{k_pages.dtype} pages need k_scales and v_scales")
+        _check(name, x, 3, (jnp.dtype(jnp.float32),))
+        if x.shape != k_pages.shape[:3]:
+            raise ValueError(f"{name} shape {x.shape} must be k_pages' first three dims "
+                             f"{k_pages.shape[:3]}")
     num_kv_heads, _, _, head_dim = k_pages.shape
     batch, _, num_q_heads, q_head_dim = q.shape
     if q.dtype not in floats:
@@ -84,10 +100,11 @@ def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_s
 
 
 def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_scale, soft_cap,
-            sliding_window, pages_per_block):
+            sliding_window, pages_per_block, k_scales=None, v_scales=None):
     """q [batch, tokens, num_q_heads, head_dim] -> same shape, in q's dtype."""
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     groups = q.shape[2] // num_kv_heads
+    scales = {} if k_scales is None else dict(k_scales=k_scales, v_scales=v_scales)
     if backend == "gpu" and gpu.supports(k_pages.dtype, head_dim, page_size):
         # Keys per pipeline stage: a multiple of 64 (wgmma), at least 64, at most what fits
         # in shared memory.
@@ -103,11 +120,11 @@ def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_s
     if backend in ("reference", "gpu"):
         return reference.paged_prefill_attention_reference(
             q, k_pages, v_pages, q_start, q_lens, page_indices,
-            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    if backend == "cpu" and native.supports(groups, q.shape[3]) and native.available():
+            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **scales)
+    if backend == "cpu" and native.supports(groups, q.shape[3], k_pages.dtype) and native.available():
         out = native.paged_attention_rows(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start,
                                           q_lens, page_indices, groups=groups, sm_scale=sm_scale,
-                                          soft_cap=soft_cap, sliding_window=sliding_window)
+                                          soft_cap=soft_cap, sliding_window=sliding_window, **scales)
         return unpack_rows(out, q.shape[1]).astype(q.dtype)
     if pages_per_block is None:
         pages_per_block = max(1, _DEFAULT_BLOCK_KEYS // page_size)
@@ -115,7 +132,7 @@ def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_s
     impl = tpu.paged_attention_rows if backend == "tpu" else cpu.paged_attention_rows
     out = impl(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start, q_lens, page_indices,
                sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
-               groups=groups, pages_per_block=pages_per_block)
+               groups=groups, pages_per_block=pages_per_block, **scales)
     return unpack_rows(out, q.shape[1])
 
 
@@ -132,6 +149,8 @@ def paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     pages_per_block: int | None = None,
+    k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention over a paged KV cache (grouped-query: any query-per-KV-head ratio).
 
@@ -142,6 +161,8 @@ def paged_attention(
     Args:
       pages_per_block: pages per compute block (default: 128 keys' worth), clamped to the
         page table's width.
+      k_scales, v_scales: the scales of int8 / float8_e4m3fn pages (required with them, None
+        with float pages): key row `k_pages[h, p, s] * k_scales[h, p, s]`.
     Returns:
       [batch, num_q_heads, head_dim] in q's dtype; rows with length 0 are zeros.
     """
@@ -149,12 +170,12 @@ def paged_attention(
     _check("lengths", lengths, 1)
     _validate(q[:, None], k_pages, v_pages, page_indices, {"lengths": lengths}, backend=backend,
               sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-              pages_per_block=pages_per_block, q_shape=q.shape)
+              pages_per_block=pages_per_block, q_shape=q.shape, k_scales=k_scales, v_scales=v_scales)
     q_start = jnp.maximum(lengths - 1, 0)
     q_lens = (lengths > 0).astype(jnp.int32)
     out = _attend(q[:, None], k_pages, v_pages, q_start, q_lens, page_indices, backend=backend,
                   sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                  pages_per_block=pages_per_block)
+                  pages_per_block=pages_per_block, k_scales=k_scales, v_scales=v_scales)
     return out[:, 0]
 
 
@@ -172,6 +193,8 @@ def paged_prefill_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     pages_per_block: int | None = None,
+    k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of a chunk of new tokens per row over the row's pages.
 
@@ -187,7 +210,8 @@ def paged_prefill_attention(
     _check("q", q, 4)
     _validate(q, k_pages, v_pages, page_indices, {"q_start": q_start, "q_lens": q_lens},
               backend=backend, sm_scale=sm_scale, soft_cap=soft_cap,
-              sliding_window=sliding_window, pages_per_block=pages_per_block, q_shape=q.shape)
+              sliding_window=sliding_window, pages_per_block=pages_per_block, q_shape=q.shape,
+              k_scales=k_scales, v_scales=v_scales)
     return _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, backend=backend,
                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                   pages_per_block=pages_per_block)
+                   pages_per_block=pages_per_block, k_scales=k_scales, v_scales=v_scales)

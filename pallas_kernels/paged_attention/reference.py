@@ -8,12 +8,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.common import dequantize
 
-def _gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
-    """[num_kv_heads, num_pages, page_size, head_dim] -> [batch, num_kv_heads, max_len, head_dim]."""
+
+def _gather_pages(pages: jax.Array, page_indices: jax.Array, scales: jax.Array | None = None) -> jax.Array:
+    """[num_kv_heads, num_pages, page_size, head_dim] (codes with `scales` [num_kv_heads,
+    num_pages, page_size] when quantized) -> float32 [batch, num_kv_heads, max_len, head_dim]."""
     num_kv_heads, _, page_size, head_dim = pages.shape
     batch, max_pages = page_indices.shape
-    gathered = pages[:, page_indices]  # [kv_heads, batch, max_pages, page_size, head_dim]
+    # [kv_heads, batch, max_pages, page_size, head_dim]
+    gathered = dequantize(pages[:, page_indices], None if scales is None else scales[:, page_indices])
     gathered = gathered.reshape(num_kv_heads, batch, max_pages * page_size, head_dim)
     return gathered.transpose(1, 0, 2, 3)
 
@@ -29,6 +33,8 @@ def paged_prefill_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of a chunk of queries over paged K/V (the chunk's own K/V already paged).
 
@@ -36,12 +42,13 @@ def paged_prefill_attention_reference(
     k <= p (and p - k < sliding_window when a window is set). Logits are `q.k * sm_scale`,
     then `soft_cap * tanh(logits / soft_cap)` when a soft cap is set. Rows/tokens with no
     key to attend (t >= q_lens[b]) output zeros. Returns [batch, tokens, num_q_heads, head_dim]
-    in q's dtype; all arithmetic in float32.
+    in q's dtype; all arithmetic in float32. Quantized pages (int8 or float8_e4m3fn codes) come
+    with their scales: key row `k_pages[h, p, s] * k_scales[h, p, s]`, values alike.
     """
     batch, tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
-    k = _gather_pages(k_pages, page_indices).astype(jnp.float32)  # [batch, kv_heads, max_len, head_dim]
-    v = _gather_pages(v_pages, page_indices).astype(jnp.float32)
+    k = _gather_pages(k_pages, page_indices, k_scales)  # [batch, kv_heads, max_len, head_dim]
+    v = _gather_pages(v_pages, page_indices, v_scales)
     qg = q.astype(jnp.float32).reshape(batch, tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     logits = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
     if soft_cap is not None:
@@ -72,6 +79,8 @@ def paged_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention: the query of row b sits at position lengths[b] - 1.
 
@@ -81,5 +90,6 @@ def paged_attention_reference(
     q_start = jnp.maximum(lengths - 1, 0)
     out = paged_prefill_attention_reference(
         q[:, None], k_pages, v_pages, q_start, q_lens, page_indices,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        k_scales=k_scales, v_scales=v_scales)
     return out[:, 0]

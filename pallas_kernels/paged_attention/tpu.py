@@ -8,6 +8,11 @@ are DMA'd straight from the pool in HBM (`memory_space=ANY`); page tables, start
 sit in SMEM via scalar prefetch. Row blocks past a row's real tokens, and pages outside the
 causal (and sliding-window) range of a row block, are skipped. Unlike JAX's own kernel it
 does not prefetch across grid steps, so each step pays one exposed DMA latency.
+
+Quantized pages (int8 / float8_e4m3fn codes) come with their scales [num_kv_heads, num_pages,
+page_size]: each page's scales are DMA'd with it into a [pages_per_block, page_size] buffer, the
+codes are widened to the query's dtype, the key scales multiply the scores of their keys and
+the value scales the probabilities before P.V.
 """
 
 from __future__ import annotations
@@ -30,14 +35,14 @@ def _kernel(
     q_ref,              # VMEM [block_rows, head_dim]
     k_hbm_ref,          # ANY  [num_kv_heads, num_pages, page_size, head_dim]
     v_hbm_ref,          # ANY  [num_kv_heads, num_pages, page_size, head_dim]
-    o_ref,              # VMEM [block_rows, head_dim]
-    k_buf,              # VMEM [2, pages_per_block, page_size, head_dim]
-    v_buf,              # VMEM [2, pages_per_block, page_size, head_dim]
-    sems,               # DMA semaphores [2 (k, v), 2 (slot)]
-    m_ref,              # VMEM f32[block_rows, 128]: running max, replicated across lanes
-    l_ref,              # VMEM f32[block_rows, 128]: running softmax denominator
-    acc_ref,            # VMEM f32[block_rows, head_dim]: running numerator
-    *,
+    *refs,              # quantized: k/v scales (ANY f32 [num_kv_heads, num_pages, page_size]); then
+                        # o_ref VMEM [block_rows, head_dim],
+                        # k_buf, v_buf VMEM [2, pages_per_block, page_size, head_dim],
+                        # quantized: k/v scale buffers VMEM f32 [2, pages_per_block, page_size],
+                        # sems: DMA semaphores [2 (k, v), 2 (slot)],
+                        # m_ref, l_ref VMEM f32[block_rows, 128]: running max and softmax
+                        # denominator, replicated across lanes; acc_ref f32[block_rows, head_dim]
+    quantized: bool,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -45,6 +50,10 @@ def _kernel(
     pages_per_block: int,
     max_pages: int,
 ):
+    if quantized:
+        ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     b, h, rb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_rows, head_dim = q_ref.shape
     page_size = k_buf.shape[2]
@@ -62,8 +71,10 @@ def _kernel(
             # Slots past the table's end only hold positions >= every length: clamp, then mask.
             page_slot = jnp.minimum(j * pages_per_block + i, max_pages - 1)
             page = page_indices_ref[b * max_pages + page_slot]
-            for ref, buf, sem in ((k_hbm_ref, k_buf, sems.at[0, slot]),
-                                  (v_hbm_ref, v_buf, sems.at[1, slot])):
+            pairs = [(k_hbm_ref, k_buf, sems.at[0, slot]), (v_hbm_ref, v_buf, sems.at[1, slot])]
+            if quantized:  # a page's scales share its codes' semaphore
+                pairs += [(ks_hbm_ref, ks_buf, sems.at[0, slot]), (vs_hbm_ref, vs_buf, sems.at[1, slot])]
+            for ref, buf, sem in pairs:
                 out.append(pltpu.make_async_copy(ref.at[h, page], buf.at[slot, i], sem))
         return out
 
@@ -75,6 +86,8 @@ def _kernel(
     q = q_ref[...]
     if q.dtype == jnp.float32 or k_buf.dtype == jnp.float32:
         q = q.astype(jnp.float32)
+    if quantized and q.dtype not in (jnp.float32, jnp.bfloat16):
+        q = q.astype(jnp.float32)  # codes widen exactly into bfloat16 or float32
     row = row0 + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
     # Softmax state lives in VMEM scratch, m and l replicated across 128 lanes (the layout
     # JAX's ragged paged attention uses); the loop carries no vectors.
@@ -94,8 +107,12 @@ def _kernel(
             c.wait()
         k = k_buf[slot].reshape(block_len, head_dim).astype(q.dtype)
         v = v_buf[slot].reshape(block_len, head_dim)
+        if quantized:
+            v = v.astype(q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * sm_scale  # [block_rows, block_len]
+        if quantized:
+            s = s * ks_buf[slot].reshape(1, block_len)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = j * block_len + lax.broadcasted_iota(jnp.int32, (1, block_len), 1)
@@ -108,6 +125,8 @@ def _kernel(
         alpha = jnp.exp(m_prev - m_next)
         m_ref[...] = m_next
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
+        if quantized:
+            p = p * vs_buf[slot].reshape(1, block_len)
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
         return carry
@@ -134,6 +153,8 @@ def paged_attention_rows(
     groups: int,
     pages_per_block: int,
     block_rows: int | None = None,
+    k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Runs the Mosaic kernel; returns [batch, num_kv_heads, rows, head_dim] in q's dtype.
 
@@ -148,20 +169,22 @@ def paged_attention_rows(
     padded_rows = pl.cdiv(rows, block_rows) * block_rows
     if padded_rows != rows:  # the extra rows are tokens past q_lens: they output zeros
         q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-    kernel = functools.partial(_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+    quantized = k_scales is not None
+    scales = (k_scales, v_scales) if quantized else ()
+    kernel = functools.partial(_kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, groups=groups,
                                pages_per_block=pages_per_block, max_pages=max_pages)
     row_block = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, rb, *_: (b, h, rb, 0))
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    scale_bufs = [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * len(scales)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(batch, num_kv_heads, padded_rows // block_rows),
-            in_specs=[row_block, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[row_block] + [pl.BlockSpec(memory_space=pl.ANY)] * (2 + len(scales)),
             out_specs=row_block,
-            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
+            scratch_shapes=[buf, buf, *scale_bufs, pltpu.SemaphoreType.DMA((2, 2)),
                             pltpu.VMEM((block_rows, 128), jnp.float32),
                             pltpu.VMEM((block_rows, 128), jnp.float32),
                             pltpu.VMEM((block_rows, head_dim), jnp.float32)],
@@ -169,5 +192,5 @@ def paged_attention_rows(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-    )(q_start, q_lens, page_indices.reshape(-1), q, k_pages, v_pages)
+    )(q_start, q_lens, page_indices.reshape(-1), q, k_pages, v_pages, *scales)
     return out[:, :, :rows]
