@@ -136,9 +136,11 @@ def test_quantized_model_on_the_xla_backend_matches_the_model_on_dequantized_wei
 
 
 def _report(kl_mean, top1):
-    return {"kl": {"mean": kl_mean, "median": kl_mean / 2, "p99": kl_mean * 10, "max": kl_mean * 50},
-            "top1_agreement": top1, "perplexity": {"model": 10.5, "reference": 10.0},
-            "scored_tokens": 1000, "text": "test"}
+    """The fields of `jserve.eval.EvalReport`'s JSON that the gate reads."""
+    return {"kl": {"mean": kl_mean, "median": kl_mean / 2, "p99": kl_mean * 10, "p999": kl_mean * 20,
+                   "max": kl_mean * 50},
+            "top1_agreement": top1, "ppl": {"candidate": 10.5, "reference": 10.0},
+            "scored_tokens": 1000, "text": {"source": "test", "tokens": 2000, "sha256": "0" * 64}}
 
 
 def test_quality_gate_thresholds_and_modes():
@@ -147,6 +149,8 @@ def test_quality_gate_thresholds_and_modes():
         quality_gate.check(record)
     assert not quality_gate.check(record, gate="warn").passed  # served, with a warning
     assert quality_gate.check(None) is None  # a float model
+    with pytest.raises(quality_gate.QualityGateError, match="without a reference"):
+        quality_gate.check(dict(record, report=dict(_report(0.001, 0.99), kl=None)))
     good = dict(record, report=_report(0.001, 0.99))
     assert quality_gate.check(good).passed
     bad = dict(record, report=_report(0.5, 0.99))

@@ -48,15 +48,17 @@ def thresholds(scheme: str, max_kl: float | None = None, min_top1: float | None 
 
 
 def summary(report: Mapping[str, Any]) -> str:
-    """One line of a report: KL, top-1 agreement, perplexities, greedy agreement, the text."""
+    """One line of a report (`jserve.eval.EvalReport`'s JSON): KL, top-1 agreement, perplexities,
+    greedy agreement, the text."""
     kl = report["kl"]
     parts = [f"KL mean {kl['mean']:.5f} (median {kl['median']:.5f}, p99 {kl['p99']:.4f}, max {kl['max']:.3f})",
-             f"top-1 {report['top1_agreement']:.4f}",
-             f"ppl {report['perplexity']['model']:.3f} vs {report['perplexity']['reference']:.3f}"]
+             f"top-1 agreement {report['top1_agreement']:.4f}",
+             f"ppl {report['ppl']['candidate']:.3f} vs {report['ppl']['reference']:.3f}"]
     greedy = report.get("greedy")
     if greedy:
-        parts.append(f"greedy identical {greedy['identical']}/{greedy['prompts']}")
-    parts.append(f"on {report.get('scored_tokens', '?')} tokens of {report.get('text', '?')}")
+        parts.append(f"greedy identical on {greedy['exact_match']:.0%} of {greedy['prompts']} prompts")
+    text = report.get("text") or {}
+    parts.append(f"{report.get('scored_tokens', '?')} scored tokens of {text.get('source', '?')}")
     return ", ".join(parts)
 
 
@@ -69,6 +71,9 @@ def evaluate(quantization: Mapping[str, Any], max_kl: float | None = None,
     report = quantization.get("report")
     if not report:
         return GateResult(False, f"quantization {label!r} has no quality report", kl_max, top1_min)
+    if report.get("kl") is None or report.get("top1_agreement") is None:
+        return GateResult(False, f"quantization {label!r} has a quality report without a reference model "
+                                 f"(no KL divergence to check)", kl_max, top1_min)
     kl, top1 = float(report["kl"]["mean"]), float(report["top1_agreement"])
     failures = []
     if not kl <= kl_max:

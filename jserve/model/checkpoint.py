@@ -349,7 +349,7 @@ def _read_gguf(path: Path, keep_quantized: bool = False):
 
     def loader(tensor, hf_name):
         def load():
-            if keep_quantized and tensor.tensor_type in quant_import.GGUF_TYPES and len(tensor.shape) == 2:
+            if keep_quantized and tensor.tensor_type.name in quant_import.GGUF_TYPES and len(tensor.shape) == 2:
                 w = quant_import.from_gguf(tensor.tensor_type, tensor.data, tuple(int(d) for d in tensor.shape))
                 if permuted and ("q_proj" in hf_name or "k_proj" in hf_name):
                     heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
