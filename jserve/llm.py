@@ -86,7 +86,7 @@ class LLM:
         engine_config = resolve_max_model_len(engine_config, self.config)
         self.max_model_len = engine_config.max_model_len
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
-        self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config)
+        self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config, self.quantization)
         self.runner = self.engine.runner
         self._next_id = 0
 

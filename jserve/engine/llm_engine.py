@@ -67,8 +67,10 @@ class LLMEngine:
     """The continuous-batching engine: requests in, `RequestOutput`s out, one step at a time."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
-                 config: EngineConfig):
+                 config: EngineConfig, quantization: dict[str, Any] | None = None):
         self.runner = runner
+        # generation.json's quantization record with its quality report (None: float weights)
+        self.quantization = quantization
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -323,8 +325,9 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> EngineConfig:
 
 
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
-                 config: EngineConfig) -> LLMEngine:
-    """Size the page pool, build the runner (warming it up if asked) and the engine."""
+                 config: EngineConfig, quantization: dict[str, Any] | None = None) -> LLMEngine:
+    """Size the page pool, build the runner (warming it up if asked) and the engine.
+    `quantization`: the weights' quantization record (with its quality report), for reports."""
     from jserve.core import buckets
     from jserve.runtime import backends
     from jserve.runtime.kv_cache import device_memory_bytes, kv_page_dtype, plan_memory
@@ -370,7 +373,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
 
         if config.warmup and jax.process_index() == 0:
             runner.warmup()  # the other processes compile the same shapes in Runner.follow()
-        return LLMEngine(runner, tokenizer, eos_token_ids, config)
+        return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
     if config.warmup:
         runner.warmup()
-    return LLMEngine(runner, tokenizer, eos_token_ids, config)
+    return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)

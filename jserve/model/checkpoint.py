@@ -159,6 +159,17 @@ def read_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, str
                      f"with config.json, nor a .gguf file")
 
 
+def read_quantization(model: str | os.PathLike | None) -> dict[str, Any] | None:
+    """A checkpoint's quantization record (generation.json's), or None (float weights, or not a
+    converted checkpoint)."""
+    p = Path(model) if model is not None else default_checkpoint_root() / DEFAULT_MODEL
+    if not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
+        p = default_checkpoint_root() / str(model)
+    if not is_checkpoint(p):
+        return None
+    return json.loads((p / "generation.json").read_text()).get("quantization")
+
+
 # --------------------------------------------------------------------------------- conversion
 
 def read_params(source: str | os.PathLike, *, dtype: str = "float32", progress: bool = False,

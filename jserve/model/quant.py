@@ -331,3 +331,25 @@ def param_count(params: Any) -> int:
     """Weights in a params tree, a quantized weight counting its float shape's elements."""
     leaves = jax.tree.leaves(params, is_leaf=is_quantized)
     return sum(int(np.prod(w.shape)) for w in leaves)
+
+
+def estimate_bytes(shapes: dict[str, tuple[int, ...]], spec: QuantSpec, float_bytes: int, *,
+                   tied: bool) -> int:
+    """Bytes of a model's weights quantized by `spec` (`quantize_params`' result), from the
+    checkpoint's shapes (`jserve.model.llama.param_shapes`): codes, float16 scales and offsets."""
+    def quantized(shape, scheme, group, symmetric):
+        *lead, K, N = shape
+        G = group or K
+        n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+        codes = n * K * N // (2 if scheme == "int4" else 1)
+        return codes + n * (K // G) * N * 2 * (1 if symmetric else 2)
+
+    total = 0
+    for name, shape in shapes.items():
+        if name in LAYER_MATMULS:
+            total += quantized(shape, spec.scheme, spec.group_size, spec.symmetric)
+        elif spec.embed_scheme is not None and (name == "embed" and tied or name == "lm_head"):
+            total += quantized(shape[::-1] if name == "embed" else shape, spec.embed_scheme, 0, True)
+        else:
+            total += int(np.prod(shape, dtype=np.int64)) * float_bytes
+    return total

@@ -36,6 +36,20 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 _OPEN_PATHS = ("/health", "/metrics")
 
 
+def quantization_summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What /v1/models and /metrics say of the weights' quantization and its measured quality
+    (None: float weights)."""
+    if record is None:
+        return None
+    report = record.get("report") or {}
+    kl = report.get("kl") or {}
+    return {"label": record["label"], "bits_per_weight": record.get("bits_per_weight"),
+            "kl_mean": kl.get("mean"), "kl_p99": kl.get("p99"), "top1_agreement": report.get("top1_agreement"),
+            "perplexity": (report.get("ppl") or {}).get("candidate"),
+            "reference_perplexity": (report.get("ppl") or {}).get("reference"),
+            "evaluated_tokens": report.get("scored_tokens")}
+
+
 class ServerState:
     """What the routes share: the engine once it is ready, limits, keys, metrics, in-flight count.
 
@@ -78,6 +92,7 @@ class ServerState:
         self.fatal: str | None = None  # watchdog.DEAD / HUNG once the engine is declared dead
         self.num_in_flight = 0  # engine requests (sequences) started and not yet finished
         self.created = int(time.time())
+        self.quantization: dict[str, Any] | None = None  # quantization_summary, once attached
         self._idle: asyncio.Event | None = None
 
     @property
@@ -98,6 +113,8 @@ class ServerState:
         self.admission = Admission(config.max_num_seqs + limits.max_queue, limits.max_queued_tokens)
         self.ctx = protocol.Context(self.model_names, config.max_model_len, llm.runner.config.vocab_size, limits,
                                     allow_priority=self.scheduling_policy == "priority")
+        self.quantization = quantization_summary(llm.quantization)
+        self.metrics.set_quantization(self.quantization)
         self.engine = engine
         self.metrics.ready.set(1)
 
@@ -262,7 +279,8 @@ async def models(request: web.Request) -> web.Response:
     state.check_ready()
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": state.created, "owned_by": "jserve",
-        "max_model_len": state.ctx.max_model_len} for name in state.model_names]})
+        "max_model_len": state.ctx.max_model_len, "quantization": state.quantization}
+        for name in state.model_names]})
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -62,6 +62,23 @@ class ServerMetrics:
         self.flops_per_s = gauge("jserve_achieved_flops_per_second", "useful FLOPs per second of step time, "
                                                                      f"last {RECENT_STEPS} steps")
         self.ready = gauge("jserve_ready", "1 once warmed up and serving, else 0")
+        self.quantization = Gauge("jserve_quantization_info", "1, labelled with the weights' quantization "
+                                  "(none for float weights)", ["quantization"], registry=r)
+        self.bits_per_weight = gauge("jserve_weight_bits_per_weight", "stored bits per weight (codes, scales, "
+                                                                      "offsets; 0 for float weights)")
+        self.quality_kl = gauge("jserve_quantization_kl_mean", "mean KL divergence from the float model in the "
+                                                               "weights' quality report")
+        self.quality_top1 = gauge("jserve_quantization_top1_agreement", "top-1 agreement with the float model "
+                                                                        "in the weights' quality report")
+
+    def set_quantization(self, summary: dict[str, Any] | None) -> None:
+        """The weights' quantization and its measured quality (`app.quantization_summary`)."""
+        self.quantization.labels(quantization=summary["label"] if summary else "none").set(1)
+        if summary:
+            for gauge, key in ((self.bits_per_weight, "bits_per_weight"), (self.quality_kl, "kl_mean"),
+                               (self.quality_top1, "top1_agreement")):
+                if summary.get(key) is not None:
+                    gauge.set(summary[key])
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
