@@ -206,3 +206,33 @@ def test_quantized_checkpoint_round_trip_and_gate(tiny_hf_folder, tmp_path):  # 
     assert llm.quantization["label"] == "int8 per-channel sym"
     assert quant.is_quantized(llm.runner.params["layers"]["wq"])
     shutil.rmtree(tmp_path / "q4")
+
+
+@pytest.mark.parametrize("platform,kernel", [("tpu", "tpu"), ("cuda", "gpu")])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_quantized_steps_lower_for_tpu_and_gpu(platform, kernel, scheme):
+    """The XLA backend's decode and prefill steps over quantized weights (and an int8 KV cache on
+    the TPU kernel) lower for the accelerator with its real attention kernel, on this CPU."""
+    import dataclasses
+
+    from jserve.model.llama import param_shapes
+    from jserve.runtime import backends
+    from jserve.runtime.runner import Runner
+
+    config, _ = _load("smollm2")  # with the Mosaic GPU kernel's head_dim
+    config = dataclasses.replace(config, head_dim=64, num_heads=2, num_kv_heads=1, hidden_size=128)
+    params = {k: np.ones(s, np.float32) if "norm" in k else _weight(s, i)
+              for i, (k, s) in enumerate(param_shapes(config).items())}
+    qparams = quant.quantize_params(config, params, quant.QuantSpec.parse(scheme))
+    if kernel == "gpu":  # the Mosaic GPU kernel takes bfloat16 queries and pages
+        qparams = {k: v if quant.is_quantized(v) else jnp.asarray(v, jnp.bfloat16) for k, v in qparams.items()}
+    kv_dtype = jnp.int8 if kernel == "tpu" else jnp.bfloat16
+    runner = Runner(config, qparams, num_pages=24, page_size=16, max_model_len=64,
+                    backend=backends.create(kernel), kv_dtype=kv_dtype, max_num_batched_tokens=16,
+                    batch_buckets=(4,), token_buckets=(16,))
+    for B, T in ((4, 1), (1, 16)):
+        args = (runner.params, runner.kv, *runner._pack([None] * B, B, T))
+        text = runner.step_fn(B, T).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        assert ("tpu_custom_call" if platform == "tpu" else "mosaic_gpu") in text  # the real kernel
+        codes = {"int8": "xi8", "int4": "xui8", "fp8": "xf8E4M3FN"}[scheme]
+        assert codes in text  # the weights enter the step as codes, not as floats
