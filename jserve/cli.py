@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     from jserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from jserve.eval.cli import add_parser as add_eval_parser
+    add_eval_parser(sub)
     return parser
 
 

@@ -12,8 +12,8 @@ Servers (``--servers``, comma-separated):
                 run with ``--hf-python`` (.venv-ref: torch + transformers, never a jserve dependency)
 
 llama.cpp is built once from the sources vendored in the llama-cpp-python sdist (`pip download
---no-binary :all: --no-deps llama-cpp-python`), with cmake (Release, GGML_NATIVE, targets
-llama-server and llama-quantize, `nice -n 10`, 2 jobs: 10-30 minutes on 2 cores) into
+--no-binary llama-cpp-python --no-deps llama-cpp-python`), with cmake (Release, GGML_NATIVE, targets
+llama-server, llama-quantize and llama-perplexity, `nice -n 10`, 2 jobs: 10-30 minutes on 2 cores) into
 ``--cache-dir`` (default ~/.cache/jserve-bench, or $JSERVE_BENCH_CACHE), outside the repository.
 
 Each server gets the same runs through the jserve.bench client: ``--workload`` (default mix) at
@@ -59,16 +59,28 @@ def llama_bin(cache: Path) -> Path:
     return cache / "build" / "bin"
 
 
+# The llama.cpp tools the scripts run: the server (compare_servers.py), the quantizer (the F32 and Q8_0
+# copies) and llama-perplexity (scripts/compare_quality.py: perplexity and KL divergence).
+LLAMA_TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
+
+
+def llama_cpp_source(cache: Path) -> Path | None:
+    """The unpacked vendored llama.cpp tree, or None before ensure_llama_cpp has unpacked it."""
+    trees = sorted((cache / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return trees[-1] if trees else None
+
+
 def ensure_llama_cpp(cache: Path, jobs: int = 2) -> Path:
-    """llama-server and llama-quantize, built once from the llama-cpp-python sdist's vendored llama.cpp."""
+    """LLAMA_TARGETS, built once from the llama-cpp-python sdist's vendored llama.cpp (a target that is
+    missing is built into the existing build folder, so an older build gains llama-perplexity)."""
     bindir = llama_bin(cache)
-    if (bindir / "llama-server").is_file() and (bindir / "llama-quantize").is_file():
+    if all((bindir / target).is_file() for target in LLAMA_TARGETS):
         return bindir
     cache.mkdir(parents=True, exist_ok=True)
     sdists = sorted((cache / "sdist").glob("llama_cpp_python-*.tar.gz"))
     if not sdists:
         log("downloading the llama-cpp-python sdist")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
                         "llama-cpp-python", "-d", str(cache / "sdist")], check=True)
         sdists = sorted((cache / "sdist").glob("llama_cpp_python-*.tar.gz"))
     src_root = cache / "src"
@@ -86,8 +98,8 @@ def ensure_llama_cpp(cache: Path, jobs: int = 2) -> Path:
                     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
                     "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"], check=True)
-    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", "llama-server",
-                    "llama-quantize", "-j", str(jobs)], check=True)
+    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", *LLAMA_TARGETS,
+                    "-j", str(jobs)], check=True)
     return bindir
 
 

@@ -1,0 +1,91 @@
+"""`jserve eval`: the quality of a model (a quantized one) against a reference, as a table or JSON.
+
+    jserve eval --model Q [--reference R] [--text FILE] [--ctx 512] [--max-chunks N] [--json]
+    jserve eval --model R --quantization int4 [--group-size 32]     # Q is R quantized at load
+    jserve eval --model M --dtype bfloat16 --reference M             # bfloat16 against the float32 checkpoint
+    jserve eval --write-text PATH                                    # the default text, for llama-perplexity -f
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval", help="perplexity, KL divergence and greedy agreement against a reference (llama-perplexity's "
+        "definitions)", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="the candidate Q: checkpoint, HF folder, .gguf or name "
+                   "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--reference", default=None, help="the reference R (default: with --quantization, the "
+                   "model itself unquantized; else none: perplexity only)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="Q is the model quantized at load with this scheme")
+    p.add_argument("--group-size", type=int, default=None, help="int4's group size (32, 64 or 128)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="Q's float dtype "
+                   "(default: the checkpoint's)")
+    p.add_argument("--reference-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="R's float dtype (default: the checkpoint's)")
+    p.add_argument("--text", default=None, help="a UTF-8 text file (default: the prose of the standard "
+                   "library's pydoc_data/topics.py, see jserve/eval/text.py)")
+    p.add_argument("--write-text", metavar="PATH", default=None,
+                   help="write the evaluation text to PATH and exit (for llama-perplexity -f)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity's -c; default 512)")
+    p.add_argument("--max-chunks", type=int, default=None, help="score only the first N chunks "
+                   "(llama-perplexity's --chunks)")
+    p.add_argument("--batch-size", type=int, default=4, help="chunks per forward pass (memory: ~50 MB of "
+                   "logits per chunk and model at a 49k vocabulary)")
+    p.add_argument("--attention-backend", dest="backend", default=None,
+                   help="execution backend (default: the platform's, as the engine picks)")
+    p.add_argument("--no-greedy", action="store_true", help="skip greedy agreement on the golden prompts")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    p.add_argument("--out", default=None, help="also write the JSON report to this file")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from jserve.eval.text import load_text, write_text
+
+    text = load_text(args.text)
+    if args.write_text:
+        write_text(args.write_text, text)
+        print(f"wrote {len(text.text)} characters ({text.source}, sha256 {text.sha256}) to {args.write_text}",
+              file=sys.stderr)
+        return 0
+    from jserve.eval.evaluate import evaluate
+    from jserve.eval.models import load_model, parse_quantization, quantized
+
+    def log(msg: str) -> None:
+        print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+    spec = parse_quantization(args.quantization, args.group_size)
+    t0 = time.perf_counter()
+    candidate = load_model(args.model, dtype=args.dtype)
+    reference = None
+    if args.reference is not None:
+        reference = load_model(args.reference, dtype=args.reference_dtype, label=f"{Path(args.reference).name} (R)")
+    elif spec is not None:
+        reference = candidate if args.reference_dtype in (None, candidate.dtype) else load_model(
+            args.model, dtype=args.reference_dtype)
+        reference = _relabel(reference, f"{reference.label} {reference.dtype} (R)")
+    if spec is not None:
+        log(f"quantizing {candidate.label} ({spec.label()})")
+        candidate = quantized(candidate, spec)
+    load_s = time.perf_counter() - t0
+    report = evaluate(candidate, reference, text=text, ctx=args.ctx, max_chunks=args.max_chunks,
+                      batch_size=args.batch_size, backend=args.backend, greedy=not args.no_greedy, log=log)
+    report.timings_s = {"load": load_s, **report.timings_s}
+    if args.out:
+        Path(args.out).write_text(report.dumps() + "\n")
+    print(report.dumps() if args.json else report.table())
+    return 0
+
+
+def _relabel(model, label):
+    import dataclasses
+
+    return dataclasses.replace(model, label=label)
