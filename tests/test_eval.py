@@ -246,3 +246,14 @@ def test_cli_json_on_a_tiny_checkpoint(tmp_path, smollm2_checkpoint):
     assert report.kl["max"] == 0.0 and report.top1_agreement == 1.0
     assert report.text["sha256"] == default_text().sha256 and report.text["tokens"] > 30_000
     assert report.ppl["candidate"] == report.ppl["reference"] > 1
+    # --quantization: Q is the model quantized at load, R the model; --save stores the gate's report
+    from jserve.model.checkpoint import quality_report_path
+    from jserve.model.quant import QuantSpec
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["eval", "--model", str(out), "--quantization", "int8", "--text", str(text), "--ctx", "32",
+                   "--max-chunks", "2", "--no-greedy", "--save"])
+    assert rc == 0
+    saved = EvalReport.from_json(quality_report_path(out, QuantSpec.parse("int8").label()).read_text())
+    assert saved.candidate["quantization"]["scheme"] == "int8" and saved.reference["quantization"] is None
+    assert saved.kl["mean"] > 0 and saved.chunks == 2

@@ -4,6 +4,10 @@
     jserve eval --model R --quantization int4 [--group-size 32]     # Q is R quantized at load
     jserve eval --model M --dtype bfloat16 --reference M             # bfloat16 against the float32 checkpoint
     jserve eval --write-text PATH                                    # the default text, for llama-perplexity -f
+
+`--save` stores the report where the quality gate reads it: with `--quantization`, in the float
+checkpoint's quality/<label>.json (for `LLM(quantization=...)`); for a quantized checkpoint, in its
+generation.json (its reference defaults to the float source it was quantized from).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-greedy", action="store_true", help="skip greedy agreement on the golden prompts")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
+    p.add_argument("--save", action="store_true", help="store the report where the quality gate reads it "
+                   "(see above)")
     p.set_defaults(func=run)
     return p
 
@@ -65,6 +71,14 @@ def run(args: argparse.Namespace) -> int:
     spec = parse_quantization(args.quantization, args.group_size)
     t0 = time.perf_counter()
     candidate = load_model(args.model, dtype=args.dtype)
+    record = _quantization_record(candidate.path)
+    if args.reference is None and record is not None and spec is None and record.get("source"):
+        args.reference = record["source"]  # a quantized checkpoint against its float source
+        log(f"reference: {args.reference} (the checkpoint's float source)")
+    if args.save and args.reference is None and spec is None:
+        raise ValueError("--save needs a reference: --reference R, or --quantization (R is the model itself)")
+    if args.save and spec is None and record is None:
+        raise ValueError(f"--save: {candidate.path} is not a quantized checkpoint (and no --quantization given)")
     reference = None
     if args.reference is not None:
         reference = load_model(args.reference, dtype=args.reference_dtype, label=f"{Path(args.reference).name} (R)")
@@ -81,8 +95,32 @@ def run(args: argparse.Namespace) -> int:
     report.timings_s = {"load": load_s, **report.timings_s}
     if args.out:
         Path(args.out).write_text(report.dumps() + "\n")
+    if args.save:
+        _save(candidate.path, spec, report, log)
     print(report.dumps() if args.json else report.table())
     return 0
+
+
+def _quantization_record(path) -> dict | None:
+    import json
+
+    generation = Path(path) / "generation.json"
+    return json.loads(generation.read_text()).get("quantization") if generation.is_file() else None
+
+
+def _save(path, spec, report, log) -> None:
+    from jserve.model.checkpoint import quality_report_path, write_quality_report
+
+    if spec is not None:
+        out = quality_report_path(path, spec.label())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".json.partial")
+        tmp.write_text(report.dumps() + "\n")
+        tmp.rename(out)
+        log(f"saved the report to {out}")
+    else:
+        write_quality_report(path, report.to_json())
+        log(f"saved the report in {Path(path) / 'generation.json'}")
 
 
 def _relabel(model, label):
