@@ -18,7 +18,7 @@ from flax import nnx
 from conftest import DATA
 from jserve.eval import greedy as greedy_mod
 from jserve.eval.chunks import chunk_tokens
-from jserve.eval.evaluate import evaluate
+from jserve.eval.evaluate import evaluate, evaluate_many
 from jserve.eval.metrics import kl_summary, log_softmax64, percentile, summarize, token_stats
 from jserve.eval.models import EvalModel, quantized
 from jserve.eval.report import EvalReport
@@ -189,6 +189,10 @@ def test_a_model_against_itself_and_a_perturbed_copy(tiny):
     bos = evaluate(tiny, None, tokens=TOKENS, bos=1, ctx=16, greedy=False, max_chunks=6)
     assert bos.bos == 1 and bos.kl is None and bos.ppl["reference"] is None
     assert bos.ppl["candidate"] != pytest.approx(diff.ppl["reference"], rel=1e-6)
+    # several candidates against one reference, R run once: the same numbers as one at a time
+    both = evaluate_many([tiny, other], tiny, tokens=TOKENS, ctx=16, batch_size=4, greedy=False, max_chunks=6)
+    assert both[0].kl["max"] == 0.0 and both[1].kl == pytest.approx(diff.kl, rel=1e-9)
+    assert both[1].ppl == pytest.approx(diff.ppl, rel=1e-9)
     # the report round-trips through its JSON
     again = EvalReport.from_json(json.loads(json.dumps(diff.to_json())))
     assert again == diff

@@ -1,5 +1,6 @@
 """`evaluate`: a candidate model Q against a reference R on one text, as llama.cpp's
-`llama-perplexity --kl-divergence` measures it, plus greedy agreement on fixed prompts."""
+`llama-perplexity --kl-divergence` measures it, plus greedy agreement on fixed prompts;
+`evaluate_many`: several candidates against one reference, R run once."""
 
 from __future__ import annotations
 
@@ -29,76 +30,93 @@ def text_tokens(model: EvalModel, text: EvalText) -> tuple[list[int], int | None
     return tok.encode(text.text), (tok.bos_token_id if tok.add_bos else None)
 
 
-def evaluate(candidate: EvalModel, reference: EvalModel | None = None, *, text: EvalText | None = None,
-             tokens: Sequence[int] | None = None, bos: int | None = None, ctx: int = DEFAULT_CTX,
-             max_chunks: int | None = None, batch_size: int = DEFAULT_BATCH, backend: Any = None,
-             greedy: bool = True, log: Callable[[str], None] | None = None) -> EvalReport:
-    """Score `candidate` (and `reference`) on `text` (default: the pydoc prose) or on given
-    `tokens` (then `bos` is the id llama.cpp would put first in each chunk, or None).
+def evaluate(candidate: EvalModel, reference: EvalModel | None = None, **kwargs: Any) -> EvalReport:
+    """Score `candidate` (and `reference`): see `evaluate_many`."""
+    return evaluate_many([candidate], reference, **kwargs)[0]
 
-    Without a reference only the candidate's perplexity (and top-1 accuracy) is measured.
-    `backend`: the backend name both run on (None: the platform's, as the engine picks).
+
+def evaluate_many(candidates: Sequence[EvalModel], reference: EvalModel | None = None, *,
+                  text: EvalText | None = None, tokens: Sequence[int] | None = None, bos: int | None = None,
+                  ctx: int = DEFAULT_CTX, max_chunks: int | None = None, batch_size: int = DEFAULT_BATCH,
+                  backend: Any = None, greedy: bool = True,
+                  log: Callable[[str], None] | None = None) -> list[EvalReport]:
+    """One report per candidate, each against `reference`, on `text` (default: the pydoc prose)
+    or on given `tokens` (then `bos` is the id llama.cpp would put first in each chunk, or None).
+
+    The models run batch by batch in lockstep (R once per batch), keeping only per-token
+    statistics. Without a reference only the candidates' perplexities (and top-1 accuracies) are
+    measured. `backend`: the backend name all run on (None: the platform's, as the engine picks).
     """
     log = log or (lambda msg: None)
-    timings: dict[str, float] = {}
-    models = [candidate] + ([reference] if reference is not None else [])
+    if not candidates:
+        raise ValueError("evaluate_many needs at least one candidate")
+    models = list(candidates) + ([reference] if reference is not None else [])
     vocab = {m.config.vocab_size for m in models}
     if len(vocab) != 1:
         raise ValueError(f"the models' vocabularies differ ({sorted(vocab)}): KL needs the same one")
     if tokens is None:
         text = text or default_text()
-        tokens, bos = text_tokens(candidate, text)
-        if reference is not None and reference.tokenizer is not None:
-            ref_tokens, _ = text_tokens(reference, text)
-            if ref_tokens != tokens:
-                raise ValueError("the two models' tokenizers tokenize the text differently")
+        tokens, bos = text_tokens(models[0], text)
+        for m in models[1:]:
+            if m.tokenizer is not None and m.tokenizer is not models[0].tokenizer and text_tokens(m, text)[0] != tokens:
+                raise ValueError(f"{m.label} and {models[0].label} tokenize the text differently")
         text_info = {**text.describe(), "tokens": len(tokens)}
     else:
         tokens = [int(t) for t in tokens]
         text_info = {**(text.describe() if text else {"source": "token ids", "sha256": "", "chars": 0}),
                      "tokens": len(tokens)}
     chunks = chunk_tokens(tokens, ctx, bos=bos, max_chunks=max_chunks)
-    log(f"{len(tokens)} tokens -> {chunks.num_chunks} chunks of {ctx}, scoring {chunks.num_scored} "
-        f"tokens each")
+    log(f"{len(tokens)} tokens -> {chunks.num_chunks} chunks of {ctx}, scoring {chunks.num_scored} tokens each, "
+        f"{len(models)} models")
 
     t0 = time.perf_counter()
     scorers = [ScoringModel(m.config, m.params, backend, m.label) for m in models]
-    timings["prepare"] = time.perf_counter() - t0
+    prepare_s = time.perf_counter() - t0
     backend_name = scorers[0].backend.name
-    parts: list[dict[str, np.ndarray]] = []
+    parts: list[list[dict[str, np.ndarray]]] = [[] for _ in candidates]
     t0 = time.perf_counter()
-    streams = [iter_logits(s, chunks, batch_size) for s in scorers]
-    for batches in zip(*streams):
-        start = batches[0][0]
-        logits = [b[1].reshape(-1, b[1].shape[-1]) for b in batches]
-        n = batches[0][1].shape[0]
+    for batches in zip(*(iter_logits(s, chunks, batch_size) for s in scorers)):
+        start, first_logits = batches[0]
+        n, vocab_size = first_logits.shape[0], first_logits.shape[-1]
         targets = chunks.targets[start:start + n].reshape(-1)
-        parts.append(token_stats(logits[0], targets, logits[1] if len(logits) > 1 else None))
-        done = start + n
-        log(f"chunks {done}/{chunks.num_chunks} ({time.perf_counter() - t0:.0f} s)")
-    timings["score"] = time.perf_counter() - t0
-    del scorers, streams
-    stats = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    summary = summarize(stats, chunks.targets.reshape(-1))
+        ref = batches[-1][1].reshape(-1, vocab_size) if reference is not None else None
+        for i in range(len(candidates)):
+            parts[i].append(token_stats(batches[i][1].reshape(-1, vocab_size), targets, ref))
+        log(f"chunks {start + n}/{chunks.num_chunks} ({time.perf_counter() - t0:.0f} s)")
+    score_s = time.perf_counter() - t0
+    del scorers
+    all_targets = chunks.targets.reshape(-1)
+    summaries = [summarize({k: np.concatenate([p[k] for p in ps]) for k in ps[0]}, all_targets) for ps in parts]
 
-    greedy_result = None
+    greedy_results: list[dict | None] = [None] * len(candidates)
+    greedy_s = [0.0] * len(candidates)
     if greedy and reference is not None:
-        t0 = time.perf_counter()
         source, prompts, max_tokens = greedy_mod.prompts_for(reference)
         log(f"greedy generation: {len(prompts)} prompts x {max_tokens} tokens ({source})")
-        outs = [greedy_mod.generate_greedy(m, prompts, max_tokens, backend) for m in (candidate, reference)]
-        greedy_result = {"source": source, "max_tokens": max_tokens, **greedy_mod.agreement(*outs)}
-        timings["greedy"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_out = greedy_mod.generate_greedy(reference, prompts, max_tokens, backend)
+        ref_s = time.perf_counter() - t0
+        for i, c in enumerate(candidates):
+            t0 = time.perf_counter()
+            out = greedy_mod.generate_greedy(c, prompts, max_tokens, backend)
+            greedy_results[i] = {"source": source, "max_tokens": max_tokens, **greedy_mod.agreement(out, ref_out)}
+            greedy_s[i] = ref_s + time.perf_counter() - t0
 
     from jserve import __version__
 
-    has_r = reference is not None
-    return EvalReport(
-        candidate=candidate.describe(), reference=reference.describe() if has_r else None, text=text_info,
-        ctx=ctx, first=chunks.first, bos=bos, chunks=chunks.num_chunks, scored_tokens=summary["scored_tokens"],
-        ppl={"candidate": summary["ppl_q"], "reference": summary.get("ppl_r")},
-        nll={"candidate": summary["nll_q"], "reference": summary.get("nll_r")},
-        top1_accuracy={"candidate": summary["top1_accuracy_q"], "reference": summary.get("top1_accuracy_r")},
-        ln_ppl_ratio=summary.get("ln_ppl_ratio"), kl=summary.get("kl"), top1_agreement=summary.get("top1_agreement"),
-        rms_delta_p=summary.get("rms_delta_p"), greedy=greedy_result, timings_s=timings,
-        backend=backend_name, jserve_version=__version__)
+    reports = []
+    for i, (c, s) in enumerate(zip(candidates, summaries)):
+        timings = {"prepare": prepare_s, "score": score_s}
+        if greedy_results[i] is not None:
+            timings["greedy"] = greedy_s[i]
+        reports.append(EvalReport(
+            candidate=c.describe(), reference=reference.describe() if reference is not None else None,
+            text=text_info, ctx=ctx, first=chunks.first, bos=bos, chunks=chunks.num_chunks,
+            scored_tokens=s["scored_tokens"],
+            ppl={"candidate": s["ppl_q"], "reference": s.get("ppl_r")},
+            nll={"candidate": s["nll_q"], "reference": s.get("nll_r")},
+            top1_accuracy={"candidate": s["top1_accuracy_q"], "reference": s.get("top1_accuracy_r")},
+            ln_ppl_ratio=s.get("ln_ppl_ratio"), kl=s.get("kl"), top1_agreement=s.get("top1_agreement"),
+            rms_delta_p=s.get("rms_delta_p"), greedy=greedy_results[i], timings_s=timings,
+            backend=backend_name, jserve_version=__version__))
+    return reports
