@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 from conftest import run_python
-from jserve.model import model_graphdef
+from jserve.model import model_graphdef, quant
 from jserve.model.config import ModelConfig
-from jserve.model.llama import LlamaModel
+from jserve.model.llama import LAYER_MATMULS, LlamaModel
 from jserve.runtime.backends import NativeCpuBackend
 from jserve.runtime.backends.native_cpu import fused_layers_supported
 from jserve.runtime.kv_cache import init_kv_pages
@@ -31,6 +31,8 @@ TINY = ModelConfig(architecture="llama", vocab_size=96, hidden_size=40, intermed
                    num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
                    tie_word_embeddings=True)
 PAGE = 8
+# For quantized weights: every K (hidden 64, 8 heads of 16, intermediate 128) a multiple of the groups.
+QTINY = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128, num_heads=8)
 
 
 def _params(config: ModelConfig, dtype) -> dict:
@@ -41,6 +43,25 @@ def _params(config: ModelConfig, dtype) -> dict:
         lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(path)), x.shape)
         if "norm" in str(path[-1]) else x * 8.0, pure)
     return jax.tree.map(lambda x: x.astype(dtype), pure)
+
+
+def quantized_params(config: ModelConfig, dtype, scheme: str, group: int, symmetric: bool) -> dict:
+    """`_params` with every layer matmul quantized (`scheme` in groups of `group` along K) and the
+    tied embedding held as its transpose quantized int8 per channel (the model's quantized form)."""
+    params = _params(config, dtype)
+    layers = {i: {name: quant.quantize(np.asarray(w, np.float32), scheme, group, symmetric)
+                  if name in LAYER_MATMULS else w for name, w in layer.items()}
+              for i, layer in params["layers"].items()}
+    embed = quant.quantize(np.asarray(params["embed"], np.float32).T, "int8" if scheme != "fp8" else "fp8")
+    return {**params, "layers": layers, "embed": embed}
+
+
+def dequantized_params(params: dict, dtype) -> dict:
+    """The float model that quantized params stand for (the embedding back to [vocab, hidden])."""
+    def floats(w):
+        return jnp.asarray(quant.dequantize(w), dtype) if quant.is_quantized(w) else w
+    layers = {i: {name: floats(w) for name, w in layer.items()} for i, layer in params["layers"].items()}
+    return {**params, "layers": layers, "embed": floats(params["embed"]).T}
 
 
 def _pages(config: ModelConfig, num_pages: int, dtype, seed: int):
@@ -56,15 +77,22 @@ def _step(config, params, ops, cache, tokens, positions, meta):
     return model(tokens, positions, cache, meta, ops, logits_index=jnp.zeros((tokens.shape[0], 1), jnp.int32))
 
 
-def _run(config, dtype, contexts, *, seed=0):
+def _run(config, dtype, contexts, *, seed=0, quantized=None):
     """Logits and pages from one decode step of rows with these cached lengths (None: a padded
-    row), fused and not."""
+    row), fused and not; `quantized` (scheme, group, symmetric): the weights quantized, and a
+    third run, "float", of the float model they stand for on XLA's dots."""
     num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in contexts if c is not None) + 2
     backend = NativeCpuBackend()
-    packed = backend.prepare_params(config, _params(config, dtype))
+    params = _params(config, dtype) if quantized is None else quantized_params(config, dtype, *quantized)
+    packed = backend.prepare_params(config, params)
     assert backend.native_matmuls and backend.native_head
     fused = backend.ops(config)
     assert fused.fused
+    runs = {"model": (dataclasses.replace(fused, fused=False), packed), "fused": (fused, packed)}
+    if quantized is not None:
+        plain = NativeCpuBackend(native_matmuls=False)
+        floats = plain.prepare_params(config, dequantized_params(params, dtype))
+        runs["float"] = (plain.ops(config), floats)
     B, max_pages = len(contexts), max(-(-(c + 1) // PAGE) for c in contexts if c is not None)
     rng = np.random.RandomState(seed)
     table = np.zeros((B, max_pages), np.int32)
@@ -81,25 +109,27 @@ def _run(config, dtype, contexts, *, seed=0):
     positions = jnp.asarray(starts[:, None])
     meta = PagedMeta(jnp.asarray(slots), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(table))
     out = {}
-    for name, ops in {"model": dataclasses.replace(fused, fused=False), "fused": fused}.items():
+    for name, (ops, weights) in runs.items():
         cache = _pages(config, num_pages, dtype, seed)
         step = jax.jit(lambda p, c, t, pos, m, o=ops: _step(config, p, o, c, t, pos, m), donate_argnums=(1,))
-        logits, cache = step(packed, cache, tokens, positions, meta)
+        logits, cache = step(weights, cache, tokens, positions, meta)
         out[name] = (np.asarray(logits, np.float32), [np.asarray(p, np.float32) for kv in cache for p in kv])
     return out, lens
 
 
-def _assert_fused_matches(config, dtype, contexts, *, seed=0):
-    out, lens = _run(config, dtype, contexts, seed=seed)
-    (ref_logits, ref_pages), (logits, pages) = out["model"], out["fused"]
+def _assert_fused_matches(config, dtype, contexts, *, seed=0, quantized=None):
+    out, lens = _run(config, dtype, contexts, seed=seed, quantized=quantized)
     live = lens > 0
     # float32 alike up to summation order; bfloat16: the fused layers keep float32 between the
     # ops where the model rounds to bfloat16 after each.
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else dict(rtol=0.05, atol=0.1)
-    np.testing.assert_allclose(logits[live], ref_logits[live], **tol)
-    assert np.abs(ref_logits[live]).max() > 1.0  # not a degenerate model
-    for got, want in zip(pages, ref_pages):  # the new K/V written where the model writes them
-        np.testing.assert_allclose(got[:, 1:], want[:, 1:], **tol)  # page 0: padded rows' writes
+    (logits, pages) = out["fused"]
+    for ref in ("model", "float") if quantized else ("model",):
+        ref_logits, ref_pages = out[ref]
+        np.testing.assert_allclose(logits[live], ref_logits[live], **tol)
+        assert np.abs(ref_logits[live]).max() > 1.0  # not a degenerate model
+        for got, want in zip(pages, ref_pages):  # the new K/V written where the model writes them
+            np.testing.assert_allclose(got[:, 1:], want[:, 1:], **tol)  # page 0: padded rows' writes
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -107,6 +137,16 @@ def _assert_fused_matches(config, dtype, contexts, *, seed=0):
                          ids=["5 rows, one padded", "11 rows"])
 def test_fused_layers_match_the_model(dtype, contexts):
     _assert_fused_matches(TINY, dtype, contexts)
+
+
+@pytest.mark.parametrize("quantized", [("int8", 0, True), ("int8", 32, True), ("int4", 32, False), ("int4", 64, True)],
+                         ids=["int8", "int8-g32", "int4-g32-asym", "int4-g64-sym"])
+def test_fused_quantized_layers_match_the_model(quantized):
+    # Quantized layer matmuls and embedding (packed for the kernel): the fused layers against the
+    # model's own layers over the same packed weights, and against the float model they stand for.
+    _assert_fused_matches(QTINY, jnp.float32, [5, 30, None, 0, 17], quantized=quantized)
+    if quantized == ("int4", 32, False):
+        _assert_fused_matches(QTINY, jnp.bfloat16, [3, 9, 64, 1, 22, 40, 7, 12, 50], quantized=quantized)
 
 
 def test_fused_layers_split_long_rows_and_keep_a_sliding_window():
@@ -131,6 +171,8 @@ from pallas_kernels.native import matmul as native
 assert native.panel() == 24, native.panel()
 t._assert_fused_matches(t.TINY, jnp.float32, [5, 30, None, 0, 17])
 t._assert_fused_matches(t.TINY, jnp.bfloat16, [300, 2], seed=2)
+t._assert_fused_matches(t.QTINY, jnp.float32, [5, 30, None, 0, 17], quantized=("int4", 32, False))
+t._assert_fused_matches(t.QTINY, jnp.float32, [4, 1], quantized=("int8", 0, True))
 """, tmp_path, JSERVE_NATIVE_ARCH=arch)
 
 

@@ -4,7 +4,8 @@
 // Each layer: RMSNorm, q/k/v (packed_matmul.h), rotary, the K/V write, decode attention over the
 // pages (decode_attention.h), o and the residual, RMSNorm, gate/up, SiLU, down and the residual:
 // what jserve.model.llama computes for a layer without biases or q/k norms, in float32 (weights
-// float32 or bfloat16, pages float32 or bfloat16).
+// float32 or bfloat16 panels, or quantized int8 / int4 panels dequantized in registers; pages
+// float32 or bfloat16).
 //
 // Why: run as XLA ops, a decode step spent a large part of its time outside its matmuls,
 // attention and head (~18 small fusions per layer, each a pass of XLA's thunk executor) and
@@ -19,7 +20,9 @@
 // [M] (1, or 0 for a padded row), page_indices s32 [M, max_pages]; then per layer
 // kArgsPerLayer: attn_norm and mlp_norm f32|bf16 [D], wq wk wv wo w_gate w_up w_down packed
 // [N / P, K, P] (packed_matmul.h) f32|bf16, k_pages and v_pages f32|bf16 [num_kv_heads,
-// num_pages, page_size, head_dim].
+// num_pages, page_size, head_dim]. Layers of quantized weights (wq's codes int8 or uint8) take
+// kArgsPerQuantizedLayer: the same, each weight's codes in its place, then the seven weights'
+// scales after v_pages (packed_job.h).
 // Results: x_out f32 [M, D], then per layer k_pages and v_pages, aliased to the arguments
 // (written in place).
 // Attributes: num_heads, eps (RMSNorm), sm_scale, sliding_window (0 = off).
@@ -35,6 +38,7 @@
 #include "parallel_for.h"
 #include "packed_matmul.h"
 #include "decode_attention.h"
+#include "packed_job.h"
 
 namespace ffi = xla::ffi;
 
@@ -90,25 +94,12 @@ inline void Rotate(const float* x, const float* cos, const float* sin, float* ou
   for (int64_t j = half; j < hd; ++j) out[j] = x[j] * cos[j] + x[j - half] * sin[j];
 }
 
-// A packed weight [panels, K, kPanel] that must cover `n` columns of x [M, K] @ w; its job writes
-// to `out` ([M, panels * kPanel]).
-ffi::ErrorOr<Job> WeightJob(const ffi::AnyBuffer& w, int64_t K, int64_t n, float* out,
-                            const char* name) {
-  auto wd = w.dimensions();
-  if (wd.size() != 3 || wd[1] != K || wd[2] != kPanel || wd[0] * kPanel < n ||
-      (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16)) {
-    return ffi::Error::InvalidArgument(std::string("decoder_layer: ") + name +
-                                       " must be a float32 or bfloat16 packed weight [N / P, K, P] "
-                                       "(P: JserveMatmulPanel()) of the layer's shape");
-  }
-  return Job{w.untyped_data(), w.element_type() == ffi::BF16, wd[0], out};
-}
-
 // One layer's arguments: its norm weights, packed weights (wq wk wv wo w_gate w_up w_down) and
 // pages (the results', aliased to the arguments).
 struct LayerArgs {
   const ffi::AnyBuffer *attn_norm, *mlp_norm;
   const ffi::AnyBuffer* w[7];
+  const ffi::AnyBuffer* scales[7];  // quantized weights' scales, else null
   void *k_pages, *v_pages;
 };
 
@@ -126,7 +117,10 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   const int64_t M = s.batch, KVH = s.kv_heads, G = s.groups, hd = s.head_dim, L = layers.size();
   const LayerArgs& first = layers[0];
   const int64_t D = x.dimensions()[1], QD = H * hd, KD = KVH * hd;
-  const int64_t F = first.w[6]->dimensions().size() == 3 ? first.w[6]->dimensions()[1] : 0;
+  // The MLP's width: w_down's rows (int4 codes hold two per byte).
+  const int64_t F = first.w[6]->dimensions().size() == 3
+                        ? first.w[6]->dimensions()[1] * (first.w[6]->element_type() == ffi::U8 ? 2 : 1)
+                        : 0;
   int64_t width[7];  // each weight's padded output width
   for (int i = 0; i < 7; ++i) {
     auto wd = first.w[i]->dimensions();
@@ -159,7 +153,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   for (int64_t l = 0; l < L; ++l) {
     const LayerArgs& a = layers[l];
     for (int i = 0; i < 7; ++i) {
-      auto job = WeightJob(*a.w[i], ks[i], ns[i], outs[i], names[i]);
+      auto job = PackedJob(*a.w[i], a.scales[i], ks[i], ns[i], outs[i], std::string("decoder_layer: ") + names[i]);
       if (job.has_error()) return job.error();
       if (job->panels * kPanel != width[i]) {
         return ffi::Error::InvalidArgument(std::string("decoder_layer: every layer's ") + names[i] +
@@ -252,6 +246,9 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
 
 constexpr size_t kArgsPerLayer = 11;  // attn_norm mlp_norm wq wk wv wo w_gate w_up w_down k v
 constexpr size_t kKPagesArg = 9;      // the layer's k_pages among them (v_pages follows)
+// Quantized layers: the same, each weight's codes in its place, then the 7 weights' scales.
+constexpr size_t kArgsPerQuantizedLayer = 18;
+constexpr size_t kScalesArg = 11;
 
 ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
                          ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots,
@@ -259,17 +256,21 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
                          ffi::Buffer<ffi::S32> page_indices, ffi::RemainingArgs args,
                          ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::RemainingRets rets,
                          int32_t num_heads, float eps, float sm_scale, int32_t sliding_window) {
-  const size_t L = args.size() / kArgsPerLayer;
-  if (L == 0 || args.size() != L * kArgsPerLayer || rets.size() != 2 * L) {
-    return ffi::Error::InvalidArgument(
-        "decoder_layer: needs, per layer, 11 arguments (attn_norm, mlp_norm, wq, wk, wv, wo, "
-        "w_gate, w_up, w_down, k_pages, v_pages) and 2 results (k_pages, v_pages)");
-  }
   std::vector<ffi::AnyBuffer> in;
   for (size_t i = 0; i < args.size(); ++i) {
     auto a = args.get<ffi::AnyBuffer>(i);
     if (a.has_error()) return a.error();
     in.push_back(*a);
+  }
+  // Quantized layers where the first layer's wq is quantized codes (every layer must be alike).
+  const bool quantized = in.size() > 2 && IsQuantizedCodes(in[2]);
+  const size_t per_layer = quantized ? kArgsPerQuantizedLayer : kArgsPerLayer;
+  const size_t L = args.size() / per_layer;
+  if (L == 0 || args.size() != L * per_layer || rets.size() != 2 * L) {
+    return ffi::Error::InvalidArgument(
+        "decoder_layer: needs, per layer, 11 arguments (attn_norm, mlp_norm, wq, wk, wv, wo, "
+        "w_gate, w_up, w_down, k_pages, v_pages; quantized weights: their codes, and their 7 "
+        "scales after v_pages) and 2 results (k_pages, v_pages)");
   }
   std::vector<ffi::AnyBuffer> out;
   for (size_t i = 0; i < rets.size(); ++i) {
@@ -289,7 +290,7 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const ffi::DataType page_type = in[kKPagesArg].element_type();
   std::vector<LayerArgs> layers(L);
   for (size_t l = 0; l < L; ++l) {
-    const ffi::AnyBuffer* a = in.data() + kArgsPerLayer * l;
+    const ffi::AnyBuffer* a = in.data() + per_layer * l;
     for (int i = 0; i < 2; ++i) {
       const ffi::AnyBuffer &page = a[kKPagesArg + i], &result = out[2 * l + i];
       if (!SameDims(page.dimensions(), kd) || !SameDims(result.dimensions(), kd) ||
@@ -305,8 +306,19 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
         return ffi::Error::InvalidArgument("decoder_layer: the norm weights must be float32 or bfloat16");
       }
     }
-    layers[l] = LayerArgs{&a[0], &a[1], {&a[2], &a[3], &a[4], &a[5], &a[6], &a[7], &a[8]},
-                          out[2 * l].untyped_data(), out[2 * l + 1].untyped_data()};
+    LayerArgs& layer = layers[l];
+    layer.attn_norm = &a[0];
+    layer.mlp_norm = &a[1];
+    for (int i = 0; i < 7; ++i) {
+      layer.w[i] = &a[2 + i];
+      layer.scales[i] = quantized ? &a[kScalesArg + i] : nullptr;
+      if (IsQuantizedCodes(a[2 + i]) != quantized) {
+        return ffi::Error::InvalidArgument(
+            "decoder_layer: every layer's seven weights must be all quantized or all float");
+      }
+    }
+    layer.k_pages = out[2 * l].untyped_data();
+    layer.v_pages = out[2 * l + 1].untyped_data();
   }
   const int64_t M = xd[0], KVH = kd[0], hd = kd[3];
   if (num_heads < 1 || KVH < 1 || num_heads % KVH || num_heads / KVH > kMaxGroups ||
@@ -341,6 +353,8 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 // What the Python side (decoder_layer.py) relies on, checked when the library loads.
 extern "C" int JserveArgsPerLayer() { return static_cast<int>(kArgsPerLayer); }
 extern "C" int JserveKPagesArg() { return static_cast<int>(kKPagesArg); }
+extern "C" int JserveArgsPerQuantizedLayer() { return static_cast<int>(kArgsPerQuantizedLayer); }
+extern "C" int JserveScalesArg() { return static_cast<int>(kScalesArg); }
 extern "C" int JserveMaxGroups() { return kMaxGroups; }
 extern "C" int JserveMaxHeadDim() { return kMaxHeadDim; }
 

@@ -3,7 +3,8 @@ called as an XLA FFI target.
 
 `decoder_layers(...)` runs Llama layers (each: RMSNorm, q/k/v, rotary, the K/V write, paged
 decode attention, o, RMSNorm, gate/up, SiLU, down, both residuals) for one new token per row,
-over weights packed by `pallas_kernels.native.matmul.pack`, as one call: the paged runner's
+over weights packed by `pallas_kernels.native.matmul.pack` (or quantized ones packed by
+`pack_quantized`: all seven of a layer, every layer alike), as one call: the paged runner's
 decode steps on CPU (`jserve.runtime.backends.native_cpu`). Layers with biases or q/k norms, and
 prefill chunks, stay on the model's own path.
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from pallas_kernels.native import paged_attention as native_attention
 from pallas_kernels.native.build import NativeLibrary
+from pallas_kernels.native.matmul import PackedQuantized
 
 TARGET = "jserve_decoder_layers"
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -33,22 +35,42 @@ class LayerArgs(NamedTuple):
 
     attn_norm: jax.Array  # [hidden]
     mlp_norm: jax.Array  # [hidden]
-    weights: tuple[jax.Array, ...]  # wq, wk, wv, wo, w_gate, w_up, w_down, each `pack(w)` of [in, out]
+    # wq, wk, wv, wo, w_gate, w_up, w_down, each `pack(w)` of [in, out], or each a `PackedQuantized`
+    weights: tuple
     k_pages: jax.Array  # [num_kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the weights are quantized (all seven; a mix is refused)."""
+        kinds = {isinstance(w, PackedQuantized) for w in self.weights}
+        if len(kinds) > 1:
+            raise ValueError("decoder_layers needs a layer's seven weights all quantized or all float")
+        return kinds == {True}
+
     def flat(self) -> tuple:
+        """The call's arguments for this layer: quantized weights' codes in the weights' places,
+        their scales after the pages."""
+        if self.quantized:
+            return (self.attn_norm, self.mlp_norm, *(w.codes for w in self.weights), self.k_pages, self.v_pages,
+                    *(w.scales for w in self.weights))
         return (self.attn_norm, self.mlp_norm, *self.weights, self.k_pages, self.v_pages)
 
 
-# Where each layer's arguments sit, from the structure above (the C++ side's kArgsPerLayer and
-# kKPagesArg must agree: checked at load).
+# Where each layer's arguments sit, from the structure above (the C++ side's kArgsPerLayer,
+# kKPagesArg, kArgsPerQuantizedLayer and kScalesArg must agree: checked at load).
 _SHAPE = LayerArgs("attn_norm", "mlp_norm", ("w",) * NUM_WEIGHTS, "k_pages", "v_pages").flat()
 _PER_LAYER, _K_PAGES = len(_SHAPE), _SHAPE.index("k_pages")
+_SHAPE_Q = LayerArgs("attn_norm", "mlp_norm", (PackedQuantized("codes", "scales"),) * NUM_WEIGHTS,
+                     "k_pages", "v_pages").flat()
+_PER_QUANTIZED_LAYER, _SCALES = len(_SHAPE_Q), _SHAPE_Q.index("scales")
+assert _SHAPE_Q.index("k_pages") == _K_PAGES
 _LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("decoder_layer.cc"),
                          {TARGET: "JserveDecoderLayers"}, what="native CPU decoder layer",
                          fallback="running the layers as XLA ops and native matmul/attention calls",
                          constants={"JserveArgsPerLayer": _PER_LAYER, "JserveKPagesArg": _K_PAGES,
+                                    "JserveArgsPerQuantizedLayer": _PER_QUANTIZED_LAYER,
+                                    "JserveScalesArg": _SCALES,
                                     "JserveMaxGroups": native_attention.MAX_GROUPS,
                                     "JserveMaxHeadDim": native_attention.MAX_HEAD_DIM})
 
@@ -77,8 +99,9 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
 
     Args:
       cos, sin: [M, head_dim], the rotary tables at the rows' positions.
-      layers: each layer's weights and pages; the rows' new K/V are written into the pages (in
-        place where the caller donates them).
+      layers: each layer's weights (float panels, or `PackedQuantized`: all of a layer, every
+        layer alike) and pages; the rows' new K/V are written into the pages (in place where the
+        caller donates them).
       slots, q_start, q_lens, page_indices: as `jserve.runtime.paged_attention.PagedMeta` for a
         decode step (q_lens 1 for a live row, 0 for a padded one).
     Returns:
@@ -89,13 +112,16 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
     if not layers or any(len(layer.weights) != NUM_WEIGHTS for layer in layers):
         raise ValueError("decoder_layers needs at least one layer, each with 7 packed weights "
                          "(wq, wk, wv, wo, w_gate, w_up, w_down)")
+    if len({layer.quantized for layer in layers}) > 1:
+        raise ValueError("decoder_layers needs every layer's weights alike: all quantized or all float")
+    per_layer = _PER_QUANTIZED_LAYER if layers[0].quantized else _PER_LAYER
     M = x.shape[0]
     pages = [p for layer in layers for p in (layer.k_pages, layer.v_pages)]
     flat = [a for layer in layers for a in layer.flat()]
     aliases = {}
     for i in range(len(layers)):  # each layer's k_pages and v_pages are written in place
-        aliases[_META + _PER_LAYER * i + _K_PAGES] = 1 + 2 * i
-        aliases[_META + _PER_LAYER * i + _K_PAGES + 1] = 2 + 2 * i
+        aliases[_META + per_layer * i + _K_PAGES] = 1 + 2 * i
+        aliases[_META + per_layer * i + _K_PAGES + 1] = 2 + 2 * i
     call = jax.ffi.ffi_call(
         TARGET, (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
                  *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),

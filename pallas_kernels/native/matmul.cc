@@ -2,19 +2,23 @@
 //   JserveMatmulPacked  out[M, N] = x[M, K] @ w[K, N] in float32, w packed as [N / P, K, P]
 //     (P = JserveMatmulPanel(): 24 columns with AVX2, 48 with AVX-512)
 //   JserveMatmulPackedMany  the same for several weights that read one x (q/k/v, gate/up), one call
-// w is float32 or bfloat16 (read as its float32 value; the products and sums are float32).
+// w is float32 or bfloat16 (read as its float32 value; the products and sums are float32), or, in
+// JserveMatmulPackedMany, a quantized weight as two arguments, its codes and scales (int8 or int4
+// panels, dequantized in registers: packed_matmul.h, packed_job.h).
 // The paged runner's layer matmuls and tied LM head (w = the embedding's transpose) on CPU.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "parallel_for.h"
 #include "packed_matmul.h"
+#include "packed_job.h"
 
 namespace ffi = xla::ffi;
 
@@ -42,31 +46,21 @@ void RunPanels(ffi::ThreadPool& pool, int64_t M, int64_t K, const float* x,
   ParallelFor(pool, (P + per_task - 1) / per_task, task);
 }
 
-// Checks one packed weight and its output against x [M, K]; the job, or an error naming the shapes.
-ffi::ErrorOr<Job> MakeJob(int64_t M, int64_t K, const ffi::AnyBuffer& w,
-                          ffi::Buffer<ffi::F32>& out) {
-  auto wd = w.dimensions();
-  auto od = out.dimensions();
-  if (wd.size() != 3 || wd[2] != kPanel || wd[1] != K || od.size() != 2 || od[0] != M ||
-      od[1] != wd[0] * kPanel) {
-    return ffi::Error::InvalidArgument(
-        "matmul_packed: x must be [M, K], each w [N / P, K, P] (P: JserveMatmulPanel()) and its out [M, N]");
-  }
-  if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16) {
-    return ffi::Error::InvalidArgument("matmul_packed: w must be float32 or bfloat16");
-  }
-  return Job{w.untyped_data(), w.element_type() == ffi::BF16, wd[0], out.typed_data()};
-}
+// The jobs of (weight, scales or null, out) triples against x [M, K], or an error naming the shapes.
+using Weight = std::tuple<ffi::AnyBuffer, const ffi::AnyBuffer*, ffi::Buffer<ffi::F32>>;
 
-ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
-                  std::vector<std::pair<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>>& pairs) {
+ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, std::vector<Weight>& weights) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("matmul_packed: x must be [M, K]");
   const int64_t M = xd[0], K = xd[1];
   std::vector<Job> jobs;
-  for (auto& [w, out] : pairs) {
-    auto job = MakeJob(M, K, w, out);
+  for (auto& [w, scales, out] : weights) {
+    auto od = out.dimensions();
+    auto job = PackedJob(w, scales, K, 0, out.typed_data(), "matmul_packed: with x [M, K], each w");
     if (job.has_error()) return job.error();
+    if (od.size() != 2 || od[0] != M || od[1] != job->panels * kPanel) {
+      return ffi::Error::InvalidArgument("matmul_packed: each out must be [M, N] for x [M, K] and w [N / P, K, P]");
+    }
     if (M == 0) continue;
     if (K == 0) {
       std::fill(job->out, job->out + M * job->panels * kPanel, 0.0f);
@@ -80,25 +74,35 @@ ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
 
 ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  std::vector<std::pair<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>> pairs{{w, *out}};
-  return Matmul(pool, x, pairs);
+  std::vector<Weight> weights{{w, nullptr, *out}};
+  return Matmul(pool, x, weights);
 }
 
-// x @ w_i for several packed weights at once: args (x, w_1 .. w_n), results (out_1 .. out_n).
+// x @ w_i for several packed weights at once: args (x, w_1 .. w_n), results (out_1 .. out_n); a
+// quantized w_i is two arguments, its codes and then its scales.
 ffi::Error MatmulPackedMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
                             ffi::RemainingRets outs) {
-  if (ws.size() == 0 || ws.size() != outs.size()) {
-    return ffi::Error::InvalidArgument("matmul_packed_many: needs as many results as weights (at least one)");
-  }
-  std::vector<std::pair<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>> pairs;
+  std::vector<ffi::AnyBuffer> args;
   for (size_t i = 0; i < ws.size(); ++i) {
     auto w = ws.get<ffi::AnyBuffer>(i);
-    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
     if (w.has_error()) return w.error();
-    if (out.has_error()) return out.error();
-    pairs.emplace_back(*w, **out);
+    args.push_back(*w);
   }
-  return Matmul(pool, x, pairs);
+  std::vector<Weight> weights;
+  size_t i = 0;
+  for (; i < args.size() && weights.size() < outs.size(); ++i) {
+    const size_t w = i;
+    const ffi::AnyBuffer* scales = IsQuantizedCodes(args[w]) && i + 1 < args.size() ? &args[++i] : nullptr;
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(weights.size());
+    if (out.has_error()) return out.error();
+    weights.emplace_back(args[w], scales, **out);
+  }
+  if (weights.empty() || i != args.size() || weights.size() != outs.size()) {
+    return ffi::Error::InvalidArgument(
+        "matmul_packed_many: needs as many results as weights (at least one; a quantized weight is "
+        "two arguments, codes and scales)");
+  }
+  return Matmul(pool, x, weights);
 }
 
 }  // namespace
@@ -117,5 +121,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmulPackedMany, MatmulPackedMany,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .RemainingArgs()                // w_i [N_i / P, K, P], f32 or bf16
+                                  .RemainingArgs()                // w_i [N_i / P, K, P] f32 or bf16, or codes_i, scales_i
                                   .RemainingRets());              // out_i [M, N_i]

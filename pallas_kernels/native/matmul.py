@@ -3,16 +3,26 @@
 `pack(w)` once at load, then `matmul_packed(x, packed, n)`: `x @ w` with w [K, N] packed as
 [N / P, K, P] panels (P = `panel()`: 24 columns where the build has AVX2, 48 with AVX-512),
 float32 or bfloat16 (`matmul_packed_many`: several weights that read the same x, one call): the
-paged runner's layer matmuls and tied LM head on CPU (see `jserve.cpu_kernels`). Without a
-compiler `available()` is False and the runner keeps XLA's dots and unpacked weights.
+paged runner's layer matmuls and tied LM head on CPU (see `jserve.runtime.backends.native_cpu`).
+Without a compiler `available()` is False and the runner keeps XLA's dots and unpacked weights.
+
+Quantized weights (`jserve.model.quant.QuantizedWeight`, int8 and int4) pack with
+`pack_quantized(w)` into a `PackedQuantized`: the codes in the same column panels ([N / P, K, P]
+int8, [N / P, K / 2, P] uint8 nibble pairs for int4) and the per-group scales (and offsets) beside
+them as [N / P, K / G, S, P] (S = 2: scale, then offset). `matmul_packed` and `matmul_packed_many`
+take one wherever they take float panels; the kernel reads the codes and dequantizes in registers
+(products accumulated per group in float32, the scale applied once per group, an offset as its
+share times the group's sum of x), so an int4 weight is read as half a byte per weight and its
+scales. fp8 codes do not pack (`can_pack_quantized`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,35 +77,172 @@ def unpack(packed: jax.Array, n: int) -> jax.Array:
     return packed.transpose(1, 0, 2).reshape(k, p * width)[:, :n]
 
 
-def matmul_packed(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """`x @ w` in float32 (x cast to float32) for x [..., K] and `packed = pack(w)`; returns
-    float32 [..., n]."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedQuantized:
+    """A quantized weight w [K, N] packed for the native matmul (`pack_quantized`).
+
+    A registered pytree: `codes` and `scales` are leaves; `scheme` ("int8" or "int4"),
+    `group_size` (G) and `n` (N, the unpadded output width) are static.
+
+    codes: int8 [N / P, K, P], or uint8 [N / P, K / 2, P] for int4: byte (i, j) of a panel holds
+      rows 2i (low nibble) and 2i + 1 (high) of its column j, signed ([-8, 7]) where the weight
+      is symmetric, unsigned ([0, 15]) where it has offsets. Padded columns are zero codes.
+    scales: float32 or float16 [N / P, K / G, S, P]: S = 1, each group's scale; S = 2, its scale
+      then its offset. w[k, n] = scales[n // P, k // G, 0, n % P] * code (+ scales[.., 1, ..]).
+    """
+
+    codes: Any
+    scales: Any
+    scheme: str = dataclasses.field(default="int8", metadata=dict(static=True))
+    group_size: int = dataclasses.field(default=0, metadata=dict(static=True))
+    n: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @property
+    def symmetric(self) -> bool:
+        return self.scales.shape[2] == 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The float weight's shape [K, N]."""
+        rows = self.codes.shape[1]
+        return (2 * rows if self.scheme == "int4" else rows, self.n)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in (self.codes, self.scales))
+
+    def __getitem__(self, key):
+        """`param[...]` (how the model reads a weight) is the weight itself."""
+        if key is Ellipsis:
+            return self
+        raise TypeError(f"a PackedQuantized weight is read whole (`w[...]`), got index {key!r}")
+
+
+QUANTIZED_SCHEMES = ("int8", "int4")
+SCALE_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def can_pack_quantized(w: Any) -> bool:
+    """Whether `pack_quantized` takes this `QuantizedWeight` (a 2-D int8 or int4 weight)."""
+    return (getattr(w, "scheme", None) in QUANTIZED_SCHEMES and len(w.values.shape) == 2
+            and len(w.scales.shape) == 2 and w.scales.shape[0] >= 1)
+
+
+def pack_quantized(w: Any) -> PackedQuantized:
+    """A `jserve.model.quant.QuantizedWeight` of shape [K, N] (int8 or int4, symmetric or with
+    offsets, scales float16 or float32) -> `PackedQuantized` panels of P = `panel()` columns, N
+    padded with zero codes and zero scales (and offsets). Scales and offsets of different dtypes
+    both become float32; other scale dtypes become float32."""
+    if not can_pack_quantized(w):
+        raise ValueError(f"pack_quantized needs a 2-D int8 or int4 QuantizedWeight, got scheme "
+                         f"{getattr(w, 'scheme', None)!r} with codes {getattr(w.values, 'shape', None)}")
+    rows, n = w.values.shape
+    groups = w.scales.shape[0]
+    k = 2 * rows if w.scheme == "int4" else rows
+    if k % groups or (w.scheme == "int4" and (k // groups) % 2):
+        raise ValueError(f"pack_quantized: {groups} groups do not split K={k} into groups of even size")
+    width = panel()
+    panels = -(-n // width)
+    pad = panels * width - n
+    code_dtype = jnp.uint8 if w.scheme == "int4" else jnp.int8
+    codes = jnp.pad(jnp.asarray(w.values).astype(code_dtype), ((0, 0), (0, pad)))
+    codes = codes.reshape(rows, panels, width).transpose(1, 0, 2)
+    parts = [jnp.asarray(w.scales)] + ([] if w.offsets is None else [jnp.asarray(w.offsets)])
+    dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) and parts[0].dtype in SCALE_DTYPES \
+        else jnp.dtype(jnp.float32)
+    scales = jnp.stack([jnp.pad(p.astype(dtype), ((0, 0), (0, pad))) for p in parts], axis=1)  # [G, S, N]
+    scales = scales.reshape(groups, len(parts), panels, width).transpose(2, 0, 1, 3)
+    return PackedQuantized(codes, scales, w.scheme, k // groups, n)
+
+
+def quantized_codes(packed: PackedQuantized) -> jax.Array:
+    """The integer codes [K, N] of a `PackedQuantized` (int8; int4 unpacked, signed where symmetric)."""
+    c = packed.codes.transpose(1, 0, 2).reshape(packed.codes.shape[1], -1)[:, :packed.n]
+    if packed.scheme == "int8":
+        return c
+    q = jnp.stack([c & 0xF, c >> 4], axis=1).reshape(2 * c.shape[0], c.shape[1]).astype(jnp.int8)
+    return jnp.where(q >= 8, q - 16, q).astype(jnp.int8) if packed.symmetric else q
+
+
+def quantized_rows(packed: PackedQuantized, ids: jax.Array, dtype) -> jax.Array:
+    """Columns `ids` of the weight [K, N] that `packed` stands for, as rows [*ids.shape, K] in
+    `dtype` (dequantized in float32): the embedding lookup of a tied table packed as its
+    transpose (token t: panel t // P, lane t % P)."""
+    lanes = packed.codes.shape[2]
+    p, lane = ids // lanes, ids % lanes
+    c = packed.codes[p, :, lane]  # [*ids, K or K / 2]
+    if packed.scheme == "int4":
+        c = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(*ids.shape, 2 * c.shape[-1]).astype(jnp.int8)
+        if packed.symmetric:
+            c = jnp.where(c >= 8, c - 16, c)
+    s = packed.scales[p, :, :, lane].astype(jnp.float32)  # [*ids, K / G, S]
+    groups = s.shape[-2]
+    q = c.astype(jnp.float32).reshape(*ids.shape, groups, -1)
+    out = q * s[..., 0:1]
+    if not packed.symmetric:
+        out = out + s[..., 1:2]
+    return out.reshape(*ids.shape, q.shape[-1] * groups).astype(dtype)
+
+
+def matmul_packed(x: jax.Array, packed, n: int | None = None) -> jax.Array:
+    """`x @ w` in float32 (x cast to float32) for x [..., K] and `packed = pack(w)` (width `n`
+    needed) or `pack_quantized(w)` (its own `n` unless given); returns float32 [..., n]."""
+    if isinstance(packed, PackedQuantized):
+        return _call(TARGET_MANY, x, (packed,), (packed.n if n is None else n,))[0]
     return _call(TARGET, x, (packed,), (n,))[0]
 
 
-def matmul_packed_many(x: jax.Array, packed: Sequence[jax.Array], ns: Sequence[int]) -> tuple[jax.Array, ...]:
-    """`(x @ w_1, ..., x @ w_k)` for `packed[i] = pack(w_i)` as one call: the panels of all the
-    weights are shared out over the threads together (q/k/v, gate/up: one wait, not three)."""
-    if len(packed) != len(ns) or not packed:
+def matmul_packed_many(x: jax.Array, packed: Sequence, ns: Sequence[int] | None = None) -> tuple[jax.Array, ...]:
+    """`(x @ w_1, ..., x @ w_k)` for `packed[i] = pack(w_i)` or `pack_quantized(w_i)` as one call:
+    the panels of all the weights are shared out over the threads together (q/k/v, gate/up: one
+    wait, not three). `ns` may be left out where every weight is a `PackedQuantized`."""
+    if ns is None:
+        ns = tuple(w.n if isinstance(w, PackedQuantized) else None for w in packed)
+    if len(packed) != len(ns) or not packed or any(n is None for n in ns):
         raise ValueError(f"matmul_packed_many needs one width per weight, got {len(packed)} weights "
                          f"and widths {tuple(ns)}")
     return _call(TARGET_MANY, x, tuple(packed), tuple(ns))
 
 
+def _check_float(w, x, width):
+    if w.ndim != 3 or w.shape[2] != width or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [N / {width}, K, {width}], "
+                         f"got {x.shape} and {w.shape}")
+    if w.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"matmul_packed needs a float32 or bfloat16 packed weight, got {w.dtype}")
+
+
+def _check_quantized(w: PackedQuantized, x, width):
+    k = w.shape[0]
+    if (w.codes.ndim != 3 or w.codes.shape[2] != width or x.shape[-1] != k or w.scales.ndim != 4
+            or w.scales.shape[0] != w.codes.shape[0] or w.scales.shape[3] != width
+            or w.scales.shape[1] * w.group_size != k or w.scales.dtype not in SCALE_DTYPES
+            or w.codes.dtype != (jnp.uint8 if w.scheme == "int4" else jnp.int8)):
+        raise ValueError(f"matmul_packed needs x [..., K] and a quantized weight packed for [K, N] with "
+                         f"{width}-column panels, got {x.shape} and {w.scheme} codes {w.codes.shape} "
+                         f"{w.codes.dtype}, scales {w.scales.shape} {w.scales.dtype}")
+
+
 def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Array, ...]:
     width = panel()  # raises if the kernel is unavailable
+    args = []
     for w, n in zip(packed, ns):
-        if w.ndim != 3 or w.shape[2] != width or x.shape[-1] != w.shape[1]:
-            raise ValueError(f"matmul_packed needs x [..., K] and a packed weight [N / {width}, K, {width}], "
-                             f"got {x.shape} and {w.shape}")
-        if w.dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"matmul_packed needs a float32 or bfloat16 packed weight, got {w.dtype}")
-        if not 0 < n <= w.shape[0] * width:
-            raise ValueError(f"n={n} must be in (0, {w.shape[0] * width}] for packed {w.shape}")
+        if isinstance(w, PackedQuantized):
+            _check_quantized(w, x, width)
+            args += [w.codes, w.scales]
+            panels = w.codes.shape[0]
+        else:
+            _check_float(w, x, width)
+            args.append(w)
+            panels = w.shape[0]
+        if not 0 < n <= panels * width:
+            raise ValueError(f"n={n} must be in (0, {panels * width}] for a weight of {panels} panels")
     lead = x.shape[:-1]
     flat = x.reshape(math.prod(lead), x.shape[-1]).astype(jnp.float32)
-    shapes = [jax.ShapeDtypeStruct((flat.shape[0], w.shape[0] * width), jnp.float32) for w in packed]
+    shapes = [jax.ShapeDtypeStruct((flat.shape[0], (w.codes if isinstance(w, PackedQuantized) else w).shape[0]
+                                    * width), jnp.float32) for w in packed]
     outs = jax.ffi.ffi_call(target, shapes if target == TARGET_MANY else shapes[0],
-                            vmap_method="sequential")(flat, *packed)
+                            vmap_method="sequential")(flat, *args)
     outs = outs if target == TARGET_MANY else (outs,)
     return tuple((o if o.shape[1] == n else o[:, :n]).reshape(*lead, n) for o, n in zip(outs, ns))

@@ -8,12 +8,41 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace jserve_native {
+
+// A float16 value's bits (a quantized weight's scales; distinct from bfloat16's uint16_t).
+struct Half {
+  uint16_t bits;
+};
+
+// float16 -> float32, exact (subnormals, infinities and NaNs too).
+inline float HalfToFloat(Half h) {
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  uint32_t exp = (h.bits >> 10) & 0x1fu, man = h.bits & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // Why: at the decode step's few rows XLA:CPU's dots run the layer matmuls far below the machine's
 // FLOP rate, as libraries pack the weight panel on every call; here the weights are packed once,
@@ -46,8 +75,31 @@ struct Simd {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  // 16 float16 scales as float32 (exact).
+  static V Load(const Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // 16 int8 codes as float32.
+  static V LoadI8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // 16 bytes of nibble pairs as two vectors of codes: the low nibbles and the high ones, signed
+  // ([-8, 7]: the nibble moved to the top of the lane and shifted back arithmetically) or not.
+  template <bool kSigned>
+  static void LoadNibbles(const uint8_t* p, V& lo, V& hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (kSigned) {
+      lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28));
+      hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 24), 28));
+    } else {
+      lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+      hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    }
+  }
   static V Broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V Add(V a, V b) { return _mm512_add_ps(a, b); }
   static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static void StoreAligned(float* p, V v) { _mm512_store_ps(p, v); }
 };
@@ -66,13 +118,36 @@ struct Simd {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  // 8 float16 scales as float32 (F16C, part of x86-64-v3; exact).
+  static V Load(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // 8 int8 codes as float32.
+  static V LoadI8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // 8 bytes of nibble pairs as two vectors of codes (see the AVX-512 one).
+  template <bool kSigned>
+  static void LoadNibbles(const uint8_t* p, V& lo, V& hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (kSigned) {
+      lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
+      hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 24), 28));
+    } else {
+      lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+      hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    }
+  }
   static V Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V Add(V a, V b) { return _mm256_add_ps(a, b); }
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void StoreAligned(float* p, V v) { _mm256_store_ps(p, v); }
 };
 #define JSERVE_SIMD 1
 #endif
+
+// A packed weight's codes: float32 or bfloat16 values, or a quantized weight's codes (below).
+enum class Codes : int { kFloat = 0, kInt8 = 1, kInt4 = 2 /* signed nibbles */, kUint4 = 3 };
 
 #ifdef JSERVE_SIMD
 constexpr int64_t kPanel = 3 * Simd::kLanes;
@@ -194,6 +269,121 @@ void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o,
   }
 }
 
+
+// ---------------------------------------------------------------------------- quantized panels
+// The same panels with a quantized weight's codes (matmul.py's pack_quantized): codes [N / kPanel,
+// K, kPanel] int8, or [N / kPanel, K / 2, kPanel] uint8 for int4 (byte (i, j): row 2i of column j
+// in the low nibble, 2i + 1 in the high one; signed [-8, 7], or unsigned [0, 15] with offsets),
+// and scales [N / kPanel, K / G, S, kPanel] float32 or float16 (S = 1: the group's scale; S = 2:
+// its scale, then its offset): w[k, n] = scale[k / G][n] * code[k][n] (+ offset[k / G][n]).
+// The kernel reads the codes and dequantizes in registers: per group, acc = sum_k x[k] * code[k]
+// (codes converted to float32, exact), then o += scale * acc (+ offset * sum_k x[k] over the group).
+constexpr int64_t kQuantPrefetch = 2048;  // bytes of codes prefetched ahead
+
+template <int MR, Codes C, typename S>
+inline __attribute__((always_inline)) void QuantKernel(
+    int64_t rows, const float* __restrict x, int64_t ldx, const uint8_t* __restrict codes,
+    const S* __restrict scale, const S* __restrict offset, const float* __restrict xsum,
+    int64_t ldxs, float* __restrict o, int64_t ldo, float* __restrict part, bool first, bool last,
+    bool init, const char* pf) {
+  using V = Simd::V;
+  constexpr int L = Simd::kLanes;
+  // With one or two rows of x, 3 * MR accumulators are too few chains to hide the FMA's latency:
+  // a second set takes the odd rows (int8) or the high nibbles (int4), added at the end.
+  constexpr bool kSplit = MR <= 2;
+  constexpr int kSets = kSplit ? 2 : 1;
+  V acc[kSets][MR][3];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) {
+      acc[0][m][v] = first ? Simd::Zero() : Simd::Load(part + m * kPanel + L * v);
+      if constexpr (kSplit) acc[kSets - 1][m][v] = Simd::Zero();
+    }
+  if constexpr (C == Codes::kInt8) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(codes);
+    int64_t k = 0;
+    auto row = [&](int64_t k, V (&a)[MR][3]) {
+      V wv[3];
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) wv[v] = Simd::LoadI8(c + k * kPanel + L * v);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const V xb = Simd::Broadcast(x + m * ldx + k);
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; ++v) a[m][v] = Simd::Fma(xb, wv[v], a[m][v]);
+      }
+    };
+    for (; k + 1 < rows; k += 2) {
+      if (pf) _mm_prefetch(pf + k * kPanel, _MM_HINT_T1);
+      if (pf) _mm_prefetch(pf + (k + 1) * kPanel, _MM_HINT_T1);
+      row(k, acc[0]);
+      row(k + 1, acc[kSets - 1]);
+    }
+    if (k < rows) row(k, acc[0]);
+  } else {
+    for (int64_t k = 0; k < rows; k += 2) {
+      const uint8_t* ck = codes + (k / 2) * kPanel;
+      if (pf) _mm_prefetch(pf + (k / 2) * kPanel, _MM_HINT_T1);
+      V lo[3], hi[3];
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) Simd::LoadNibbles<C == Codes::kInt4>(ck + L * v, lo[v], hi[v]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const V xl = Simd::Broadcast(x + m * ldx + k), xh = Simd::Broadcast(x + m * ldx + k + 1);
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; ++v) {
+          acc[0][m][v] = Simd::Fma(xl, lo[v], acc[0][m][v]);
+          acc[kSets - 1][m][v] = Simd::Fma(xh, hi[v], acc[kSets - 1][m][v]);
+        }
+      }
+    }
+  }
+  if constexpr (kSplit) {
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) acc[0][m][v] = Simd::Add(acc[0][m][v], acc[1][m][v]);
+  }
+  if (!last) {  // a group that goes on in the next block of rows
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) Simd::Store(part + m * kPanel + L * v, acc[0][m][v]);
+    return;
+  }
+  V sv[3], ov[3];
+#pragma GCC unroll 3
+  for (int v = 0; v < 3; ++v) {
+    sv[v] = Simd::Load(scale + L * v);
+    if (offset) ov[v] = Simd::Load(offset + L * v);
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const V xs = offset ? Simd::Broadcast(xsum + m * ldxs) : Simd::Zero();
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) {
+      V r = Simd::Mul(acc[0][m][v], sv[v]);
+      if (offset) r = Simd::Fma(ov[v], xs, r);
+      if (!init) r = Simd::Add(r, Simd::Load(o + m * ldo + L * v));
+      Simd::Store(o + m * ldo + L * v, r);
+    }
+  }
+}
+
+template <int R, Codes C, typename S>
+inline void QuantRows(int rows_of_x, int64_t rows, const float* x, int64_t ldx, const uint8_t* codes,
+                      const S* scale, const S* offset, const float* xsum, int64_t ldxs, float* o,
+                      int64_t ldo, float* part, bool first, bool last, bool init, const char* pf) {
+  if constexpr (R > 1) {
+    if (rows_of_x < R) {
+      return QuantRows<R - 1, C, S>(rows_of_x, rows, x, ldx, codes, scale, offset, xsum, ldxs, o, ldo,
+                                    part, first, last, init, pf);
+    }
+  }
+  QuantKernel<R, C, S>(rows, x, ldx, codes, scale, offset, xsum, ldxs, o, ldo, part, first, last, init, pf);
+}
+
 #else
 // Without AVX2: plain loops (auto-vectorised), 24-column panels.
 constexpr int64_t kPanel = 24;
@@ -217,25 +407,145 @@ void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o,
     }
   }
 }
+
+// Without AVX2: plain loops over the same quantized panels (see the SIMD section's comment).
+inline float Value(Half h) { return HalfToFloat(h); }
+
+template <Codes C>
+inline float Code(const uint8_t* codes, int64_t k, int64_t j) {
+  if constexpr (C == Codes::kInt8) {
+    return static_cast<float>(reinterpret_cast<const int8_t*>(codes)[k * kPanel + j]);
+  } else {
+    const uint8_t b = codes[(k / 2) * kPanel + j];
+    const int nib = (k & 1) ? b >> 4 : b & 15;
+    return static_cast<float>(C == Codes::kInt4 && nib >= 8 ? nib - 16 : nib);
+  }
+}
 #endif  // JSERVE_SIMD
 
-// One weight of a call: its packed panels (float32 or bfloat16), how many, and where its
-// [M, panels * kPanel] output goes.
+// The sums of x's rows over each group of G columns: xsum [M, K / G] (an offset's share is
+// offset * the group's sum of x).
+inline void GroupSums(int64_t M, int64_t K, int64_t G, const float* x, float* xsum) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < K / G; ++g) {
+      const float* xg = x + m * K + g * G;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < G; ++k) sum += xg[k];
+      xsum[m * (K / G) + g] = sum;
+    }
+  }
+}
+
+// All M rows of x [M, K] against one quantized panel: codes (the panel's [K, kPanel] int8 or
+// [K / 2, kPanel] nibble pairs) and scales ([K / G, S, kPanel]) into o[:, 0:kPanel], rows ldo apart.
+template <Codes C, typename S>
+void PackedQuantPanel(int64_t M, int64_t K, const float* x, const uint8_t* codes, const S* scales,
+                      int64_t G, int64_t ns, float* o, int64_t ldo) {
+  const int64_t groups = K / G;
+  const bool asym = ns == 2;
+  thread_local std::vector<float> xsum_buf, part_buf;
+  if (asym) {
+    if (static_cast<int64_t>(xsum_buf.size()) < M * groups) xsum_buf.resize(M * groups);
+    GroupSums(M, K, G, x, xsum_buf.data());
+  }
+  const float* xsum = xsum_buf.data();
+#ifdef JSERVE_SIMD
+  // Blocks of whole groups (the codes of a block are read from memory by the first kMR rows of x
+  // and from L1 by the others), or of kKc rows of a longer group, whose partial sums wait in `part`.
+  const int64_t kc = G <= kKc ? G * (kKc / G) : kKc;
+  if (G > kc && static_cast<int64_t>(part_buf.size()) < M * kPanel) part_buf.resize(M * kPanel);
+  // The sums go to a tile of rows kPanel apart, copied to o at the end: o's rows can be a
+  // multiple of 4 KB apart (the head's), and written once per group they would evict each other
+  // from L1.
+  thread_local std::vector<float> tile_buf;
+  if (static_cast<int64_t>(tile_buf.size()) < M * kPanel) tile_buf.resize(M * kPanel);
+  float* tile = tile_buf.data();
+  constexpr int64_t kHalves = C == Codes::kInt8 ? 1 : 2;  // rows per kPanel bytes of codes
+  for (int64_t kb = 0; kb < K; kb += kc) {
+    const int64_t kl = std::min(kc, K - kb);
+    for (int64_t m = 0; m < M; m += kMR) {
+      const int rows_of_x = static_cast<int>(std::min<int64_t>(kMR, M - m));
+      for (int64_t s0 = kb; s0 < kb + kl;) {
+        const int64_t g = s0 / G, s1 = std::min((g + 1) * G, kb + kl);
+        const uint8_t* c = codes + s0 / kHalves * kPanel;
+        const S* sc = scales + g * ns * kPanel;
+        const char* pf = m == 0 ? reinterpret_cast<const char*>(c) + kQuantPrefetch : nullptr;
+        QuantRows<kMR, C, S>(rows_of_x, s1 - s0, x + m * K + s0, K, c, sc, asym ? sc + kPanel : nullptr,
+                             xsum + m * groups + g, groups, tile + m * kPanel, kPanel,
+                             part_buf.data() + m * kPanel, s0 == g * G, s1 == (g + 1) * G, g == 0, pf);
+        s0 = s1;
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * ldo, tile + m * kPanel, kPanel * sizeof(float));
+#else
+  float acc[kPanel];
+  for (int64_t m = 0; m < M; ++m) {
+    float* om = o + m * ldo;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t j = 0; j < kPanel; ++j) acc[j] = 0.0f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+        const float xv = x[m * K + k];
+        for (int64_t j = 0; j < kPanel; ++j) acc[j] += xv * Code<C>(codes, k, j);
+      }
+      const S* sc = scales + g * ns * kPanel;
+      for (int64_t j = 0; j < kPanel; ++j) {
+        float r = acc[j] * Value(sc[j]);
+        if (asym) r += Value(sc[kPanel + j]) * xsum[m * groups + g];
+        om[j] = g == 0 ? r : om[j] + r;
+      }
+    }
+  }
+#endif
+}
+
+// One weight of a call: its packed panels (float32 or bfloat16 values, or a quantized weight's
+// codes and scales), how many, and where its [M, panels * kPanel] output goes.
 struct Job {
   const void* w;
   bool bf16;
   int64_t panels;
   float* out;
+  Codes codes = Codes::kFloat;
+  const void* scales = nullptr;  // quantized: [panels, K / group, ns, kPanel]
+  bool f16_scales = false;
+  int64_t group = 0;
+  int64_t ns = 1;  // 2: scales and offsets
 };
+
+template <Codes C>
+inline void QuantJobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const float* x, float* o,
+                          int64_t ldo, int64_t code_rows) {
+  const uint8_t* codes = static_cast<const uint8_t*>(job.w) + p * code_rows * kPanel;
+  const int64_t per_panel = K / job.group * job.ns * kPanel;
+  if (job.f16_scales) {
+    PackedQuantPanel<C>(M, K, x, codes, static_cast<const Half*>(job.scales) + p * per_panel, job.group,
+                        job.ns, o, ldo);
+  } else {
+    PackedQuantPanel<C>(M, K, x, codes, static_cast<const float*>(job.scales) + p * per_panel, job.group,
+                        job.ns, o, ldo);
+  }
+}
 
 // Panel p of a job: all M rows of x [M, K] into the panel's columns of job.out.
 inline void JobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const float* x) {
-  if (job.bf16) {
-    PackedPanel(M, K, x, static_cast<const uint16_t*>(job.w) + p * K * kPanel,
-                job.out + p * kPanel, job.panels * kPanel);
-  } else {
-    PackedPanel(M, K, x, static_cast<const float*>(job.w) + p * K * kPanel,
-                job.out + p * kPanel, job.panels * kPanel);
+  float* o = job.out + p * kPanel;
+  const int64_t ldo = job.panels * kPanel;
+  switch (job.codes) {
+    case Codes::kFloat:
+      if (job.bf16) {
+        PackedPanel(M, K, x, static_cast<const uint16_t*>(job.w) + p * K * kPanel, o, ldo);
+      } else {
+        PackedPanel(M, K, x, static_cast<const float*>(job.w) + p * K * kPanel, o, ldo);
+      }
+      return;
+    case Codes::kInt8:
+      return QuantJobPanel<Codes::kInt8>(job, p, M, K, x, o, ldo, K);
+    case Codes::kInt4:
+      return QuantJobPanel<Codes::kInt4>(job, p, M, K, x, o, ldo, K / 2);
+    case Codes::kUint4:
+      return QuantJobPanel<Codes::kUint4>(job, p, M, K, x, o, ldo, K / 2);
   }
 }
 

@@ -6,6 +6,10 @@
   (and the tied embedding, transposed) packed once at load into [N / P, K, P] panels, float32 or
   bfloat16 as loaded. XLA's dots cannot read that layout, and a second, natural copy would double
   the weights' memory, so every matmul and the head run on the kernel, decode and prefill.
+  Quantized weights (`jserve.model.quant.QuantizedWeight`: int8 and int4) pack into quantized
+  panels (`pack_quantized`) that the kernel reads as codes; a quantized tied embedding (held as
+  its transpose) is the head's weight and the lookup's table both. fp8 stays as loaded, on XLA
+  (`quant.xla_quantized_linear`, `quant.embed_rows`).
 - The layer stack: unrolled over per-layer weights and per-layer KV pages; a decode step (one
   token per row) runs all the layers as one fused native call
   (`pallas_kernels.native.decoder_layer`), an implementation of `jserve.model.llama.DecoderLayer`'s
@@ -21,7 +25,9 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 
+from jserve.model import quant
 from jserve.model.config import ModelConfig
 from jserve.model.llama import LAYER_MATMULS, XlaOps, unrolled_layers, xla_linear
 from jserve.runtime.backends.base import EIGEN_DOTS, Backend
@@ -57,6 +63,8 @@ class NativeCpuBackend(Backend):
         self.native_attention = native_attention.available()
         self.want_native_matmuls = native_matmuls and mesh is None and native_matmul.available()
         self.native_matmuls = self.native_head = False  # what prepare_params packed
+        self.uniform_layers = False  # every layer's matmul weights of one kind (all float or all quantized)
+        self.compute_dtype = jnp.dtype(jnp.float32)  # the activations' (a quantized embedding's rows)
 
     def batch_buckets(self, buckets: Sequence[int]) -> tuple[int, ...]:
         # Batch 1 pays off with the native kernel only (the Pallas interpret kernel takes seconds).
@@ -66,25 +74,44 @@ class NativeCpuBackend(Backend):
 
     def prepare_params(self, config: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
         params = super().prepare_params(config, params)
+        self.compute_dtype = _activation_dtype(params)
         if not self.want_native_matmuls:
             return params
         layers = params["layers"]
-        if all(layer[name].ndim == 2 and layer[name].dtype in native_matmul.WEIGHT_DTYPES
-               for layer in layers.values() for name in LAYER_MATMULS):
-            params = {**params, "layers": {
-                i: {name: native_matmul.pack(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
-                for i, layer in layers.items()}}
-            self.native_matmuls = True
+        weights = [layer[name] for layer in layers.values() for name in LAYER_MATMULS]
+        floats = [w for w in weights if not quant.is_quantized(w)]
+        pack_floats = all(w.ndim == 2 and w.dtype in native_matmul.WEIGHT_DTYPES for w in floats)
+
+        def packed(w):
+            if quant.is_quantized(w):
+                return native_matmul.pack_quantized(w) if native_matmul.can_pack_quantized(w) else w
+            return native_matmul.pack(w) if pack_floats else w
+
+        params = {**params, "layers": {
+            i: {name: packed(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
+            for i, layer in layers.items()}}
+        kinds = {_weight_kind(layer[name]) for layer in params["layers"].values() for name in LAYER_MATMULS}
+        self.native_matmuls = "xla" not in kinds
+        self.uniform_layers = len(kinds) == 1  # the fused call takes layers all float or all quantized
         embed = params["embed"]
-        if config.tie_word_embeddings and embed.ndim == 2 and embed.dtype in native_matmul.WEIGHT_DTYPES:
-            params = {**params, "embed": native_matmul.pack(embed.T)}
+        if config.tie_word_embeddings:
+            if quant.is_quantized(embed):  # held as its transpose [hidden, vocab]
+                if native_matmul.can_pack_quantized(embed):
+                    params = {**params, "embed": native_matmul.pack_quantized(embed)}
+                    self.native_head = True
+            elif embed.ndim == 2 and embed.dtype in native_matmul.WEIGHT_DTYPES:
+                params = {**params, "embed": native_matmul.pack(embed.T)}
+                self.native_head = True
+        elif native_matmul.can_pack_quantized(params.get("lm_head")):
+            params = {**params, "lm_head": native_matmul.pack_quantized(params["lm_head"])}
             self.native_head = True
         return params
 
     def ops(self, config: ModelConfig) -> "NativeCpuOps":
         attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout)
-        fused = self.native_matmuls and self.native_attention and fused_layers_supported(config)
-        return NativeCpuOps(attention, config=config, fused=fused)
+        fused = (self.native_matmuls and self.uniform_layers and self.native_attention
+                 and fused_layers_supported(config))
+        return NativeCpuOps(attention, config=config, fused=fused, dtype=self.compute_dtype)
 
     def compiler_options(self, rows: int, tokens: int) -> dict[str, str] | None:
         if self.native_matmuls:
@@ -107,18 +134,39 @@ def fused_layers_supported(config: ModelConfig) -> bool:
             and not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm))
 
 
+def _activation_dtype(params: dict[str, Any]):
+    """The model's activation dtype: its float weights' (the final norm's)."""
+    norm = params.get("final_norm")
+    return jnp.dtype(norm.dtype) if norm is not None else jnp.dtype(jnp.float32)
+
+
+def _weight_kind(w) -> str:
+    """How a layer weight as prepared runs: "float" or "quantized" panels, or "xla" (unpacked)."""
+    if isinstance(w, native_matmul.PackedQuantized):
+        return "quantized"
+    return "xla" if quant.is_quantized(w) or w.ndim != 3 else "float"
+
+
+def _packed(w) -> bool:
+    return _weight_kind(w) != "xla"
+
+
 def native_linear(x: jax.Array, w, out_features):
     """A layer matmul over a packed weight (`pallas_kernels.native.matmul.pack`) on the native
     kernel; a plain [in, out] weight stays an XLA dot. A tuple of packed weights (and of widths)
     runs as one call (`matmul_packed_many`): q/k/v and gate/up are 2 calls a layer, not 5. The
     products come back in x's dtype, as an XLA dot of x and a weight of that dtype would give them
-    (the kernel computes in float32: bfloat16 activations are rounded once, at the end)."""
+    (the kernel computes in float32: bfloat16 activations are rounded once, at the end). Packed
+    quantized weights (`PackedQuantized`) run on the kernel too; a `QuantizedWeight` that did not
+    pack (fp8) runs as `quant.xla_quantized_linear`."""
     if isinstance(w, tuple):
-        if all(wi.ndim == 3 for wi in w):
+        if all(_packed(wi) for wi in w):
             return tuple(o.astype(x.dtype) for o in native_matmul.matmul_packed_many(x, w, out_features))
         return tuple(native_linear(x, wi, n) for wi, n in zip(w, out_features))
-    if w.ndim == 3:
+    if _packed(w):
         return native_matmul.matmul_packed(x, w, out_features).astype(x.dtype)
+    if quant.is_quantized(w):
+        return quant.xla_quantized_linear(x, w)
     return xla_linear(x, w, out_features)
 
 
@@ -128,19 +176,29 @@ class NativeCpuOps(XlaOps):
 
     config: ModelConfig | None = None
     fused: bool = False  # decode steps run the fused native decoder layers
+    dtype: Any = jnp.float32  # the activations' dtype: a quantized embedding's rows come in it
 
     def linear(self, x, w, out_features):
         return native_linear(x, w, out_features)
 
     def embed(self, table, tokens):
         """Rows of the table as the params hold it: [vocab, hidden], or packed as [vocab / P,
-        hidden, P] panels of its transpose (token t is panel t // P, lane t % P)."""
+        hidden, P] panels of its transpose (token t is panel t // P, lane t % P); a quantized
+        table (its transpose, packed or not) dequantized to `dtype`."""
+        if isinstance(table, native_matmul.PackedQuantized):
+            return native_matmul.quantized_rows(table, tokens, self.dtype)
+        if quant.is_quantized(table):
+            return quant.embed_rows(table, tokens, self.dtype)
         if table.ndim == 3:
             lanes = table.shape[2]
             return table[tokens // lanes, :, tokens % lanes]
         return table[tokens]
 
     def head(self, x, table, tied):
+        if isinstance(table, native_matmul.PackedQuantized):  # tied (E^T) or lm_head, [hidden, vocab]
+            return native_matmul.matmul_packed(x, table, self.config.vocab_size)
+        if quant.is_quantized(table):
+            return quant.xla_quantized_linear(x, table).astype(jnp.float32)
         if tied and table.ndim == 3:
             return native_matmul.matmul_packed(x, table, self.config.vocab_size)
         return super().head(x, table, tied)
