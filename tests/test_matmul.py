@@ -86,6 +86,19 @@ for dtype in (jnp.float32, jnp.bfloat16):
         for out, w in zip(outs, ws):
             want = x.astype(np.float64) @ np.asarray(w, np.float64)
             np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+# Quantized panels (tests/test_quant_matmul.py runs every format on this machine's build).
+from jserve.model import quant
+for scheme, group, sym, scale_dtype in (("int8", 0, True, np.float16), ("int8", 32, True, np.float32),
+                                        ("int4", 32, True, np.float16), ("int4", 64, False, np.float32)):
+    for m, k, n in ((1, 256, 49), (9, 192, 24), (33, 384, 100)):
+        w = quant.quantize(rng.standard_normal((k, n)).astype(np.float32), scheme, group, sym)
+        w = quant.QuantizedWeight(w.values, w.scales.astype(scale_dtype),
+                                  None if sym else w.offsets.astype(scale_dtype), scheme, w.group_size)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        out = np.asarray(native.matmul_packed(x, native.pack_quantized(w)), np.float64)
+        wd = quant.dequantize(w).astype(np.float64)
+        bound = np.abs(x) @ np.abs(wd)
+        assert np.all(np.abs(out - x.astype(np.float64) @ wd) <= 1e-5 * bound), (scheme, group, m, k, n)
 """, tmp_path, JSERVE_NATIVE_ARCH=arch)
 
 
