@@ -261,3 +261,47 @@ def test_cli_json_on_a_tiny_checkpoint(tmp_path, smollm2_checkpoint):
     saved = EvalReport.from_json(quality_report_path(out, QuantSpec.parse("int8").label()).read_text())
     assert saved.candidate["quantization"]["scheme"] == "int8" and saved.reference["quantization"] is None
     assert saved.kl["mean"] > 0 and saved.chunks == 2
+
+
+def test_compare_quality_parses_llama_perplexitys_summary():
+    """scripts/compare_quality.py reads llama-perplexity's logs (its printf formats, perplexity.cpp)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "compare_quality.py"
+    spec = importlib.util.spec_from_file_location("compare_quality", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = ("perplexity: calculating perplexity over 69 chunks, n_ctx=512, batch_size=2048, n_seq=4\n"
+            "[1]12.3456,[2]13.0000,\nFinal estimate: PPL = 14.2733 +/- 0.31234\n")
+    assert mod.parse_llama_perplexity(base, kl=False) == {"chunks": 69, "ctx": 512, "ppl": 14.2733,
+                                                          "ppl_err": 0.31234}
+    kl = "\n".join([
+        "kl_divergence: computing over 69 chunks, n_ctx=512, batch_size=2048, n_seq=4",
+        "chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS",
+        "   1      12.3456 ±    0.1234       0.00123 ±    0.00045       0.00345 ±    0.00012     1.234 ±  0.1 %",
+        "====== Perplexity statistics ======",
+        "Mean PPL(Q)                   :  14.352012 ±   0.311111",
+        "Mean PPL(base)                :  14.273301 ±   0.312340",
+        "Cor(ln(PPL(Q)), ln(PPL(base))):  99.91%",
+        "Mean ln(PPL(Q)/PPL(base))     :   0.005499 ±   0.000512",
+        "====== KL divergence statistics ======",
+        "Mean    KLD:   0.002690 ±   0.000050",
+        "Maximum KLD:   0.018000",
+        "99.9%   KLD:   0.015000",
+        "99.0%   KLD:   0.010600",
+        "95.0%   KLD:   0.007000",
+        "90.0%   KLD:   0.005000",
+        "Median  KLD:   0.002290",
+        "10.0%   KLD:   0.000500",
+        "====== Token probability statistics ======",
+        "Mean    Δp: -0.012 ± 0.010 %",
+        "RMS Δp    :  1.220 ± 0.020 %",
+        "Same top p: 97.550 ± 0.100 %",
+    ])
+    got = mod.parse_llama_perplexity(kl, kl=True)
+    assert got == {"chunks": 69, "ctx": 512, "ppl": 14.352012, "ppl_base": 14.273301, "ln_ppl_ratio": 0.005499,
+                   "kl_mean": 0.00269, "kl_max": 0.018, "kl_p999": 0.015, "kl_p99": 0.0106, "kl_p90": 0.005,
+                   "kl_median": 0.00229, "rms_delta_p": pytest.approx(0.0122), "same_top": pytest.approx(0.9755)}
+    with pytest.raises(RuntimeError, match="kl_mean"):
+        mod.parse_llama_perplexity(kl.replace("Mean    KLD", "Mean KL"), kl=True)
