@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from jserve.eval.models import EvalModel
 
 GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "data" / "smollm2_golden.json"
@@ -55,10 +57,14 @@ def generate_greedy(model: EvalModel, prompts: Sequence[Sequence[int]], max_toke
     from jserve.core.request import SamplingParams
     from jserve.engine import EngineConfig, build_engine
 
+    c = model.config
     longest = max(len(p) for p in prompts) + max_tokens
-    config = EngineConfig(max_model_len=min(model.config.max_position_embeddings, max(256, longest)),
+    # KV for every sequence at once (with a page of slack each), in the weights' float dtype
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(model.params["final_norm"].dtype).itemsize
+    tokens = sum(len(p) + max_tokens + 64 for p in prompts) + 64
+    config = EngineConfig(max_model_len=min(c.max_position_embeddings, max(256, longest)),
                           max_num_seqs=len(prompts), max_num_batched_tokens=256, backend=backend,
-                          kv_cache_bytes=64 << 20, warmup=False)
+                          kv_cache_bytes=max(8 << 20, 2 * per_token * tokens), warmup=False)
     engine = build_engine(model.config, model.params, model.tokenizer, list(model.eos_token_ids), config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
