@@ -18,9 +18,48 @@ __all__ = ["add_engine_args", "add_multihost_args", "build_parser", "engine_kwar
 def _convert(args: argparse.Namespace) -> int:
     from jserve.model.checkpoint import convert
 
-    out = convert(args.source, args.out, dtype=args.dtype, progress=not args.quiet)
+    spec = None
+    if args.quantize in ("int8", "int4", "fp8"):
+        from jserve.model.quant import QuantSpec
+
+        spec = QuantSpec.parse(args.quantize, args.group_size)
+    elif args.group_size is not None:
+        raise SystemExit("jserve convert: --group-size needs --quantize int4 or int8")
+    keep = args.quantize == "gguf"
+    out = convert(args.source, args.out, dtype=args.dtype, progress=not args.quiet, quantize=spec,
+                  keep_quantized=keep)
+    if (spec is not None or keep) and not args.no_eval:
+        _evaluate_converted(args, out)
     print(out)
     return 0
+
+
+def _evaluate_converted(args: argparse.Namespace, out) -> None:
+    """The gate's report for a quantized conversion: `jserve eval` of it against its float source
+    (a GGUF's kept weights against the same file read as floats), stored in the checkpoint."""
+    from jserve.engine import quality_gate
+    from jserve.eval.evaluate import evaluate
+    from jserve.eval.models import load_model
+    from jserve.model.checkpoint import resolve_model, write_quality_report
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+    source = resolve_model(args.source, dtype=args.dtype)  # the float checkpoint (converted once)
+    log(f"evaluating {out} against {source}")
+    report = evaluate(load_model(out), load_model(source, label=f"{source.name} (R)"),
+                      max_chunks=args.eval_max_chunks, log=log)
+    write_quality_report(out, report.to_json())
+    print(report.table(), file=sys.stderr)
+    result = quality_gate.evaluate(_record(out))
+    print(("passes" if result.passed else "FAILS") + f" the default gate: {result.message}", file=sys.stderr)
+
+
+def _record(path) -> dict:
+    from pathlib import Path
+
+    return json.loads((Path(path) / "generation.json").read_text())["quantization"]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -67,7 +106,7 @@ def _human(n: float) -> str:
 def _plan(args: argparse.Namespace) -> int:
     from jserve.engine.config import EngineConfig
     from jserve.engine.llm_engine import resolve_max_model_len
-    from jserve.model.checkpoint import read_model_config
+    from jserve.model.checkpoint import read_model_config, read_quantization
     from jserve.runtime.backends import NativeCpuBackend, XlaBackend
     from jserve.runtime.kv_cache import device_memory_bytes, dtype_bytes, plan_memory
 
@@ -84,6 +123,21 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError("this device reports no memory size: give --device-memory or --kv-budget")
     per_device = ""
     plan_config, weight_bytes, dp = config, None, 1
+    record = read_quantization(args.model)
+    weights_label = weight_dtype
+    if record is not None or settings.quantization in ("int8", "int4", "fp8"):
+        from jserve.model import quant
+        from jserve.model.llama import param_shapes
+
+        if settings.mesh is not None:
+            raise ValueError("jserve plan: quantized weights on a mesh are not supported yet")
+        if record is not None:
+            weight_bytes, weights_label = int(record["bits_per_weight"] * config.num_params() / 8), record["label"]
+        else:
+            spec = quant.QuantSpec.parse(settings.quantization, settings.quantization_group_size)
+            weight_bytes = quant.estimate_bytes(param_shapes(config), spec, dtype_bytes(weight_dtype),
+                                                tied=config.tie_word_embeddings)
+            weights_label = spec.label()
     if settings.mesh is not None:
         from jserve.runtime.sharding import describe, device_share, params_per_device, parse_mesh
 
@@ -102,7 +156,7 @@ def _plan(args: argparse.Namespace) -> int:
     rows += [
         ("device memory", _human(plan.device_bytes)),
         (f"usable ({fraction:g})" if budget is None else "usable", _human(plan.usable_bytes)),
-        (f"weights ({weight_dtype}){per_device}", _human(plan.weight_bytes)),
+        (f"weights ({weights_label}){per_device}", _human(plan.weight_bytes)),
         (f"activations ({settings.max_num_batched_tokens} tokens)", _human(plan.activation_bytes)),
         (f"KV per token ({kv_dtype}){per_device}", _human(plan.kv_bytes_per_token)),
         (f"KV per page ({plan.page_size} tokens){per_device}", _human(plan.kv_bytes_per_page)),
@@ -123,10 +177,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="convert a GGUF file or Hugging Face folder to an Orbax checkpoint")
-    p.add_argument("source", help="a .gguf file or a folder with config.json and *.safetensors")
+    p = sub.add_parser("convert", help="convert a GGUF file or Hugging Face folder to an Orbax checkpoint "
+                       "(optionally quantized, with its quality report)")
+    p.add_argument("source", help="a .gguf file, a folder with config.json and *.safetensors, or a jserve "
+                   "checkpoint (to quantize it)")
     p.add_argument("--out", help="output folder (default: checkpoints/<name>)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "fp8", "gguf"],
+                   help="quantize the layer matmuls and LM head (int8 per channel, int4 in groups, fp8 e4m3 per "
+                   "channel), or keep a .gguf file's own quantized tensors (gguf); then evaluate against the "
+                   "float source and store the report the quality gate reads")
+    p.add_argument("--group-size", type=int, default=None, help="int4's group size: 32 (default), 64 or 128; "
+                   "int8: per channel (default), or 32, 64, 128")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation (the gate then refuses the "
+                   "checkpoint until `jserve eval ... --save` stores a report)")
+    p.add_argument("--eval-max-chunks", type=int, default=None, help="evaluate on the first N chunks of 512 "
+                   "tokens only (default: the whole text)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_convert)
 

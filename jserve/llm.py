@@ -173,7 +173,7 @@ def _quantization(path: Path, config, params: dict, generation: Mapping[str, Any
         spec = quant.QuantSpec.parse(settings.quantization, settings.quantization_group_size)
         report_file = quality_report_path(path, spec.label())
         how = (f"Evaluate it once (stored in {report_file}): jserve eval --model {path} --quantization "
-               f"{spec.scheme}" + (f" --group-size {spec.group_size}" if spec.scheme == "int4" else "") + " --save")
+               f"{spec.scheme}" + (f" --group-size {spec.group_size}" if spec.group_size else "") + " --save")
         host = {k: v if quant.is_quantized(v) else np.asarray(v) for k, v in params.items()}
         params = quant.quantize_params(config, host, spec)
         record = quantization_record(spec.label(), spec.to_json(), params, source=str(path))

@@ -47,7 +47,7 @@ def test_flags_reach_the_settings_by_name():
     ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
     ({"page_size": -16}, "page_size must be a positive integer or None, got -16"),
     ({"memory_fraction": 1.5}, r"memory_fraction must be in \(0, 1\], got 1.5"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of"),
+    ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype must be one of"),
     ({"backend": "cuda"}, "backend must be one of"),
 ])
 def test_bad_settings_are_named(settings, needle):

@@ -15,8 +15,8 @@ from jserve.engine import quality_gate
 from jserve.engine.config import EngineConfig
 from jserve.model import quant
 from jserve.model.checkpoint import convert, load_checkpoint, quality_report_path, write_quality_report
-from tests.test_backends import WANTS_LOGPROBS, StepRow, _load, _model_logprobs
-from tests.test_checkpoint import tiny_hf_folder  # noqa: F401 (fixture)
+from test_backends import WANTS_LOGPROBS, StepRow, _load, _model_logprobs
+from test_checkpoint import tiny_hf_folder  # noqa: F401 (fixture)
 
 FORMATS = [("int8", 0, True), ("int8", 32, True), ("int4", 32, True), ("int4", 32, False),
            ("int4", 64, False), ("int4", 128, True), ("fp8", 0, True)]
@@ -94,7 +94,7 @@ def test_quant_spec_parsing_and_errors():
     with pytest.raises(ValueError, match="does not divide"):
         quant.quantize(_weight((100, 8)), "int4", 32)
     with pytest.raises(ValueError, match="quantization_group_size"):
-        EngineConfig(quantization="int8", quantization_group_size=32)
+        EngineConfig(quantization="fp8", quantization_group_size=32)
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="quality_gate"):

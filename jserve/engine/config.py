@@ -74,7 +74,8 @@ class EngineConfig:
               "--quantization-group-size), fp8 (e4m3, per channel); gguf: serve a .gguf file's own "
               "quantized weights as they are. A quantized checkpoint (jserve convert --quantize) needs "
               "none", choices=QUANTIZATIONS)
-    quantization_group_size: int | None = _setting(None, "int4's group size at load: 32 (default), 64 or 128",
+    quantization_group_size: int | None = _setting(None, "group size at load: int4's 32 (default), 64 or 128; "
+                                                         "int8 per channel by default, or 32, 64, 128",
                                                    parse=int)
     quality_gate: str = _setting("enforce", "serve a quantized model only if its stored quality report "
                                             "passes the thresholds (enforce), warn and serve anyway (warn), "
@@ -103,9 +104,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.quantization_group_size is not None and (
-                self.quantization != "int4" or self.quantization_group_size not in (32, 64, 128)):
-            raise ValueError(f"quantization_group_size is int4's: 32, 64 or 128 with quantization='int4', got "
-                             f"{self.quantization_group_size!r} with quantization={self.quantization!r}")
+                self.quantization not in ("int4", "int8") or self.quantization_group_size not in (32, 64, 128)):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128 with quantization 'int4' or 'int8', "
+                             f"got {self.quantization_group_size!r} with quantization={self.quantization!r}")
         if self.quality_gate not in QUALITY_GATES:
             raise ValueError(f"quality_gate must be one of {QUALITY_GATES}, got {self.quality_gate!r}")
         for name in ("quality_max_kl", "quality_min_top1"):
