@@ -165,7 +165,7 @@ def _quantization(path: Path, config, params: dict, generation: Mapping[str, Any
     from jserve.model.checkpoint import quality_report_path, quantization_record
 
     record = generation.get("quantization")
-    how = f"Evaluate it: jserve eval --model {path} --reference <its float source> --save"
+    how = f"Evaluate it against its float source (stored in the checkpoint): jserve eval --model {path} --save"
     if settings.quantization in quant.SCHEMES:
         if record is not None:
             raise ValueError(f"{path} is already quantized ({record['label']}); quantization="

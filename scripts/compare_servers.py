@@ -6,8 +6,14 @@
 
 Servers (``--servers``, comma-separated):
   jserve        `jserve serve` on the default model (SmolLM2-135M-Instruct), fp32
+  jserve-int4   the same on the GGUF's own Q4_1 weights kept at 4 bits (`jserve convert GGUF --quantize gguf`)
+  jserve-int8   the same on int8 in groups of 32 (`jserve convert CKPT --quantize int8 --group-size 32`: the
+                bits per weight of Q8_0)
   llamacpp-q    llama.cpp's C++ `llama-server -np 16` (continuous batching) on the GGUF as shipped (Q4_1)
+  llamacpp-q8   the same on a Q8_0 made from the F32 copy (`llama-quantize F32 -> Q8_0`)
   llamacpp-f32  the same on an F32 copy made with `llama-quantize --allow-requantize IN OUT F32`
+The quantized jserve checkpoints are made once into ``--cache-dir``, each evaluated by `jserve
+convert` on the first ``--eval-chunks`` chunks of the evaluation text (the quality gate's report).
   hf            scripts/_hf_server.py: transformers `generate`, fp32, static batches of up to 16,
                 run with ``--hf-python`` (.venv-ref: torch + transformers, never a jserve dependency)
 
@@ -41,9 +47,12 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("jserve", "llamacpp-q", "llamacpp-f32", "hf")
-LABELS = {"jserve": "jserve (fp32)", "llamacpp-q": "llama.cpp Q4_1", "llamacpp-f32": "llama.cpp F32",
+SERVERS = ("jserve", "jserve-int4", "jserve-int8", "llamacpp-q", "llamacpp-q8", "llamacpp-f32", "hf")
+LABELS = {"jserve": "jserve (fp32)", "jserve-int4": "jserve int4 (Q4_1's)", "jserve-int8": "jserve int8 g32",
+          "llamacpp-q": "llama.cpp Q4_1", "llamacpp-q8": "llama.cpp Q8_0", "llamacpp-f32": "llama.cpp F32",
           "hf": "HF transformers (fp32)"}
+# Each jserve variant's llama.cpp counterpart at the same precision (the "vs peer" column).
+PEERS = {"jserve": "llamacpp-f32", "jserve-int4": "llamacpp-q", "jserve-int8": "llamacpp-q8"}
 # The single stream: short prompts, 128 output tokens (the issue's reference measurement).
 SINGLE = {"workload": "short-long", "scale": 0.5}
 
@@ -120,6 +129,38 @@ def ensure_f32_gguf(cache: Path, bindir: Path, source: Path) -> Path:
     return out
 
 
+def ensure_q8_gguf(cache: Path, bindir: Path, source: Path) -> Path:
+    """llama.cpp's own Q8_0 of the weights, from the F32 copy."""
+    f32 = ensure_f32_gguf(cache, bindir, source)
+    out = cache / (source.stem.split(".")[0] + ".Q8_0.gguf")
+    if not out.is_file():
+        log(f"llama-quantize {f32.name} -> {out.name} Q8_0")
+        tmp = out.with_suffix(".partial")
+        subprocess.run([str(bindir / "llama-quantize"), str(f32), str(tmp), "Q8_0"], check=True,
+                       stdout=subprocess.DEVNULL)
+        tmp.rename(out)
+    return out
+
+
+def ensure_jserve_quantized(cache: Path, kind: str, eval_chunks: int) -> Path:
+    """A quantized jserve checkpoint of the default model with its quality report (made once)."""
+    out = cache / f"smollm2-{kind}"
+    if (out / "generation.json").is_file():
+        return out
+    jserve = Path(sys.executable).with_name("jserve")
+    exe = str(jserve) if jserve.is_file() else "jserve"
+    if kind == "int4":
+        cmd = [exe, "convert", str(default_gguf()), "--quantize", "gguf"]
+    else:
+        from jserve.model.checkpoint import resolve_model
+
+        cmd = [exe, "convert", str(resolve_model(None)), "--quantize", "int8", "--group-size", "32"]
+    cmd += ["--out", str(out), "--quiet", "--eval-max-chunks", str(eval_chunks)]
+    log(" ".join(cmd))
+    subprocess.run(cmd, check=True)
+    return out
+
+
 def ensure_hf_folder() -> Path:
     """The GGUF's dequantized fp32 weights as an HF folder (shared with scripts/bench_offline.py)."""
     spec = importlib.util.spec_from_file_location("bench_offline", REPO / "scripts" / "bench_offline.py")
@@ -134,10 +175,12 @@ def ensure_hf_folder() -> Path:
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     """The command line and extra environment that start server ``name`` on ``port``."""
     env: dict[str, str] = {}
-    if name == "jserve":
+    if name.startswith("jserve"):
         jserve = Path(sys.executable).with_name("jserve")
         cmd = [str(jserve) if jserve.is_file() else "jserve", "serve", "--port", str(port),
                "--max-num-seqs", str(args.concurrency), "--served-model-name", "smollm2", *args.jserve_arg]
+        if name != "jserve":
+            cmd += ["--model", str(ensure_jserve_quantized(args.cache_dir, name.split("-")[1], args.eval_chunks))]
         if args.log_compiles:
             env["JAX_LOG_COMPILES"] = "1"
         return cmd, env
@@ -146,6 +189,8 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
         gguf = default_gguf()
         if name == "llamacpp-f32":
             gguf = ensure_f32_gguf(args.cache_dir, bindir, gguf)
+        elif name == "llamacpp-q8":
+            gguf = ensure_q8_gguf(args.cache_dir, bindir, gguf)
         cmd = [str(bindir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(args.concurrency), "-c", str(args.llama_ctx), "-t", str(args.threads),
                "-tb", str(args.threads), "--cont-batching", "-a", "smollm2", *args.llama_arg]
@@ -271,8 +316,10 @@ def comparison(results: list[dict]) -> list[dict]:
             if row is None:
                 continue
             f32, hf = rows.get(("llamacpp-f32", kind)), rows.get(("hf", kind))
+            peer = rows.get((PEERS.get(r["server"], ""), kind))
             out.append({"server": r["server"], "label": r["label"], "run": kind, **row,
                         "vs_llamacpp_f32": ratio(row["output_tok_s"], f32 and f32["output_tok_s"]),
+                        "vs_peer": ratio(row["output_tok_s"], peer and peer["output_tok_s"]),
                         "vs_hf": ratio(row["output_tok_s"], hf and hf["output_tok_s"])})
     return out
 
@@ -282,13 +329,15 @@ def format_table(rows: list[dict], title: str = "") -> str:
         return "-" if x is None else format(x, spec)
 
     head = (f"{'server':<24}{'run':<12}{'out tok/s':>10}{'tot tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
-            f"{'TPOT p50':>10}{'vs F32':>8}{'vs HF':>8}{'fail':>6}")
+            f"{'TPOT p50':>10}{'vs F32':>8}{'vs peer':>8}{'vs HF':>8}{'fail':>6}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['label']:<24}{r['run']:<12}{f(r['output_tok_s']):>10}{f(r['total_tok_s']):>10}"
                      f"{f(r['ttft_p50_ms'], '.0f'):>10}{f(r['ttft_p99_ms'], '.0f'):>10}{f(r['tpot_p50_ms'], '.1f'):>10}"
-                     f"{f(r['vs_llamacpp_f32'], '.2f'):>8}{f(r['vs_hf'], '.2f'):>8}{r['failed']:>6}")
-    lines.append("(ms for TTFT/TPOT; 'vs' columns: output tok/s over the same run of llama.cpp F32 / HF)")
+                     f"{f(r['vs_llamacpp_f32'], '.2f'):>8}{f(r.get('vs_peer'), '.2f'):>8}{f(r['vs_hf'], '.2f'):>8}"
+                     f"{r['failed']:>6}")
+    lines.append("(ms for TTFT/TPOT; 'vs' columns: output tok/s over the same run of llama.cpp F32, of llama.cpp "
+                 "at the same precision (jserve int4 / Q4_1, int8 / Q8_0, fp32 / F32), of HF)")
     return "\n".join(lines)
 
 
@@ -312,6 +361,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
     p.add_argument("--jserve-arg", action="append", default=[], help="extra `jserve serve` argument (repeatable)")
     p.add_argument("--log-compiles", action="store_true", help="JAX_LOG_COMPILES=1 for jserve (its server.log)")
+    p.add_argument("--eval-chunks", type=int, default=16, help="chunks of the quality evaluation behind the "
+                   "quantized jserve checkpoints' reports")
     p.add_argument("--hf-python", default=str(REPO / ".venv-ref" / "bin" / "python"))
     p.add_argument("--cache-dir", type=Path,
                    default=Path(os.environ.get("JSERVE_BENCH_CACHE", Path.home() / ".cache" / "jserve-bench")))

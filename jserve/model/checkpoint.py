@@ -219,7 +219,14 @@ def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
     if quantize is not None:
         params = quant.quantize_params(config, params, quantize)
         quantization = quantization_record(quantize.label(), quantize.to_json(), params, source=str(src))
-    out = Path(out) if out is not None else default_checkpoint_root() / (src.stem if src.is_file() else src.name)
+    if out is None:
+        name = src.stem if src.is_file() else src.name
+        if quantize is not None:
+            name += "-" + quantize.scheme + (f"-g{quantize.group_size}" if quantize.group_size else "")
+        out = default_checkpoint_root() / (name + (GGUF_SUFFIX if keep_quantized else ""))
+    out = Path(out)
+    if out.resolve() == src.resolve():
+        raise ValueError(f"convert would overwrite its source {src}: give another --out")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
