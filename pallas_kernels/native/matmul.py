@@ -86,8 +86,9 @@ class PackedQuantized:
     `group_size` (G) and `n` (N, the unpadded output width) are static.
 
     codes: int8 [N / P, K, P], or uint8 [N / P, K / 2, P] for int4: byte (i, j) of a panel holds
-      rows 2i (low nibble) and 2i + 1 (high) of its column j, signed ([-8, 7]) where the weight
-      is symmetric, unsigned ([0, 15]) where it has offsets. Padded columns are zero codes.
+      rows 2i (low nibble) and 2i + 1 (high) of its column j, unsigned ([0, 15]) where the weight
+      has offsets, and where it is symmetric its signed codes [-8, 7] plus 8 (the kernel converts
+      unsigned nibbles, and takes 8 times the group's sum of x off). Padded columns: zero scales.
     scales: float32 or float16 [N / P, K / G, S, P]: S = 1, each group's scale; S = 2, its scale
       then its offset. w[k, n] = scales[n // P, k // G, 0, n % P] * code (+ scales[.., 1, ..]).
     """
@@ -146,7 +147,10 @@ def pack_quantized(w: Any) -> PackedQuantized:
     panels = -(-n // width)
     pad = panels * width - n
     code_dtype = jnp.uint8 if w.scheme == "int4" else jnp.int8
-    codes = jnp.pad(jnp.asarray(w.values).astype(code_dtype), ((0, 0), (0, pad)))
+    codes = jnp.asarray(w.values).astype(code_dtype)
+    if w.scheme == "int4" and w.offsets is None:
+        codes = codes ^ jnp.uint8(0x88)  # two's complement nibbles [-8, 7] -> code + 8 in [0, 15]
+    codes = jnp.pad(codes, ((0, 0), (0, pad)))
     codes = codes.reshape(rows, panels, width).transpose(1, 0, 2)
     parts = [jnp.asarray(w.scales)] + ([] if w.offsets is None else [jnp.asarray(w.offsets)])
     dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) and parts[0].dtype in SCALE_DTYPES \
@@ -162,7 +166,7 @@ def quantized_codes(packed: PackedQuantized) -> jax.Array:
     if packed.scheme == "int8":
         return c
     q = jnp.stack([c & 0xF, c >> 4], axis=1).reshape(2 * c.shape[0], c.shape[1]).astype(jnp.int8)
-    return jnp.where(q >= 8, q - 16, q).astype(jnp.int8) if packed.symmetric else q
+    return q - 8 if packed.symmetric else q
 
 
 def quantized_rows(packed: PackedQuantized, ids: jax.Array, dtype) -> jax.Array:
@@ -175,7 +179,7 @@ def quantized_rows(packed: PackedQuantized, ids: jax.Array, dtype) -> jax.Array:
     if packed.scheme == "int4":
         c = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(*ids.shape, 2 * c.shape[-1]).astype(jnp.int8)
         if packed.symmetric:
-            c = jnp.where(c >= 8, c - 16, c)
+            c = c - 8
     s = packed.scales[p, :, :, lane].astype(jnp.float32)  # [*ids, K / G, S]
     groups = s.shape[-2]
     q = c.astype(jnp.float32).reshape(*ids.shape, groups, -1)

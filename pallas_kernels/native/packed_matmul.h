@@ -83,18 +83,11 @@ struct Simd {
   static V LoadI8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  // 16 bytes of nibble pairs as two vectors of codes: the low nibbles and the high ones, signed
-  // ([-8, 7]: the nibble moved to the top of the lane and shifted back arithmetically) or not.
-  template <bool kSigned>
+  // 16 bytes of nibble pairs as two vectors of codes [0, 15]: the low nibbles and the high ones.
   static void LoadNibbles(const uint8_t* p, V& lo, V& hi) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    if constexpr (kSigned) {
-      lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28));
-      hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 24), 28));
-    } else {
-      lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-      hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    }
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
   static V Broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -124,17 +117,11 @@ struct Simd {
   static V LoadI8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  // 8 bytes of nibble pairs as two vectors of codes (see the AVX-512 one).
-  template <bool kSigned>
+  // 8 bytes of nibble pairs as two vectors of codes [0, 15] (see the AVX-512 one).
   static void LoadNibbles(const uint8_t* p, V& lo, V& hi) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    if constexpr (kSigned) {
-      lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
-      hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 24), 28));
-    } else {
-      lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-      hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-    }
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   }
   static V Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -147,7 +134,8 @@ struct Simd {
 #endif
 
 // A packed weight's codes: float32 or bfloat16 values, or a quantized weight's codes (below).
-enum class Codes : int { kFloat = 0, kInt8 = 1, kInt4 = 2 /* signed nibbles */, kUint4 = 3 };
+// kInt4: symmetric int4, each nibble its code + 8 ([0, 15] for [-8, 7]); kUint4: codes [0, 15].
+enum class Codes : int { kFloat = 0, kInt8 = 1, kInt4 = 2, kUint4 = 3 };
 
 #ifdef JSERVE_SIMD
 constexpr int64_t kPanel = 3 * Simd::kLanes;
@@ -273,12 +261,15 @@ void PackedPanel(int64_t M, int64_t K, const float* x, const T* panel, float* o,
 // ---------------------------------------------------------------------------- quantized panels
 // The same panels with a quantized weight's codes (matmul.py's pack_quantized): codes [N / kPanel,
 // K, kPanel] int8, or [N / kPanel, K / 2, kPanel] uint8 for int4 (byte (i, j): row 2i of column j
-// in the low nibble, 2i + 1 in the high one; signed [-8, 7], or unsigned [0, 15] with offsets),
-// and scales [N / kPanel, K / G, S, kPanel] float32 or float16 (S = 1: the group's scale; S = 2:
-// its scale, then its offset): w[k, n] = scale[k / G][n] * code[k][n] (+ offset[k / G][n]).
+// in the low nibble, 2i + 1 in the high one; unsigned [0, 15] with offsets, or symmetric codes
+// [-8, 7] stored as code + 8), and scales [N / kPanel, K / G, S, kPanel] float32 or float16 (S = 1:
+// the group's scale; S = 2: its scale, then its offset):
+//   w[k, n] = scale[k / G][n] * code[k][n] (+ offset[k / G][n]).
 // The kernel reads the codes and dequantizes in registers: per group, acc = sum_k x[k] * code[k]
-// (codes converted to float32, exact), then o += scale * acc (+ offset * sum_k x[k] over the group).
-constexpr int64_t kQuantPrefetch = 2048;  // bytes of codes prefetched ahead
+// (codes converted to float32, exact), then o += scale * acc (+ offset * xs, xs = sum_k x[k] over
+// the group; symmetric int4: scale * (acc - 8 * xs), its codes read as the unsigned nibbles, the
+// cheaper conversion).
+constexpr int64_t kQuantPrefetch = 8192;  // bytes of codes prefetched ahead
 
 template <int MR, Codes C, typename S>
 inline __attribute__((always_inline)) void QuantKernel(
@@ -327,7 +318,7 @@ inline __attribute__((always_inline)) void QuantKernel(
       if (pf) _mm_prefetch(pf + (k / 2) * kPanel, _MM_HINT_T1);
       V lo[3], hi[3];
 #pragma GCC unroll 3
-      for (int v = 0; v < 3; ++v) Simd::LoadNibbles<C == Codes::kInt4>(ck + L * v, lo[v], hi[v]);
+      for (int v = 0; v < 3; ++v) Simd::LoadNibbles(ck + L * v, lo[v], hi[v]);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const V xl = Simd::Broadcast(x + m * ldx + k), xh = Simd::Broadcast(x + m * ldx + k + 1);
@@ -358,12 +349,16 @@ inline __attribute__((always_inline)) void QuantKernel(
     sv[v] = Simd::Load(scale + L * v);
     if (offset) ov[v] = Simd::Load(offset + L * v);
   }
+  const float minus8 = -8.0f;
+  const V bias = Simd::Broadcast(&minus8);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
-    const V xs = offset ? Simd::Broadcast(xsum + m * ldxs) : Simd::Zero();
+    const V xs = offset || C == Codes::kInt4 ? Simd::Broadcast(xsum + m * ldxs) : Simd::Zero();
 #pragma GCC unroll 3
     for (int v = 0; v < 3; ++v) {
-      V r = Simd::Mul(acc[0][m][v], sv[v]);
+      V r = acc[0][m][v];
+      if constexpr (C == Codes::kInt4) r = Simd::Fma(bias, xs, r);  // the codes' + 8
+      r = Simd::Mul(r, sv[v]);
       if (offset) r = Simd::Fma(ov[v], xs, r);
       if (!init) r = Simd::Add(r, Simd::Load(o + m * ldo + L * v));
       Simd::Store(o + m * ldo + L * v, r);
@@ -418,7 +413,7 @@ inline float Code(const uint8_t* codes, int64_t k, int64_t j) {
   } else {
     const uint8_t b = codes[(k / 2) * kPanel + j];
     const int nib = (k & 1) ? b >> 4 : b & 15;
-    return static_cast<float>(C == Codes::kInt4 && nib >= 8 ? nib - 16 : nib);
+    return static_cast<float>(C == Codes::kInt4 ? nib - 8 : nib);
   }
 }
 #endif  // JSERVE_SIMD
@@ -445,7 +440,7 @@ void PackedQuantPanel(int64_t M, int64_t K, const float* x, const uint8_t* codes
   const int64_t groups = K / G;
   const bool asym = ns == 2;
   thread_local std::vector<float> xsum_buf, part_buf;
-  if (asym) {
+  if (asym || C == Codes::kInt4) {
     if (static_cast<int64_t>(xsum_buf.size()) < M * groups) xsum_buf.resize(M * groups);
     GroupSums(M, K, G, x, xsum_buf.data());
   }
