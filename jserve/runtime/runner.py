@@ -98,7 +98,7 @@ class Runner:
             from jax.sharding import PartitionSpec as P
 
             self._jit_kwargs["out_shardings"] = (NamedSharding(mesh, P()),
-                                                 jax.tree.map(lambda _: kv_sharding, self.kv))
+                                                 jax.tree.map(lambda x: x.sharding, self.kv))
         self._step = functools.partial(device_steps.forward, self.graphdef, self.ops)
         self._steps: dict[tuple, Any] = {}  # compiler options -> the jitted forward
         self._sample = jax.jit(device_steps.sample_rows)
