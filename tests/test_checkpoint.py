@@ -152,3 +152,13 @@ def test_cli_reports_bad_model(capsys):
     rc = cli.main(["generate", "--model", "/nonexistent/model", "--prompt", "x"])
     assert rc == 2
     assert "/nonexistent/model" in capsys.readouterr().err
+
+
+def test_default_checkpoint_root_is_the_checkouts(monkeypatch):
+    """Converted models go to the checkout's checkpoints/ (README), wherever the module lives in the package."""
+    from pathlib import Path
+
+    from jserve.model.checkpoint import default_checkpoint_root
+
+    monkeypatch.delenv("JSERVE_CHECKPOINTS", raising=False)
+    assert default_checkpoint_root() == Path(__file__).resolve().parents[1] / "checkpoints"

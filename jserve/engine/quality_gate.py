@@ -100,7 +100,7 @@ def check(quantization: Mapping[str, Any] | None, *, gate: str = "enforce", max_
     if result.passed:
         logger.info("%s", result.message)
         return result
-    hint = f" {how_to_evaluate}" if how_to_evaluate else ""
+    hint = f" {how_to_evaluate.rstrip('.')}." if how_to_evaluate else ""
     if gate == "enforce":
         raise QualityGateError(f"refusing to serve: {result.message}.{hint} To serve it anyway pass "
                                f"quality_gate='warn' (--quality-gate warn) or set the thresholds "

@@ -82,7 +82,7 @@ def default_checkpoint_root() -> Path:
     env = os.environ.get("JSERVE_CHECKPOINTS")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[1] / "checkpoints"
+    repo = Path(__file__).resolve().parents[2] / "checkpoints"
     if repo.is_dir():
         return repo
     return Path.home() / ".cache" / "jserve" / "checkpoints"
