@@ -83,12 +83,14 @@ struct Simd {
   static V LoadI8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  // 16 bytes of nibble pairs as two vectors of codes [0, 15]: the low nibbles and the high ones.
-  static void LoadNibbles(const uint8_t* p, V& lo, V& hi) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  // 16 bytes of nibble pairs, zero-extended to 32-bit lanes; Low and High: their codes [0, 15]
+  // as float32.
+  using VI = __m512i;
+  static VI LoadBytes(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static V Low(VI b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))); }
+  static V High(VI b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
   static V Broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -117,12 +119,13 @@ struct Simd {
   static V LoadI8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  // 8 bytes of nibble pairs as two vectors of codes [0, 15] (see the AVX-512 one).
-  static void LoadNibbles(const uint8_t* p, V& lo, V& hi) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  // 8 bytes of nibble pairs (see the AVX-512 ones).
+  using VI = __m256i;
+  static VI LoadBytes(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
+  static V Low(VI b) { return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))); }
+  static V High(VI b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
   static V Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -316,17 +319,28 @@ inline __attribute__((always_inline)) void QuantKernel(
     for (int64_t k = 0; k < rows; k += 2) {
       const uint8_t* ck = codes + (k / 2) * kPanel;
       if (pf) _mm_prefetch(pf + (k / 2) * kPanel, _MM_HINT_T1);
-      V lo[3], hi[3];
+      // The low nibbles (row k) against every row of x, then the high ones (row k + 1): 3 * MR
+      // accumulators, the 3 byte vectors and 3 weight vectors fit the registers at MR = 8.
+      Simd::VI b[3];
+      V wv[3];
 #pragma GCC unroll 3
-      for (int v = 0; v < 3; ++v) Simd::LoadNibbles(ck + L * v, lo[v], hi[v]);
+      for (int v = 0; v < 3; ++v) {
+        b[v] = Simd::LoadBytes(ck + L * v);
+        wv[v] = Simd::Low(b[v]);
+      }
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
-        const V xl = Simd::Broadcast(x + m * ldx + k), xh = Simd::Broadcast(x + m * ldx + k + 1);
+        const V xl = Simd::Broadcast(x + m * ldx + k);
 #pragma GCC unroll 3
-        for (int v = 0; v < 3; ++v) {
-          acc[0][m][v] = Simd::Fma(xl, lo[v], acc[0][m][v]);
-          acc[kSets - 1][m][v] = Simd::Fma(xh, hi[v], acc[kSets - 1][m][v]);
-        }
+        for (int v = 0; v < 3; ++v) acc[0][m][v] = Simd::Fma(xl, wv[v], acc[0][m][v]);
+      }
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) wv[v] = Simd::High(b[v]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const V xh = Simd::Broadcast(x + m * ldx + k + 1);
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; ++v) acc[kSets - 1][m][v] = Simd::Fma(xh, wv[v], acc[kSets - 1][m][v]);
       }
     }
   }
