@@ -263,6 +263,25 @@ def test_paged_attention_layouts_write_and_read_scales_alike(kernel):
     np.testing.assert_allclose(np.asarray(out_a), want, **SAME_CODES)
 
 
+def test_folded_int8_cache_is_written_in_place_by_the_scanned_step():
+    """The XLA backend's decode step over an int8 cache: codes and scales carried through the
+    layer loop, donated and aliased to the output (4 buffers), never copied."""
+    from jserve.runtime.runner import Runner
+    from test_backends import _decode_hlo, _load
+
+    config, params = _load("llama3")
+    num_pages, page, K, L, D = 64, 4, config.num_kv_heads, config.num_layers, config.head_dim
+    runner = Runner(config, params, num_pages=num_pages, page_size=page, max_model_len=32, backend="reference",
+                    batch_buckets=(4,), token_buckets=(8,), max_num_batched_tokens=8, kv_dtype=jnp.int8)
+    assert [a.shape for a in runner.kv] == [(K, L * num_pages, page, D)] * 2 + [(K, L * num_pages, page)] * 2
+    hlo = _decode_hlo(runner, 4)
+    for shape in (rf"s8\[{K},{L * num_pages},{page},{D}\]", rf"s8\[{K},{L * num_pages * page},{D}\]",
+                  rf"f32\[{K},{L * num_pages},{page}\]", rf"f32\[{K},{L * num_pages * page}\]"):
+        assert not [line for line in hlo.splitlines() if re.search(shape + r"\S* copy\(", line)], shape
+    header = hlo.splitlines()[0]
+    assert len(re.findall(r"\{\d+\}: \(\d+, \{\}, (?:may|must)-alias\)", header)) == 4, header
+
+
 LLAMA31_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False)
 
