@@ -85,6 +85,24 @@ def test_int4_codes_span_their_range_and_share_a_call_with_floats():
     np.testing.assert_allclose(np.asarray(outs[3]), x @ np.asarray(fw, np.float32), rtol=1e-5, atol=1e-4)
 
 
+def test_groups_across_blocks_and_int8_offsets():
+    # Groups that do not divide the kernel's 128-row blocks (96: blocks of whole groups; 192: a
+    # group split over two blocks, its partial sums carried), and int8 codes with offsets (not a
+    # form `quantize` makes, but one the format holds).
+    rng = np.random.default_rng(8)
+    k = 576
+    for group in (96, 192):
+        w = _weight(rng, k, 60, "int8", group, True)
+        for m in (1, 9, 20):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            _assert_matches(native.matmul_packed(x, native.pack_quantized(w)), x, w)
+    offsets = rng.standard_normal((k // 64, 60)).astype(np.float16)
+    w = quant.QuantizedWeight(w.values, rng.uniform(0.01, 0.1, (k // 64, 60)).astype(np.float16), offsets, "int8", 64)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    assert native.pack_quantized(w).scales.shape[2] == 2
+    _assert_matches(native.matmul_packed(x, native.pack_quantized(w)), x, w)
+
+
 @pytest.mark.parametrize("fmt", [("int8", 0, True), ("int4", 32, True), ("int4", 64, False)], ids=_format_id)
 def test_packed_layout(fmt):
     scheme, group, symmetric = fmt

@@ -1,7 +1,7 @@
 // A packed weight of an XLA FFI call as a Job (packed_matmul.h), checked against the shapes the
 // call expects: float32 or bfloat16 panels [N / P, K, P], or a quantized weight's two buffers,
 // codes (int8 [N / P, K, P], or uint8 [N / P, K / 2, P] for int4) and scales ([N / P, K / G, S, P],
-// float32 or float16; S = 2 where they carry offsets, then the codes are unsigned). Shared by
+// float32 or float16; S = 2 where they carry offsets, then int4 codes are unsigned). Shared by
 // matmul.cc and decoder_layer.cc. Include after "xla/ffi/api/ffi.h".
 #ifndef JSERVE_PACKED_JOB_H_
 #define JSERVE_PACKED_JOB_H_
@@ -35,14 +35,14 @@ inline xla::ffi::ErrorOr<Job> PackedJob(const xla::ffi::AnyBuffer& w, const xla:
   const bool int4 = w.element_type() == ffi::DataType::U8;
   const std::string layout = what + " must be a quantized packed weight: codes int8 [N / P, K, P] or uint8 "
                              "[N / P, K / 2, P] (int4) and scales [N / P, K / G, S, P] float32 or float16 "
-                             "(S = 1, or 2 with offsets: int4 only), of the expected shape";
+                             "(S = 1, or 2 with offsets), of the expected shape";
   if (!scales || wd.size() != 3 || wd[2] != kPanel || wd[0] * kPanel < min_n || K <= 0 ||
       wd[1] != (int4 ? K / 2 : K) || (int4 && K % 2)) {
     return ffi::Error::InvalidArgument(layout);
   }
   auto sd = scales->dimensions();
   if (sd.size() != 4 || sd[0] != wd[0] || sd[1] < 1 || K % sd[1] || sd[3] != kPanel || sd[2] < 1 ||
-      sd[2] > (int4 ? 2 : 1) || (int4 && (K / sd[1]) % 2) ||
+      sd[2] > 2 || (int4 && (K / sd[1]) % 2) ||
       (scales->element_type() != ffi::DataType::F32 && scales->element_type() != ffi::DataType::F16)) {
     return ffi::Error::InvalidArgument(layout);
   }

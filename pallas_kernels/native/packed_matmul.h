@@ -1,6 +1,7 @@
 // The packed matmul's kernels, shared by the native CPU matmul (matmul.cc) and the
 // fused decoder layer (decoder_layer.cc): weights packed once as [N / kPanel, K, kPanel]
-// column panels, and PackedPanel, all M rows of x against one panel.
+// column panels, and PackedPanel, all M rows of x against one panel; quantized weights' codes in
+// the same panels and PackedQuantPanel (the "quantized panels" section); JobPanel, either.
 #ifndef JSERVE_PACKED_MATMUL_H_
 #define JSERVE_PACKED_MATMUL_H_
 
