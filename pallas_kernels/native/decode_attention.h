@@ -17,6 +17,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -186,25 +189,40 @@ inline void WidenRow(const uint16_t* src, float* dst, int64_t D) {
   for (; d < D; ++d) dst[d] = Bf16ToF32(src[d]);
 }
 
-typedef int8_t i8x8 __attribute__((vector_size(8)));
-
-// dst[0..D) = the int8 codes src times scale, 8 at a time (a sign extension, a conversion and
-// a multiply).
+// dst[0..D) = the int8 codes src times scale, 8 at a time with AVX2 (vpmovsxbd, vcvtdq2ps, a
+// multiply; GCC left the generic vector conversion of 8 bytes scalar).
 inline void WidenRow(const int8_t* src, float* dst, int64_t D, float scale) {
   int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256 s = _mm256_set1_ps(scale);
   for (; d + 8 <= D; d += 8) {
-    i8x8 c;
-    std::memcpy(&c, src + d, sizeof c);
-    const v8 w = __builtin_convertvector(c, v8) * scale;
-    std::memcpy(dst + d, &w, sizeof w);
+    const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), s));
   }
+#endif
   for (; d < D; ++d) dst[d] = src[d] * scale;
 }
 
-// dst[0..D) = the float8_e4m3fn codes src times scale (a table lookup per code).
+// dst[0..D) = the float8_e4m3fn codes src times scale. With AVX2 and F16C, 8 at a time: a code's
+// bits moved into a float16's (sign to bit 15, exponent and mantissa to bits 13..7) are the
+// code's value times 2^-8 (subnormals included, float16 having 5 exponent bits to e4m3's 4), so
+// vcvtph2ps and a multiply by scale * 256 give it exactly (the NaN code, which writes never
+// produce, reads as 480). Otherwise a table lookup per code.
 inline void WidenRow(const Fp8* src, float* dst, int64_t D, float scale) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  static_assert(sizeof(Fp8) == 1, "Fp8 is one byte");
+  const __m256 s = _mm256_set1_ps(scale * 256.0f);
+  const __m128i sign = _mm_set1_epi16(0x80), rest = _mm_set1_epi16(0x7F);
+  for (; d + 8 <= D; d += 8) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, sign), 8),
+                                      _mm_slli_epi16(_mm_and_si128(w, rest), 7));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(half), s));
+  }
+#endif
   const float* table = Fp8Table();
-  for (int64_t d = 0; d < D; ++d) dst[d] = table[src[d].bits] * scale;
+  for (; d < D; ++d) dst[d] = table[src[d].bits] * scale;
 }
 
 // Pointers to the K and V rows of keys j0 .. j0 + n - 1 (n <= kKeyBlock) of one KV head: into
