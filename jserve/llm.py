@@ -165,6 +165,9 @@ def _quantization(path: Path, config, params: dict, generation: Mapping[str, Any
     from jserve.model.checkpoint import quality_report_path, quantization_record
 
     record = generation.get("quantization")
+    if (record is not None or settings.quantization is not None) and settings.mesh is not None:
+        raise ValueError("quantized weights on a device mesh are not supported yet: serve them on one device "
+                         "(no mesh)")
     how = f"Evaluate it against its float source (stored in the checkpoint): jserve eval --model {path} --save"
     if settings.quantization in quant.SCHEMES:
         if record is not None:

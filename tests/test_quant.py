@@ -205,6 +205,8 @@ def test_quantized_checkpoint_round_trip_and_gate(tiny_hf_folder, tmp_path):  # 
     llm = LLM(str(tmp_path / "f32"), quantization="int8", **settings)
     assert llm.quantization["label"] == "int8 per-channel sym"
     assert quant.is_quantized(llm.runner.params["layers"]["wq"])
+    with pytest.raises(ValueError, match="device mesh"):
+        LLM(str(tmp_path / "f32"), quantization="int8", mesh="tp=2", **settings)
     shutil.rmtree(tmp_path / "q4")
 
 
