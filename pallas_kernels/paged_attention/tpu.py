@@ -10,9 +10,12 @@ causal (and sliding-window) range of a row block, are skipped. Unlike JAX's own 
 does not prefetch across grid steps, so each step pays one exposed DMA latency.
 
 Quantized pages (int8 / float8_e4m3fn codes) come with their scales [num_kv_heads, num_pages,
-page_size]: each page's scales are DMA'd with it into a [pages_per_block, page_size] buffer, the
-codes are widened to the query's dtype, the key scales multiply the scores of their keys and
-the value scales the probabilities before P.V.
+page_size]: XLA gathers each row's scales in key order first ([batch, num_kv_heads, 1, keys]: 4
+bytes per key and head, next to the key's head_dim code bytes), so a grid step holds its row's
+scales in VMEM as one lane vector and slices a block's keys from it (lane-aligned when a block is
+a multiple of 128 keys), with no per-page DMA of a few scales. The codes are widened to the
+query's dtype, the key scales multiply the scores of their keys and the value scales the
+probabilities before P.V.
 """
 
 from __future__ import annotations
@@ -35,10 +38,9 @@ def _kernel(
     q_ref,              # VMEM [block_rows, head_dim]
     k_hbm_ref,          # ANY  [num_kv_heads, num_pages, page_size, head_dim]
     v_hbm_ref,          # ANY  [num_kv_heads, num_pages, page_size, head_dim]
-    *refs,              # quantized: k/v scales (ANY f32 [num_kv_heads, num_pages, page_size]); then
-                        # o_ref VMEM [block_rows, head_dim],
+    *refs,              # quantized: k/v scales of the row's keys, VMEM f32 [1, blocks * block_len];
+                        # then o_ref VMEM [block_rows, head_dim],
                         # k_buf, v_buf VMEM [2, pages_per_block, page_size, head_dim],
-                        # quantized: k/v scale buffers VMEM f32 [2, pages_per_block, page_size],
                         # sems: DMA semaphores [2 (k, v), 2 (slot)],
                         # m_ref, l_ref VMEM f32[block_rows, 128]: running max and softmax
                         # denominator, replicated across lanes; acc_ref f32[block_rows, head_dim]
@@ -51,7 +53,7 @@ def _kernel(
     max_pages: int,
 ):
     if quantized:
-        ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+        ks_ref, vs_ref, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     else:
         o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     b, h, rb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -71,10 +73,8 @@ def _kernel(
             # Slots past the table's end only hold positions >= every length: clamp, then mask.
             page_slot = jnp.minimum(j * pages_per_block + i, max_pages - 1)
             page = page_indices_ref[b * max_pages + page_slot]
-            pairs = [(k_hbm_ref, k_buf, sems.at[0, slot]), (v_hbm_ref, v_buf, sems.at[1, slot])]
-            if quantized:  # a page's scales share its codes' semaphore
-                pairs += [(ks_hbm_ref, ks_buf, sems.at[0, slot]), (vs_hbm_ref, vs_buf, sems.at[1, slot])]
-            for ref, buf, sem in pairs:
+            for ref, buf, sem in ((k_hbm_ref, k_buf, sems.at[0, slot]),
+                                  (v_hbm_ref, v_buf, sems.at[1, slot])):
                 out.append(pltpu.make_async_copy(ref.at[h, page], buf.at[slot, i], sem))
         return out
 
@@ -112,7 +112,8 @@ def _kernel(
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * sm_scale  # [block_rows, block_len]
         if quantized:
-            s = s * ks_buf[slot].reshape(1, block_len)
+            keys = pl.ds(pl.multiple_of(j * block_len, block_len), block_len)
+            s = s * ks_ref[:, keys]  # [1, block_len]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = j * block_len + lax.broadcasted_iota(jnp.int32, (1, block_len), 1)
@@ -126,7 +127,7 @@ def _kernel(
         m_ref[...] = m_next
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
         if quantized:
-            p = p * vs_buf[slot].reshape(1, block_len)
+            p = p * vs_ref[:, keys]
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
         return carry
@@ -170,21 +171,26 @@ def paged_attention_rows(
     if padded_rows != rows:  # the extra rows are tokens past q_lens: they output zeros
         q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     quantized = k_scales is not None
-    scales = (k_scales, v_scales) if quantized else ()
+    scales = ()
+    if quantized:  # each row's scales in key order, padded to whole blocks: [batch, kv_heads, 1, keys]
+        blocks = pl.cdiv(max_pages, pages_per_block)
+        table = jnp.pad(page_indices, ((0, 0), (0, blocks * pages_per_block - max_pages)))
+        scales = tuple(x[:, table].transpose(1, 0, 2, 3).reshape(batch, num_kv_heads, 1, -1)
+                       for x in (k_scales, v_scales))
     kernel = functools.partial(_kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, groups=groups,
                                pages_per_block=pages_per_block, max_pages=max_pages)
     row_block = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, rb, *_: (b, h, rb, 0))
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
-    scale_bufs = [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * len(scales)
+    scale_spec = [pl.BlockSpec((None, None, 1, x.shape[3]), lambda b, h, rb, *_: (b, h, 0, 0)) for x in scales]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(batch, num_kv_heads, padded_rows // block_rows),
-            in_specs=[row_block] + [pl.BlockSpec(memory_space=pl.ANY)] * (2 + len(scales)),
+            in_specs=[row_block] + [pl.BlockSpec(memory_space=pl.ANY)] * 2 + scale_spec,
             out_specs=row_block,
-            scratch_shapes=[buf, buf, *scale_bufs, pltpu.SemaphoreType.DMA((2, 2)),
+            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
                             pltpu.VMEM((block_rows, 128), jnp.float32),
                             pltpu.VMEM((block_rows, 128), jnp.float32),
                             pltpu.VMEM((block_rows, head_dim), jnp.float32)],
