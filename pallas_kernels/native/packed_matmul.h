@@ -85,13 +85,15 @@ struct Simd {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   // 16 bytes of nibble pairs, zero-extended to 32-bit lanes; Low and High: their codes [0, 15]
-  // as float32.
+  // as float32, looked up in a 16-float table (vpermps reads an index's low 4 bits: the low
+  // nibble needs no mask, and the lookup is the conversion).
   using VI = __m512i;
   static VI LoadBytes(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static V Low(VI b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))); }
-  static V High(VI b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
+  static V Nibbles() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static V Low(VI b) { return _mm512_permutexvar_ps(b, Nibbles()); }
+  static V High(VI b) { return _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), Nibbles()); }
   static V Broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -277,12 +279,18 @@ constexpr int64_t kQuantPrefetch = 8192;  // bytes of codes prefetched ahead
 
 template <int MR, Codes C, typename S>
 inline __attribute__((always_inline)) void QuantKernel(
-    int64_t rows, const float* __restrict x, int64_t ldx, const uint8_t* __restrict codes,
-    const S* __restrict scale, const S* __restrict offset, const float* __restrict xsum,
-    int64_t ldxs, float* __restrict o, int64_t ldo, float* __restrict part, bool first, bool last,
-    bool init, const char* pf) {
+    int64_t ngroups, int64_t rows, const float* __restrict x, int64_t ldx, const uint8_t* __restrict codes,
+    const S* __restrict scale, const S* __restrict offset, int64_t scale_stride,
+    const float* __restrict xsum, int64_t ldxs, float* __restrict o, int64_t ldo,
+    float* __restrict part, bool first, bool last, bool init, const char* pf) {
   using V = Simd::V;
   constexpr int L = Simd::kLanes;
+  constexpr int64_t kHalves = C == Codes::kInt8 ? 1 : 2;  // rows per kPanel bytes of codes
+  // `ngroups` whole groups of `rows` rows one after the other (first and last), or one segment
+  // of a group (a group longer than a block of rows: its partial sums wait in `part`).
+  for (int64_t gi = 0; gi < ngroups; ++gi, x += rows, codes += rows / kHalves * kPanel, scale += scale_stride,
+               offset = offset ? offset + scale_stride : nullptr, xsum += 1, init = false,
+               pf = pf ? pf + rows / kHalves * kPanel : nullptr) {
   // With one or two rows of x, 3 * MR accumulators are too few chains to hide the FMA's latency:
   // a second set takes the odd rows (int8) or the high nibbles (int4), added at the end.
   constexpr bool kSplit = MR <= 2;
@@ -356,7 +364,7 @@ inline __attribute__((always_inline)) void QuantKernel(
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 3
       for (int v = 0; v < 3; ++v) Simd::Store(part + m * kPanel + L * v, acc[0][m][v]);
-    return;
+    continue;
   }
   V sv[3], ov[3];
 #pragma GCC unroll 3
@@ -379,21 +387,23 @@ inline __attribute__((always_inline)) void QuantKernel(
       Simd::Store(o + m * ldo + L * v, r);
     }
   }
+  }
 }
 
 template <int R, Codes C, typename S>
-inline void QuantRows(int rows_of_x, int64_t rows, const float* x, int64_t ldx, const uint8_t* codes,
-                      const S* scale, const S* offset, const float* xsum, int64_t ldxs, float* o,
-                      int64_t ldo, float* part, bool first, bool last, bool init, const char* pf) {
+inline void QuantRows(int rows_of_x, int64_t ngroups, int64_t rows, const float* x, int64_t ldx,
+                      const uint8_t* codes, const S* scale, const S* offset, int64_t scale_stride,
+                      const float* xsum, int64_t ldxs, float* o, int64_t ldo, float* part, bool first,
+                      bool last, bool init, const char* pf) {
   if constexpr (R > 1) {
     if (rows_of_x < R) {
-      return QuantRows<R - 1, C, S>(rows_of_x, rows, x, ldx, codes, scale, offset, xsum, ldxs, o, ldo,
-                                    part, first, last, init, pf);
+      return QuantRows<R - 1, C, S>(rows_of_x, ngroups, rows, x, ldx, codes, scale, offset, scale_stride, xsum,
+                                    ldxs, o, ldo, part, first, last, init, pf);
     }
   }
-  QuantKernel<R, C, S>(rows, x, ldx, codes, scale, offset, xsum, ldxs, o, ldo, part, first, last, init, pf);
+  QuantKernel<R, C, S>(ngroups, rows, x, ldx, codes, scale, offset, scale_stride, xsum, ldxs, o, ldo, part, first,
+                       last, init, pf);
 }
-
 #else
 // Without AVX2: plain loops (auto-vectorised), 24-column panels.
 constexpr int64_t kPanel = 24;
@@ -463,7 +473,8 @@ void PackedQuantPanel(int64_t M, int64_t K, const float* x, const uint8_t* codes
 #ifdef JSERVE_SIMD
   // Blocks of whole groups (the codes of a block are read from memory by the first kMR rows of x
   // and from L1 by the others), or of kKc rows of a longer group, whose partial sums wait in `part`.
-  const int64_t kc = G <= kKc ? G * (kKc / G) : kKc;
+  // With one block of rows of x no codes are re-read: a long group is one block too.
+  const int64_t kc = G <= kKc ? G * (kKc / G) : M <= kMR ? G : kKc;
   if (G > kc && static_cast<int64_t>(part_buf.size()) < M * kPanel) part_buf.resize(M * kPanel);
   // The sums go to a tile of rows kPanel apart, copied to o at the end: o's rows can be a
   // multiple of 4 KB apart (the head's), and written once per group they would evict each other
@@ -472,21 +483,35 @@ void PackedQuantPanel(int64_t M, int64_t K, const float* x, const uint8_t* codes
   if (static_cast<int64_t>(tile_buf.size()) < M * kPanel) tile_buf.resize(M * kPanel);
   float* tile = tile_buf.data();
   constexpr int64_t kHalves = C == Codes::kInt8 ? 1 : 2;  // rows per kPanel bytes of codes
-  for (int64_t kb = 0; kb < K; kb += kc) {
+  for (int64_t kb = 0, g0 = 0; kb < K; kb += kc) {
     const int64_t kl = std::min(kc, K - kb);
+    const uint8_t* c = codes + kb / kHalves * kPanel;
+    const char* pf = reinterpret_cast<const char*>(c) + kQuantPrefetch;
+    if (G <= kc) {  // whole groups: one call per kMR rows of x walks them all
+      const int64_t g = kb / G;
+      for (int64_t m = 0; m < M; m += kMR) {
+        QuantRows<kMR, C, S>(static_cast<int>(std::min<int64_t>(kMR, M - m)), kl / G, G, x + m * K + kb, K, c,
+                             scales + g * ns * kPanel, asym ? scales + g * ns * kPanel + kPanel : nullptr,
+                             ns * kPanel, xsum + m * groups + g, groups, tile + m * kPanel, kPanel, nullptr, true,
+                             true, g == 0, m == 0 ? pf : nullptr);
+      }
+      continue;
+    }
+    // A group longer than the block: the block's segments (at most two groups' parts).
     for (int64_t m = 0; m < M; m += kMR) {
       const int rows_of_x = static_cast<int>(std::min<int64_t>(kMR, M - m));
-      for (int64_t s0 = kb; s0 < kb + kl;) {
-        const int64_t g = s0 / G, s1 = std::min((g + 1) * G, kb + kl);
-        const uint8_t* c = codes + s0 / kHalves * kPanel;
+      int64_t g = g0;
+      for (int64_t s0 = kb; s0 < kb + kl; ++g) {
+        const int64_t s1 = std::min((g + 1) * G, kb + kl);
         const S* sc = scales + g * ns * kPanel;
-        const char* pf = m == 0 ? reinterpret_cast<const char*>(c) + kQuantPrefetch : nullptr;
-        QuantRows<kMR, C, S>(rows_of_x, s1 - s0, x + m * K + s0, K, c, sc, asym ? sc + kPanel : nullptr,
-                             xsum + m * groups + g, groups, tile + m * kPanel, kPanel,
-                             part_buf.data() + m * kPanel, s0 == g * G, s1 == (g + 1) * G, g == 0, pf);
+        QuantRows<kMR, C, S>(rows_of_x, 1, s1 - s0, x + m * K + s0, K, codes + s0 / kHalves * kPanel, sc,
+                             asym ? sc + kPanel : nullptr, 0, xsum + m * groups + g, groups, tile + m * kPanel,
+                             kPanel, part_buf.data() + m * kPanel, s0 == g * G, s1 == (g + 1) * G, g == 0,
+                             m == 0 ? pf + (s0 - kb) / kHalves * kPanel : nullptr);
         s0 = s1;
       }
     }
+    while ((g0 + 1) * G <= kb + kl) ++g0;  // the group the next block starts in
   }
   for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * ldo, tile + m * kPanel, kPanel * sizeof(float));
 #else
