@@ -182,6 +182,17 @@ def test_backend_packs_quantized_weights_and_falls_back_for_fp8():
     np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(quant.xla_quantized_linear(x, w8)), rtol=1e-6)
     _assert_matches(outs[1], x, w4)
     _assert_matches(native_linear(x, native.pack_quantized(w4), 20), x, w4)
+    # An fp8 embedding (held as E^T) stays as loaded: the XLA lookup and head.
+    ops = backend.ops(QTINY)
+    table = params["embed"]
+    assert quant.is_quantized(table) and not backend.native_head
+    h = jnp.asarray(rng.standard_normal((3, QTINY.hidden_size)), jnp.float32)
+    logits = ops.head(h, table, True)
+    assert logits.dtype == jnp.float32 and logits.shape == (3, QTINY.vocab_size)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(quant.xla_quantized_linear(h, table, jnp.float32)),
+                               rtol=1e-6)
+    rows = ops.embed(table, jnp.array([0, 95]))
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(quant.dequantize(table)).T[[0, 95]])
 
 
 def test_bad_quantized_weights_are_refused():

@@ -198,7 +198,7 @@ class NativeCpuOps(XlaOps):
         if isinstance(table, native_matmul.PackedQuantized):  # tied (E^T) or lm_head, [hidden, vocab]
             return native_matmul.matmul_packed(x, table, self.config.vocab_size)
         if quant.is_quantized(table):
-            return quant.xla_quantized_linear(x, table).astype(jnp.float32)
+            return quant.xla_quantized_linear(x, table, jnp.float32)
         if tied and table.ndim == 3:
             return native_matmul.matmul_packed(x, table, self.config.vocab_size)
         return super().head(x, table, tied)
