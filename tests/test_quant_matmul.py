@@ -93,7 +93,7 @@ def test_groups_across_blocks_and_int8_offsets():
     k = 576
     for group in (96, 192):
         w = _weight(rng, k, 60, "int8", group, True)
-        for m in (1, 9, 20):
+        for m in (1, 9, 20, 513):  # 513: a prefill chunk's rows
             x = rng.standard_normal((m, k)).astype(np.float32)
             _assert_matches(native.matmul_packed(x, native.pack_quantized(w)), x, w)
     offsets = rng.standard_normal((k // 64, 60)).astype(np.float16)
