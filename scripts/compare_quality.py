@@ -119,23 +119,12 @@ def run_llama_perplexity(cmd: list[str]) -> tuple[str, float]:
     return output, wall
 
 
-def ensure_q8_gguf(cache: Path, bindir: Path, f32: Path) -> Path:
-    out = cache / (f32.name.replace(".F32.gguf", "") + ".Q8_0.gguf")
-    if not out.is_file():
-        log(f"llama-quantize {f32.name} -> {out.name} Q8_0")
-        tmp = out.with_suffix(".partial")
-        subprocess.run([str(bindir / "llama-quantize"), str(f32), str(tmp), "Q8_0"], check=True,
-                       stdout=subprocess.DEVNULL)
-        tmp.rename(out)
-    return out
-
-
 def llama_cpp_rows(args, text_path: Path) -> tuple[list[dict], np.ndarray]:
     cs = _compare_servers()
     bindir = cs.ensure_llama_cpp(args.cache_dir)
     shipped = cs.default_gguf()
     f32 = cs.ensure_f32_gguf(args.cache_dir, bindir, shipped)
-    q8 = ensure_q8_gguf(args.cache_dir, bindir, f32)
+    q8 = cs.ensure_q8_gguf(args.cache_dir, bindir, shipped)  # llama-quantize F32 -> Q8_0
     exe = str(bindir / "llama-perplexity")
     common = ["-c", str(args.ctx), "-t", str(args.threads), "-tb", str(args.threads)]
     base = args.cache_dir / f"kld-base-ctx{args.ctx}-{args.max_chunks or 'all'}.bin"
