@@ -9,7 +9,8 @@ working set larger than the last-level cache (`--working-set` MB per format), as
 reads its weights from memory; the calls run `--calls` to one jitted program, each depending on
 the one before (no overlap), and the time per call is the median over `--runs` programs, the
 formats taking turns (a busy machine slows them alike). Effective GB/s: the packed weight's bytes
-(codes and scales) over the time.
+(codes and scales) over the time. Each call also wakes XLA's pool threads (ParallelFor): at the
+small shapes that is much of the time, which the fused decode layers (one wake-up a step) do not pay.
 
 Part 2 (`--decode`): one SmolLM2-135M decode step (batch rows at `--context` cached tokens, the
 fused native decoder layers and the native head, no sampling) per format: the layer matmuls as
