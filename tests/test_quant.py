@@ -160,8 +160,10 @@ def test_quality_gate_thresholds_and_modes():
     with pytest.raises(quality_gate.QualityGateError, match="top-1 agreement 0.9000 < 0.95"):
         quality_gate.check(dict(record, report=_report(0.001, 0.9)))
     assert quality_gate.check(dict(record, report=_report(0.001, 0.9)), min_top1=0.85).passed
-    int4 = {"label": "int4 g32 asym", "spec": {"scheme": "int4"}, "report": _report(0.1, 0.85)}
+    int4 = {"label": "int4 g32 asym", "spec": {"scheme": "int4"}, "report": _report(0.08, 0.9)}
     assert quality_gate.check(int4).passed  # int4's own, looser thresholds
+    with pytest.raises(quality_gate.QualityGateError, match="beyond the gate"):  # RTN int4 on SmolLM2-135M
+        quality_gate.check(dict(int4, report=_report(0.26, 0.75)))
 
 
 def test_quantized_checkpoint_round_trip_and_gate(tiny_hf_folder, tmp_path):  # noqa: F811

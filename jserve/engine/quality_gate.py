@@ -8,9 +8,12 @@ model with no report, or one beyond the thresholds, unless the gate is "warn" or
 
 The thresholds bound the mean KL divergence of the quantized model's next-token distribution
 from the float model's, and its top-1 agreement, on the shipped evaluation text. The defaults
-were set from measurements on the default model (docs/performance.md, "Quantization quality"):
-each sits above what a sound quantization of that kind measured, and below what a broken one
-(a wrong group or scale) gives.
+per scheme were chosen from measurements on the default model, side by side with llama.cpp's
+own quantizations (docs/performance.md, "Quantization quality"): each passes what int8, int8 in
+groups and fp8 measured there, and int4's refuses round-to-nearest int4 of that 135M model,
+whose perplexity rises by a quarter or more. A GGUF's own quantized weights are evaluated
+against the same file read as floats: that report checks the kernels, not the quantization,
+whose original float weights are not in the file.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ logger = logging.getLogger(__name__)
 # scheme -> (largest mean KL, smallest top-1 agreement)
 DEFAULT_THRESHOLDS: dict[str, tuple[float, float]] = {
     "int8": (0.01, 0.95),
-    "fp8": (0.05, 0.90),
-    "int4": (0.15, 0.80),
+    "fp8": (0.05, 0.85),
+    "int4": (0.10, 0.85),
 }
 
 
