@@ -59,8 +59,8 @@ def test_llm_dtype_casts_a_stored_checkpoint(tiny_hf_folder, tmp_path):
         assert len(llm.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="dtype must be 'float32', 'bfloat16' or None, got 'fp16'"):
         LLM(str(tmp_path / "ckpt"), dtype="fp16", **kw)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .* got 'fp8'"):
-        LLM(str(tmp_path / "missing"), kv_cache_dtype="fp8", **kw)  # said before any loading
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .* got 'fp4'"):
+        LLM(str(tmp_path / "missing"), kv_cache_dtype="fp4", **kw)  # said before any loading
 
 
 def test_restore_into_given_shardings(tiny_hf_folder, tmp_path):

@@ -212,5 +212,5 @@ def test_bfloat16_kv_cache_under_float32_weights(tiny):
     alone = [run(single, [p], [sp])[0] for p, sp in zip(prompts[:4], params[:4])]
     assert [o.token_ids for o in outs["bfloat16"][:4]] == alone
     assert_clean(engines["bfloat16"])
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .* got 'fp8'"):
-        make_engine(tiny, kv_cache_dtype="fp8", **kw)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .* got 'fp4'"):
+        make_engine(tiny, kv_cache_dtype="fp4", **kw)
