@@ -46,7 +46,13 @@ def _evaluate_converted(args: argparse.Namespace, out) -> None:
         if not args.quiet:
             print(f"[eval] {msg}", file=sys.stderr, flush=True)
 
-    source = resolve_model(args.source, dtype=args.dtype)  # the float checkpoint (converted once)
+    from pathlib import Path
+
+    from jserve.model.checkpoint import default_gguf_path
+
+    default = Path(args.source).resolve() == default_gguf_path().resolve()
+    # the float checkpoint (converted once; the default model's GGUF is the default model)
+    source = resolve_model(None if default else args.source, dtype=args.dtype)
     log(f"evaluating {out} against {source}")
     report = evaluate(load_model(out), load_model(source, label=f"{source.name} (R)"),
                       max_chunks=args.eval_max_chunks, log=log)
