@@ -169,6 +169,9 @@ def _quantization(path: Path, config, params: dict, generation: Mapping[str, Any
         raise ValueError("quantized weights on a device mesh are not supported yet: serve them on one device "
                          "(no mesh)")
     how = f"Evaluate it against its float source (stored in the checkpoint): jserve eval --model {path} --save"
+    if record is not None and not record.get("source"):  # AWQ / GPTQ: the float model is elsewhere
+        how = (f"Evaluate it against the float model it was quantized from: jserve eval --model {path} "
+               f"--reference <that model> --save")
     if settings.quantization in quant.SCHEMES:
         if record is not None:
             raise ValueError(f"{path} is already quantized ({record['label']}); quantization="

@@ -240,3 +240,62 @@ def test_quantized_steps_lower_for_tpu_and_gpu(platform, kernel, scheme):
         assert ("tpu_custom_call" if platform == "tpu" else "mosaic_gpu") in text  # the real kernel
         codes = {"int8": "xi8", "int4": "xui8", "fp8": "xf8E4M3FN"}[scheme]
         assert codes in text  # the weights enter the step as codes, not as floats
+
+
+def _awq_folder(src, out, group=32):
+    """`src`'s HF folder with every layer linear as an AutoAWQ gemm tensor triple (random codes,
+    zero points and scales, packed by the reference packer of tests/test_quant_import.py), and
+    the dequantized weights each stands for."""
+    from safetensors.numpy import load_file, save_file
+
+    from test_quant_import import ref_pack_awq, reference
+
+    rng = np.random.default_rng(5)
+    shutil.copytree(src, out)
+    tensors, want = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not (name.endswith("proj.weight") and ".layers." in name):
+            tensors[name] = w
+            continue
+        N, K = w.shape  # HF linears are [out, in]
+        q = rng.integers(0, 16, (K, N))
+        z = rng.integers(0, 16, (K // group, N))
+        s = (rng.random((K // group, N)) * 0.02 + 0.001).astype(np.float16)
+        module = name[:-len(".weight")]
+        tensors |= {module + ".qweight": ref_pack_awq(q), module + ".qzeros": ref_pack_awq(z), module + ".scales": s}
+        want[name] = reference(q, z, s, group)
+    (out / "model.safetensors").unlink()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                  "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return want
+
+
+def test_awq_folder_converts_to_int4_and_serves_after_the_gate(tiny_hf_folder, tmp_path):  # noqa: F811
+    """An AWQ safetensors folder loads as jserve int4 without a float copy, each linear equal to
+    (q - z) * s; the checkpoint has no float source, so the gate waits for a report against one."""
+    from jserve import LLM, SamplingParams
+    from jserve.model.checkpoint import _map_hf_name
+
+    want = _awq_folder(tiny_hf_folder, tmp_path / "awq")
+    convert(tmp_path / "awq", tmp_path / "ckpt", progress=False)
+    config, params, generation = load_checkpoint(tmp_path / "ckpt", host=True)
+    record = generation["quantization"]
+    assert record["label"].startswith("awq int4 g32") and record["source"] is None
+    for hf_name, w in want.items():
+        name, layer, _ = _map_hf_name(hf_name)
+        got = quant.dequantize(jax.tree.map(lambda a: a[layer], params[name]))
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)  # (q - z) * s up to the offset's rounding
+    settings = dict(max_num_seqs=2, max_model_len=64, warmup=False)
+    with pytest.raises(quality_gate.QualityGateError, match="--reference"):
+        LLM(str(tmp_path / "ckpt"), **settings)
+    llm = LLM(str(tmp_path / "ckpt"), quality_gate="warn", **settings)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    cfg = json.loads((tmp_path / "awq" / "config.json").read_text())
+    cfg["quantization_config"]["version"] = "gemv"
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="gemv"):
+        convert(tmp_path / "awq", tmp_path / "ckpt2", progress=False)

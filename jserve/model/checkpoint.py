@@ -210,11 +210,18 @@ def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
         config, params = read_params(src, dtype=dtype, progress=progress, keep_quantized=keep_quantized)
         tokenizer = Tokenizer.from_gguf(str(src)) if src.suffix == ".gguf" else Tokenizer.load(src)
     quantization = None
-    if keep_quantized:
-        if not any(quant.is_quantized(w) for w in params.values()):
-            raise ValueError(f"{src} has no quantized tensors jserve can keep (they are read as floats)")
+    pre_quantized = any(quant.is_quantized(w) for w in params.values())
+    if keep_quantized and not pre_quantized:
+        raise ValueError(f"{src} has no quantized tensors jserve can keep (they are read as floats)")
+    if pre_quantized:
+        if quantize is not None:
+            raise ValueError(f"{src} is already quantized: convert it without --quantize")
+        method = "gguf" if keep_quantized else json.loads((src / "config.json").read_text())[
+            "quantization_config"]["quant_method"]
         types = sorted({w.describe() for w in params.values() if quant.is_quantized(w)})
-        quantization = quantization_record("gguf " + ", ".join(types), {"scheme": "gguf"}, params, source=str(src))
+        # A GGUF's float reference is the same file read as floats; an AWQ / GPTQ folder holds none.
+        quantization = quantization_record(f"{method} " + ", ".join(types), {"scheme": method}, params,
+                                           source=str(src) if keep_quantized else None)
         quantization["scheme"] = _gguf_scheme(params)
     if quantize is not None:
         params = quant.quantize_params(config, params, quantize)
@@ -246,7 +253,8 @@ def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
 
 
 def _gguf_scheme(params: Mapping[str, Any]) -> str:
-    """The gate's scheme for a GGUF's kept weights: int4 if any matmul is 4-bit, else int8."""
+    """The gate's scheme for pre-quantized weights (GGUF, AWQ, GPTQ): int4 if any matmul is 4-bit,
+    else int8."""
     return "int4" if any(quant.is_quantized(w) and w.scheme == "int4" for w in params.values()) else "int8"
 
 
@@ -325,15 +333,52 @@ def _map_hf_name(hf_name: str) -> tuple[str | None, int | None, bool]:
 
 
 def _read_hf(folder: Path):
+    """(config, [(HF name, loader)], count). An AWQ or GPTQ folder (`quantization_config` in
+    config.json) gives each quantized linear as one entry, `<module>.weight`, whose loader repacks
+    its qweight / qzeros / scales (/ g_idx) into a `QuantizedWeight` (`quant_import`)."""
     from safetensors import safe_open
 
-    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    hf_config = json.loads((folder / "config.json").read_text())
+    config = ModelConfig.from_hf_config(hf_config)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors files")
     handles = [safe_open(str(f), framework="numpy") for f in files]
-    entries = [(name, (lambda h=h, n=name: _to_numpy(h, n))) for h in handles for name in h.keys()]
+    where = {name: h for h in handles for name in h.keys()}
+    spec = None
+    if "quantization_config" in hf_config:
+        from jserve.model import quant_import
+
+        spec = quant_import.quantization_spec_from_hf(hf_config)
+    entries = []
+    for name, h in where.items():
+        if spec is not None and name.endswith((".qzeros", ".scales", ".g_idx")) and \
+                name.rsplit(".", 1)[0] + ".qweight" in where:
+            continue  # read with their module's qweight
+        if spec is not None and name.endswith(".qweight"):
+            module = name[:-len(".qweight")]
+            entries.append((module + ".weight", (lambda m=module: _hf_quantized(where, m, spec))))
+        else:
+            entries.append((name, (lambda h=h, n=name: _to_numpy(h, n))))
     return config, entries, len(entries)
+
+
+def _hf_quantized(where: Mapping[str, Any], module: str, spec: Mapping[str, Any]) -> quant.QuantizedWeight:
+    """One AWQ / GPTQ linear (`module`'s qweight, qzeros, scales, g_idx) as a QuantizedWeight [in, out]."""
+    from jserve.model import quant_import
+
+    def get(suffix):
+        name = f"{module}.{suffix}"
+        if name not in where:
+            raise ValueError(f"{spec['quant_method']} checkpoint is missing {name!r}")
+        return np.asarray(where[name].get_tensor(name))
+
+    if spec["quant_method"] == "awq":
+        return quant_import.from_awq(get("qweight"), get("qzeros"), get("scales"), spec["group_size"], spec["bits"])
+    g_idx = get("g_idx") if f"{module}.g_idx" in where else None
+    return quant_import.from_gptq(get("qweight"), get("qzeros"), get("scales"), g_idx, bits=spec["bits"],
+                                  group_size=spec["group_size"], sym=spec["sym"],
+                                  checkpoint_format=spec["checkpoint_format"])
 
 
 def _to_numpy(handle, name: str) -> np.ndarray:
@@ -406,7 +451,7 @@ def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
 # --------------------------------------------------------------------------------- orbax I/O
 
 def quantization_record(label: str, spec: Mapping[str, Any], params: Mapping[str, Any], *,
-                        source: str) -> dict[str, Any]:
+                        source: str | None) -> dict[str, Any]:
     """generation.json's `quantization`: the spec, each quantized weight's format, no report yet."""
     weights = {name: {"scheme": w.scheme, "group_size": w.group_size, "symmetric": w.symmetric}
                for name, w in params.items() if quant.is_quantized(w)}
