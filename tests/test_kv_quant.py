@@ -195,19 +195,118 @@ def test_tpu_kernel_with_quantized_pages_lowers_for_tpu(dtype, q_dtype, tokens):
     assert "tpu_custom_call" in lowered
 
 
-def test_gpu_backend_sends_quantized_pages_to_the_xla_reference_path():
-    """The Mosaic GPU kernel takes 16-bit pages only: int8 pages run the reference's gather, which
-    lowers for CUDA with no Mosaic call and computes the reference's result."""
+GPU_LOWER_CASES = [  # head_dim, groups, page_size, tokens, q dtype
+    (128, 8, 16, 1, jnp.bfloat16), (64, 3, 32, 1, jnp.bfloat16), (256, 1, 8, 1, jnp.float16),
+    (128, 4, 16, 300, jnp.bfloat16),  # 1200 rows: 19 row blocks of 64
+    (64, 2, 8, 40, jnp.float32),      # float32 queries: the kernel computes in bfloat16
+]
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("head_dim,groups,page_size,tokens,q_dtype", GPU_LOWER_CASES)
+def test_gpu_kernel_with_quantized_pages_lowers_for_cuda(head_dim, groups, page_size, tokens, q_dtype, dtype):
+    """Pallas -> Mosaic GPU lowering (no GPU needed): the one-byte TMA copies and tiles, the
+    codes widened in registers, the scales' copies and column layout are well formed, and the
+    gpu backend runs the Mosaic kernel for int8 / fp8 pages, not the XLA gather (a 600-slot
+    table: longer than one TMA box)."""
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
+
+    sds = jax.ShapeDtypeStruct
+    pages, scales = sds((NUM_KV_HEADS, 33, page_size, head_dim), dtype), sds((NUM_KV_HEADS, 33, page_size), jnp.float32)
+    per_row, table = sds((4,), jnp.int32), sds((4, 600), jnp.int32)
+    q = sds((4, tokens, NUM_KV_HEADS * groups, head_dim), q_dtype)
+    kw = dict(backend="gpu", sm_scale=0.1, soft_cap=30.0, sliding_window=40, k_scales=scales, v_scales=scales)
+    if tokens == 1:
+        lowered = paged_attention.trace(q.update(shape=(4, NUM_KV_HEADS * groups, head_dim)), pages, pages, per_row,
+                                        table, **kw)
+    else:
+        lowered = paged_prefill_attention.trace(q, pages, pages, per_row, per_row, table, **kw)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert lowered.out_info.dtype == q_dtype
+
+
+def test_gpu_backend_sends_unsupported_quantized_pages_to_the_xla_reference_path():
+    """head_dim 36 (not a multiple of 64): int8 pages run the reference's gather, which lowers
+    for CUDA with no Mosaic call and computes the reference's result."""
     rng = np.random.default_rng(3)
     lengths = np.array([0, 5, 33], np.int32)
-    k, v, kq, vq, table, (kc, vc, ks, vs) = quantized_cache(rng, lengths, page_size=16, head_dim=64, dtype=INT8)
-    q = jnp.asarray(rng.standard_normal((3, 4 * NUM_KV_HEADS, 64)), jnp.float32)
+    k, v, kq, vq, table, (kc, vc, ks, vs) = quantized_cache(rng, lengths, page_size=16, head_dim=36, dtype=INT8)
+    q = jnp.asarray(rng.standard_normal((3, 4 * NUM_KV_HEADS, 36)), jnp.float32)
     args = (q, kc, vc, jnp.asarray(lengths), table)
     kw = dict(sm_scale=0.125, k_scales=ks, v_scales=vs)
     lowered = paged_attention.trace(*args, backend="gpu", **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" not in lowered
     np.testing.assert_array_equal(paged_attention(*args, backend="gpu", **kw),
                                   paged_attention(*args, backend="reference", **kw))
+
+
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # test_paged_attention's bfloat16 tolerance (the kernel's output is bf16)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("tokens,splits,sliding_window,soft_cap", [(1, 1, None, None), (1, 3, 40, None),
+                                                                   (11, 2, None, 30.0)])
+def test_gpu_kernel_reads_quantized_pages_in_gpu_interpret_mode(tokens, splits, sliding_window, soft_cap, dtype):
+    """The Mosaic GPU kernel with int8 / fp8 pages in the GPU interpreter on CPU: the scale
+    gather, its per-stage copies and where the scales apply (key scales on the scores, value
+    scales on the probabilities); only the widening and the matmuls differ on a GPU (jnp there)."""
+    from test_paged_attention import _gpu_rows
+
+    rng = np.random.default_rng(tokens * 10 + splits)
+    if tokens == 1:
+        q_start = np.array([0, 0, 15, 16, 127, 57], np.int32)  # lengths 0, 1, 16, 17, full, any
+        q_lens = np.array([0, 1, 1, 1, 1, 1], np.int32)
+    else:
+        q_start, q_lens = np.array([0, 13, 100, 0], np.int32), np.array([11, 8, 1, 0], np.int32)
+    k, v, kq, vq, table, (kc, vc, ks, vs) = quantized_cache(rng, q_start + q_lens, page_size=16, head_dim=64,
+                                                            dtype=dtype, max_pages=8)
+    q = jnp.asarray(rng.standard_normal((len(q_start), tokens, NUM_KV_HEADS * 3, 64)), jnp.bfloat16)
+    kw = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = _gpu_rows(q, kc, vc, jnp.asarray(q_start), jnp.asarray(q_lens), table, pages_per_block=4,
+                    splits=splits, k_scales=ks, v_scales=vs, **kw)
+    assert out.dtype == jnp.bfloat16
+    out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_allclose(out, dense_attention(q, kq, vq, q_start, q_lens, **kw), **BF16_TOL)
+    np.testing.assert_allclose(out, dense_attention(q, k, v, q_start, q_lens, **kw), **UNQUANTIZED[dtype])
+    assert not out[q_lens == 0].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("head_dim,groups,page_size,max_pages", [(128, 4, 16, 4), (128, 8, 16, 32), (64, 3, 32, 8),
+                                                                 (256, 1, 16, 8)])
+def test_gpu_kernel_with_quantized_pages_matches_reference_on_gpu(head_dim, groups, page_size, max_pages, dtype):
+    """On a GPU: the Mosaic kernel over int8 / fp8 pages (decode, bf16 queries) against the
+    reference over the same codes, at the bfloat16 kernel's tolerance."""
+    rng = np.random.default_rng(head_dim + max_pages)
+    lengths = np.array([0, 1, page_size, page_size + 1, 64, max_pages * page_size], np.int32)
+    k, v, kq, vq, table, (kc, vc, ks, vs) = quantized_cache(rng, lengths, page_size=page_size, head_dim=head_dim,
+                                                            dtype=dtype, max_pages=max_pages)
+    q = jnp.asarray(rng.standard_normal((len(lengths), NUM_KV_HEADS * groups, head_dim)), jnp.bfloat16)
+    kw = dict(sm_scale=head_dim ** -0.5, k_scales=ks, v_scales=vs)
+    args = (q, kc, vc, jnp.asarray(lengths), table)
+    assert "mosaic_gpu" in paged_attention.lower(*args, backend="gpu", **kw).as_text()
+    out = paged_attention(*args, backend="gpu", **kw)
+    assert out.dtype == jnp.bfloat16
+    want = paged_attention(*args, backend="reference", **kw)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)), **BF16_TOL)
+    assert not np.asarray(out[0].astype(jnp.float32)).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QUANT)
+def test_gpu_kernel_prefill_with_quantized_pages_matches_reference_on_gpu(dtype):
+    q_start, q_lens = np.array([0, 13, 100, 0], np.int32), np.array([40, 37, 1, 0], np.int32)
+    rng = np.random.default_rng(6)
+    k, v, kq, vq, table, (kc, vc, ks, vs) = quantized_cache(rng, q_start + q_lens, page_size=16, head_dim=64,
+                                                            dtype=dtype, max_pages=16)
+    q = jnp.asarray(rng.standard_normal((4, 40, NUM_KV_HEADS * 3, 64)), jnp.bfloat16)
+    kw = dict(sm_scale=0.125, sliding_window=50, soft_cap=30.0, k_scales=ks, v_scales=vs)
+    args = (q, kc, vc, jnp.asarray(q_start), jnp.asarray(q_lens), table)
+    out = paged_prefill_attention(*args, backend="gpu", **kw)
+    want = paged_prefill_attention(*args, backend="reference", **kw)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)), **BF16_TOL)
 
 
 @pytest.mark.parametrize("bad,match", [

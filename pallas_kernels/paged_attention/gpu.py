@@ -14,8 +14,19 @@ sliding-window) range of the row block are never read; keys past a row's length 
 last block are masked. Decode is the one-token case, so memory traffic is the live K/V bytes
 plus 64 query rows per (row, KV head).
 
-Supports bfloat16 and float16 K/V with head_dim a multiple of 64 (`supports`); `ops.py`
-sends anything else to the XLA reference path.
+Supports bfloat16 and float16 K/V, and quantized K/V (int8 or float8_e4m3fn codes with float32
+scales, one per token and KV head), with head_dim a multiple of 64 (`supports`); `ops.py` sends
+anything else to the XLA reference path.
+
+Quantized pages: the codes travel as the 16-bit pages do (one TMA copy per page, into 8-row
+shared-memory tiles of 64 or 128 one-byte columns, swizzled to the row's bytes). wgmma takes no
+mixed bf16 x int8 operands, so each stage's K and V code blocks are loaded into registers, widened
+to the compute dtype (bfloat16, or float16 with float16 queries: both hold every int8 and e4m3 code
+exactly) and stored into one 16-bit block each, the operand of the matmuls. The scales stay in
+float32 outside the matmuls, as tpu.py applies them: XLA first gathers each row's scales in key
+order ([batch, num_kv_heads, keys], 4 bytes per key next to head_dim code bytes), a stage copies
+its block's slice of them beside its pages, the key scales multiply the scores of their keys and
+the value scales the probabilities before P.V (the softmax denominator sums the unscaled ones).
 """
 
 from __future__ import annotations
@@ -38,11 +49,31 @@ _SMEM_PER_CORE = 233472  # bytes of shared memory per multiprocessor on Hopper (
 MAX_SMEM = 232448        # the most one CUDA block may use (227 KiB)
 
 
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # codes, with float32 scales
+
+
 def supports(dtype, head_dim: int, page_size: int) -> bool:
-    """Whether the Mosaic kernel handles K/V of this dtype, head size and page size (pages are
-    copied into 8-row shared-memory tiles of 64 columns)."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    """Whether the Mosaic kernel handles K/V of this dtype (16-bit floats, or int8 /
+    float8_e4m3fn codes), head size and page size (pages are copied into 8-row shared-memory
+    tiles of 64 columns, or 64-128 one-byte columns for codes)."""
+    return (jnp.dtype(dtype) in FLOAT_DTYPES + QUANT_DTYPES
             and head_dim % 64 == 0 and page_size % 8 == 0)
+
+
+def compute_dtype(q_dtype, kv_dtype) -> jnp.dtype:
+    """The matmuls' operand dtype: the pages' for 16-bit pages; for codes, the query's when it
+    is 16-bit, else bfloat16."""
+    if jnp.dtype(kv_dtype) not in QUANT_DTYPES:
+        return jnp.dtype(kv_dtype)
+    return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in FLOAT_DTYPES else jnp.dtype(jnp.bfloat16)
+
+
+def _transforms(itemsize: int, head_dim: int):
+    """Shared-memory tiling of a [rows, head_dim] block: 8-row tiles whose 64 (16-bit) or 64-128
+    (one-byte) columns fill one swizzle span of as many bytes."""
+    cols = 64 if itemsize == 2 else math.gcd(128, head_dim)
+    return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(cols * itemsize))
 
 
 def fit_pages_per_block(pages_per_block: int, page_size: int, head_dim: int, max_pages: int,
@@ -52,8 +83,9 @@ def fit_pages_per_block(pages_per_block: int, page_size: int, head_dim: int, max
     step = 64 // math.gcd(64, page_size)
     pages = -(-pages_per_block // step) * step
     itemsize, width = jnp.dtype(dtype).itemsize, _meta_width(max_pages)
+    quantized = jnp.dtype(dtype) in QUANT_DTYPES
     while pages > step and smem_bytes(head_dim, pages * page_size, stages, width,
-                                      itemsize) > MAX_SMEM:
+                                      itemsize, quantized) > MAX_SMEM:
         pages -= step
     return pages
 
@@ -64,10 +96,19 @@ def _meta_width(max_pages: int) -> int:
     return -(-(_META + max_pages) // 32) * 32
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, meta_smem,
-            lse_smem, q_bar, meta_bar, k_bars, v_bars, *, sm_scale: float,
+def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, quantized: bool, sm_scale: float,
             soft_cap: float | None, sliding_window: int | None, groups: int,
             pages_per_block: int, max_pages: int, stages: int, splits: int, interpret: bool):
+    # refs: quantized: ks_ref, vs_ref (f32 [batch, kv_heads, keys]: each row's scales in key
+    # order); o_ref, lse_ref; q_smem, k_smem, v_smem, meta_smem, lse_smem; quantized: ks_smem,
+    # vs_smem (f32 [stages, block_len]), k_wide, v_wide (the current block's K and V widened to
+    # q's dtype); then q_bar, meta_bar, k_bars, v_bars.
+    if quantized:
+        (ks_ref, vs_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, meta_smem, lse_smem, ks_smem,
+         vs_smem, k_wide, v_wide, q_bar, meta_bar, k_bars, v_bars) = refs
+    else:
+        (o_ref, lse_ref, q_smem, k_smem, v_smem, meta_smem, lse_smem, q_bar, meta_bar, k_bars,
+         v_bars) = refs
     b, h = lax.axis_index("b"), lax.axis_index("h")
     rb, split = lax.div(lax.axis_index("r"), splits), lax.rem(lax.axis_index("r"), splits)
     page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
@@ -102,6 +143,33 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_sme
             rows = pl.ds(i * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, rows], k_bars.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, rows], v_bars.at[slot])
+        if quantized:  # the block's scales: block_len * 4 bytes, a multiple of 128 (one copy)
+            keys = pl.ds(j * block_len, block_len)
+            for ref, buf, bar in ((ks_ref, ks_smem, k_bars), (vs_ref, vs_smem, v_bars)):
+                plgpu.copy_gmem_to_smem(ref.at[b, h, keys], buf.at[slot], bar.at[slot],
+                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+    def widen(codes, wide):
+        """A stage's code block into the 16-bit block the matmul reads (exact: every code is
+        a value of the compute dtype)."""
+        if interpret:
+            wide[...] = codes[...].astype(wide.dtype)
+            return
+        x = plgpu.load(codes, layout=plgpu.Layout.WGMMA_8BIT)
+        if x.dtype == jnp.float8_e4m3fn and wide.dtype != jnp.float16:
+            x = x.astype(jnp.float16)  # Hopper converts e4m3 to f16 only; f16 -> bf16 is exact here
+        wide[...] = x.astype(wide.dtype)
+        # The stores, visible to wgmma. Its warpgroup barrier also orders them after every warp's
+        # wait on the block's previous reader: the last matmul that read `wide` finished in all
+        # warps before any of them got past the barrier that followed it (the other block's).
+        plgpu.commit_smem()
+
+    def column(scales):
+        """A stage's f32 scales [block_len] as a row vector over the score columns."""
+        if interpret:
+            return scales[...][None, :]
+        x = plgpu.load(scales, layout=plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(x, (BLOCK_ROWS, block_len), [1])
 
     for s in range(stages):
         @pl.when(first + s < stop)
@@ -124,15 +192,21 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_sme
         acc, m_i, l_i = carry
         slot = lax.rem(j - first, jnp.int32(stages))
         plgpu.barrier_wait(k_bars.at[slot])
+        k_block = k_smem.at[slot]
+        if quantized:
+            widen(k_block, k_wide)
+            k_block = k_wide
 
         if interpret:  # the GPU interpreter has no wgmma: the same products with jnp
-            s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+            s = lax.dot_general(q_smem[...], k_block[...], (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         else:
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_block.transpose((1, 0)))
                 return acc_ref[...]
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_len), jnp.float32))
+        if quantized:
+            s = s * column(ks_smem.at[slot])  # q . (codes * scale) = (q . codes) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s * (sm_scale / soft_cap)) * _LOG2E
         else:
@@ -148,13 +222,18 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_sme
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bars.at[slot])
+        v_block = v_smem.at[slot]
+        if quantized:
+            widen(v_block, v_wide)
+            v_block = v_wide
+            p = p * column(vs_smem.at[slot])  # sum_k p_k (codes_k * scale_k)
 
         if interpret:
-            acc = acc + jnp.dot(p.astype(v_smem.dtype), v_smem[slot],
+            acc = acc + jnp.dot(p.astype(v_block.dtype), v_block[...],
                                 preferred_element_type=jnp.float32)
         else:
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p.astype(v_block.dtype), v_block)
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
         # Both matmuls are done with this slot: refill it with block j + stages.
@@ -186,10 +265,15 @@ def _combine(out, lse):
     return (merged / jnp.where(total > 0, total, 1.0)[..., None]).astype(out.dtype)
 
 
-def smem_bytes(head_dim: int, block_len: int, stages: int, width: int, itemsize: int) -> int:
-    """Shared memory one CUDA block allocates: q, `stages` K and V blocks, page table, lse."""
-    return ((BLOCK_ROWS + 2 * stages * block_len) * head_dim * itemsize + 4 * width
-            + 4 * BLOCK_ROWS)
+def smem_bytes(head_dim: int, block_len: int, stages: int, width: int, itemsize: int,
+               quantized: bool = False) -> int:
+    """Shared memory one CUDA block allocates: q, `stages` K and V blocks, page table, lse; with
+    quantized pages (`itemsize` 1) also each stage's K and V scales and one 16-bit K and V block."""
+    if not quantized:
+        return ((BLOCK_ROWS + 2 * stages * block_len) * head_dim * itemsize + 4 * width
+                + 4 * BLOCK_ROWS)
+    return ((BLOCK_ROWS + 2 * block_len) * head_dim * 2 + 2 * stages * block_len * head_dim
+            * itemsize + 2 * stages * block_len * 4 + 4 * width + 4 * BLOCK_ROWS)
 
 
 def default_splits(ctas: int, max_blocks: int, smem: int) -> int:
@@ -223,9 +307,12 @@ def paged_attention_rows(
     stages: int = 2,
     splits: int | None = None,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Runs the Mosaic GPU kernel; returns [batch, num_kv_heads, rows, head_dim] in the K/V
-    dtype (q is cast to it).
+    dtype (q is cast to it), or for int8 / float8_e4m3fn pages (with `k_scales`, `v_scales`) in
+    `compute_dtype` (q's when 16-bit, else bfloat16).
 
     `pages_per_block * page_size` keys per pipeline stage must be a multiple of 64 (wgmma's
     K for the P.V product); `stages` blocks are in flight per CUDA block (2 is the fastest
@@ -240,7 +327,11 @@ def paged_attention_rows(
     if (pages_per_block * page_size) % 64:
         raise ValueError(f"pages_per_block * page_size = {pages_per_block} * {page_size} "
                          "must be a multiple of 64")
-    dtype = k_pages.dtype
+    quantized = k_pages.dtype in QUANT_DTYPES
+    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError(f"{k_pages.dtype} pages {'need' if quantized else 'take no'} "
+                         "k_scales and v_scales")
+    dtype = compute_dtype(q.dtype, k_pages.dtype)  # of q, the matmul operands and the output
     padded_rows = pl.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS
     q = jnp.pad(q.astype(dtype), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     width = _meta_width(max_pages)  # one int32 row per batch row: q_start, q_len, 0, 0, pages
@@ -248,11 +339,11 @@ def paged_attention_rows(
     meta = meta.at[:, 0].set(q_start).at[:, 1].set(q_lens)
     meta = meta.at[:, _META:_META + max_pages].set(page_indices)
 
-    swizzle = 128  # bytes: one 64-element row of a 16-bit tile
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(swizzle))
+    transforms = _transforms(2, head_dim)  # 16-bit blocks: 64-element rows, 128-byte swizzle
+    kv_transforms = _transforms(k_pages.dtype.itemsize, head_dim)
     block_len = pages_per_block * page_size
     row_blocks = padded_rows // BLOCK_ROWS
-    smem = smem_bytes(head_dim, block_len, stages, width, jnp.dtype(dtype).itemsize)
+    smem = smem_bytes(head_dim, block_len, stages, width, k_pages.dtype.itemsize, quantized)
     if smem > MAX_SMEM:
         raise ValueError(f"pages_per_block={pages_per_block} x page_size={page_size} keys with "
                          f"stages={stages} and head_dim={head_dim} need {smem} bytes of shared "
@@ -260,8 +351,19 @@ def paged_attention_rows(
     if splits is None:
         splits = default_splits(batch * num_kv_heads * row_blocks,
                                 pl.cdiv(max_pages * page_size, block_len), smem)
+    scales, scale_scratch = (), []
+    if quantized:
+        # Each row's scales in key order, padded to whole blocks: [batch, num_kv_heads, keys].
+        blocks = pl.cdiv(max_pages, pages_per_block)
+        table = jnp.pad(page_indices, ((0, 0), (0, blocks * pages_per_block - max_pages)))
+        scales = tuple(x[:, table].transpose(1, 0, 2, 3).reshape(batch, num_kv_heads, -1)
+                       for x in (k_scales, v_scales))
+        scale_scratch = [plgpu.SMEM((stages, block_len), jnp.float32),
+                         plgpu.SMEM((stages, block_len), jnp.float32),
+                         plgpu.SMEM((block_len, head_dim), dtype, transforms=transforms),
+                         plgpu.SMEM((block_len, head_dim), dtype, transforms=transforms)]
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        _kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         groups=groups, pages_per_block=pages_per_block, max_pages=max_pages, stages=stages,
         splits=splits, interpret=interpret)
     out, lse = plgpu.kernel(
@@ -274,17 +376,19 @@ def paged_attention_rows(
         grid_names=("b", "h", "r"),
         scratch_types=[
             plgpu.SMEM((BLOCK_ROWS, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_len, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_len, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((stages, block_len, head_dim), k_pages.dtype, transforms=kv_transforms),
+            plgpu.SMEM((stages, block_len, head_dim), k_pages.dtype, transforms=kv_transforms),
             plgpu.SMEM((width,), jnp.int32),
             plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
+            *scale_scratch,
             plgpu.Barrier(),
             plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+            # One arrival per copy: a stage's pages (and, quantized, its scales).
+            plgpu.Barrier(num_arrivals=pages_per_block + quantized, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=pages_per_block + quantized, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(meta, q, k_pages, v_pages)
+    )(meta, q, k_pages, v_pages, *scales)
     out = out[:, :, 0] if splits == 1 else _combine(out, lse)
     return out[:, :, :rows]

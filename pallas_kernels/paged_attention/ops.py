@@ -4,14 +4,14 @@ Backends: "cpu" (the native kernel, `pallas_kernels.native.paged_attention`, dec
 and prefill chunks of any length, when it builds; without a compiler, or past `native.MAX_GROUPS`
 query heads per KV head, Pallas interpret mode, coarse grid), "cpu_pallas" (Pallas interpret mode
 always), "tpu" (Mosaic TPU kernel), "gpu" (Mosaic GPU kernel for Hopper, `gpu.py`, with
-bfloat16/float16 K/V, head_dim a multiple of 64 and page_size a multiple of 8; anything else runs
-the reference's XLA path, which gathers every slot of the page table) and "reference".
+bfloat16/float16 K/V or int8/float8_e4m3fn codes with scales, head_dim a multiple of 64 and
+page_size a multiple of 8; anything else runs the reference's XLA path, which gathers every slot
+of the page table) and "reference".
 
 All backends share one layout contract: K/V pages [num_kv_heads, num_pages, page_size, head_dim]
 per layer (float32, bfloat16, float16, or quantized: int8 or float8_e4m3fn codes with float32
 `k_scales` / `v_scales` [num_kv_heads, num_pages, page_size], one per token and KV head, a row
-being `codes * scale`; the Mosaic GPU kernel does not take quantized pages, which run the
-reference's XLA path there); page tables int32[batch, max_pages_per_seq] whose padded slots point to page 0, the
+being `codes * scale`); page tables int32[batch, max_pages_per_seq] whose padded slots point to page 0, the
 null page (never -1: JAX gathers wrap negative indices); lengths int32[batch], 0 for a padded row.
 """
 
@@ -115,7 +115,7 @@ def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_s
         out = gpu.paged_attention_rows(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start,
                                        q_lens, page_indices, sm_scale=float(sm_scale),
                                        soft_cap=soft_cap, sliding_window=sliding_window,
-                                       groups=groups, pages_per_block=pages_per_block)
+                                       groups=groups, pages_per_block=pages_per_block, **scales)
         return unpack_rows(out, q.shape[1]).astype(q.dtype)
     if backend in ("reference", "gpu"):
         return reference.paged_prefill_attention_reference(
