@@ -264,3 +264,18 @@ def test_bfloat16_weights_stay_bfloat16_on_the_native_matmuls():
     assert np.isfinite(tops["xla"]).all() and tops["xla"].min() < -1.0  # not one-hot
     np.testing.assert_allclose(tops["native"], tops["xla"], atol=0.05)
 
+
+
+def test_step_records_count_an_int8_caches_scales():
+    """An int8 KV cache's floor counts its codes (1 byte an element) and a float32 scale per token
+    and KV head, K and V."""
+    import jax.numpy as jnp
+
+    config, params, _ = _load("llama2")
+    runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=32, backend="reference",
+                    kv_dtype=jnp.int8, batch_buckets=(2,), token_buckets=(8,), max_num_batched_tokens=8)
+    runner.execute(rows([(0, [1, 2, 3, 4, 5], [1, 2])]))
+    runner.execute(rows([(5, [6], [1, 2])]))
+    weights = sum(v.size * 4 for v in jax.tree.leaves(params))
+    kv_token = 2 * config.num_layers * config.num_kv_heads * (config.head_dim * 1 + 4)
+    assert runner.records[-1].bytes_needed == weights + kv_token * (6 + 1)

@@ -87,7 +87,10 @@ class Runner:
         kv_dtype = kv_dtype or quant.float_dtype(self.params)
         self.backend.check(config, kv_dtype, self.page_size)
         self.kv = self.backend.init_kv(config, num_pages, self.page_size, kv_dtype, kv_sharding)
-        self.kv_itemsize = jax.tree.leaves(self.kv)[0].dtype.itemsize
+        kv_leaves = jax.tree.leaves(self.kv)
+        self.kv_itemsize = kv_leaves[0].dtype.itemsize
+        # A quantized cache's scales ([kv_heads, pages, page_size]: one per token and KV head) beside its pages.
+        self.kv_scale_bytes = next((x.dtype.itemsize for x in kv_leaves if x.ndim == 3), 0)
         self.ops = self.backend.ops(config)
         self.graphdef = model_graphdef(config, self.backend.param_layout)
         # On a background thread (see jserve.runtime.huge_pages); huge_pages.wait() says what it did.
@@ -388,7 +391,7 @@ class Runner:
     def _cost(self, rows) -> tuple[int, int]:
         """The bytes and FLOPs a step needs at minimum: the physical floor for metrics (MBU/MFU)."""
         return step_rows.cost(self.config, rows, param_bytes=self.param_bytes, num_params=self.num_params,
-                              kv_itemsize=self.kv_itemsize)
+                              kv_itemsize=self.kv_itemsize, kv_scale_bytes=self.kv_scale_bytes)
 
     def _is_new(self, key: tuple, compiled: bool | None) -> bool:
         """Whether a call compiled: its jitted function's cache grew (or, where JAX does not tell,

@@ -38,12 +38,14 @@ def pack(rows, B: int, T: int, *, max_pages: int, page_size: int):
     return tokens, positions, PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices), q_lens - 1
 
 
-def cost(config: ModelConfig, rows, *, param_bytes: int, num_params: int, kv_itemsize: int) -> tuple[int, int]:
+def cost(config: ModelConfig, rows, *, param_bytes: int, num_params: int, kv_itemsize: int,
+         kv_scale_bytes: int = 0) -> tuple[int, int]:
     """The bytes and FLOPs a step over these (real) rows needs at minimum: weights read once plus
-    the K/V read and written, and the matmuls and attention of the real tokens (the physical floor
-    behind the metrics' bandwidth and FLOP utilisation)."""
+    the K/V read and written (a quantized cache's scales, `kv_scale_bytes` per token and KV head,
+    included), and the matmuls and attention of the real tokens (the physical floor behind the
+    metrics' bandwidth and FLOP utilisation)."""
     c = config
-    kv_token = c.kv_bytes_per_token(kv_itemsize)
+    kv_token = c.kv_bytes_per_token(kv_itemsize, kv_scale_bytes)
     new = sum(r.num_tokens for r in rows)
     context = sum(r.start + r.num_tokens for r in rows)  # keys each row's last query reads
     # Keys over all queries: query at position p reads p + 1 keys; a closed-form sum per row.
