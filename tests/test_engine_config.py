@@ -71,3 +71,18 @@ def test_the_backend_names_are_the_backends():
     assert sorted(BACKEND_NAMES) == sorted(backends.NAMES)
     for name in BACKEND_NAMES:
         assert backends.create(name).name == name
+
+
+def test_a_backend_refuses_another_backends_option():
+    """An option the chosen backend does not take is named, unless it is at its default (the
+    Runner passes both)."""
+    from jserve.runtime import backends
+
+    assert backends.create("reference", native_matmuls=True).scan is True
+    assert backends.create("cpu", scan=True).name == "cpu"
+    with pytest.raises(ValueError, match="native_matmuls is an option of the native CPU backend"):
+        backends.create("reference", native_matmuls=False)
+    with pytest.raises(ValueError, match="scan is an option of the XLA backends"):
+        backends.create("cpu", scan=False)
+    with pytest.raises(TypeError):
+        backends.create("cpu", bogus=1)

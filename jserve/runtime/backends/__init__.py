@@ -28,14 +28,19 @@ def default_name() -> str:
 
 def create(name: str | Backend | None = None, *, mesh: Any = None, **options: Any) -> Backend:
     """The backend called `name` (a Backend passes through); `options` go to its constructor
-    (`huge_pages`, and `native_matmuls` for "cpu" or `scan` for the XLA ones)."""
+    (`huge_pages`, and `native_matmuls` for "cpu" or `scan` for the XLA ones). Another backend's
+    option at its default value is ignored (callers such as the Runner pass both); set to anything
+    else it is a ValueError naming it."""
     if isinstance(name, Backend):
         return name
     name = name or default_name()
     if name == "cpu":
-        options.pop("scan", None)
+        if options.pop("scan", True) is not True:
+            raise ValueError("scan is an option of the XLA backends; the native CPU backend ('cpu') runs its "
+                             "layers unrolled")
         return NativeCpuBackend(mesh=mesh, **options)
     if name in XLA_KERNELS:
-        options.pop("native_matmuls", None)
+        if options.pop("native_matmuls", True) is not True:
+            raise ValueError(f"native_matmuls is an option of the native CPU backend ('cpu'), not of {name!r}")
         return XlaBackend(name, mesh=mesh, **options)
     raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
