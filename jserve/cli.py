@@ -40,7 +40,8 @@ def _evaluate_converted(args: argparse.Namespace, out) -> None:
     from jserve.engine import quality_gate
     from jserve.eval.evaluate import evaluate
     from jserve.eval.models import load_model
-    from jserve.model.checkpoint import resolve_model, write_quality_report
+    from jserve.model.checkpoint import read_quantization, resolve_model
+    from jserve.model.quant_record import write_quality_report
 
     def log(msg: str) -> None:
         if not args.quiet:
@@ -58,14 +59,9 @@ def _evaluate_converted(args: argparse.Namespace, out) -> None:
                       max_chunks=args.eval_max_chunks, log=log)
     write_quality_report(out, report.to_json())
     print(report.table(), file=sys.stderr)
-    result = quality_gate.evaluate(_record(out))
+    result = quality_gate.evaluate(read_quantization(out))
     print(("passes" if result.passed else "FAILS") + f" the default gate: {result.message}", file=sys.stderr)
 
-
-def _record(path) -> dict:
-    from pathlib import Path
-
-    return json.loads((Path(path) / "generation.json").read_text())["quantization"]
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
@@ -161,8 +160,7 @@ def _quantization(path: Path, config, params: dict, generation: Mapping[str, Any
     import numpy as np
 
     from jserve.engine import quality_gate
-    from jserve.model import quant
-    from jserve.model.checkpoint import quality_report_path, quantization_record
+    from jserve.model import quant, quant_record
 
     record = generation.get("quantization")
     if (record is not None or settings.quantization is not None) and settings.mesh is not None:
@@ -177,14 +175,14 @@ def _quantization(path: Path, config, params: dict, generation: Mapping[str, Any
             raise ValueError(f"{path} is already quantized ({record['label']}); quantization="
                              f"{settings.quantization!r} applies to float checkpoints")
         spec = quant.QuantSpec.parse(settings.quantization, settings.quantization_group_size)
-        report_file = quality_report_path(path, spec.label())
+        report_file = quant_record.quality_report_path(path, spec.label())
         how = (f"Evaluate it once (stored in {report_file}): jserve eval --model {path} --quantization "
                f"{spec.scheme}" + (f" --group-size {spec.group_size}" if spec.group_size else "") + " --save")
         host = {k: v if quant.is_quantized(v) else np.asarray(v) for k, v in params.items()}
         params = quant.quantize_params(config, host, spec)
-        record = quantization_record(spec.label(), spec.to_json(), params, source=str(path))
-        if report_file.is_file():
-            record["report"] = json.loads(report_file.read_text())
+        record = quant_record.quantization_record(spec.label(), spec.scheme, spec.to_json(), params,
+                                                  source=str(path))
+        record["report"] = quant_record.read_load_report(path, spec.label())
         params = {k: jax.tree.map(jnp.asarray, v) for k, v in params.items()}
     elif settings.quantization == "gguf" and record is None:
         raise ValueError(f"quantization='gguf' needs a .gguf model with quantized tensors; {path} holds float weights")

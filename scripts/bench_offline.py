@@ -109,7 +109,8 @@ def scaled(text: str, scale: float) -> tuple[int, int]:
 
 def ensure_hf_weights(folder: Path) -> Path:
     """Write the GGUF's dequantized fp32 weights as an HF LlamaForCausalLM folder, once."""
-    from jserve.model.checkpoint import _HF_GLOBAL, _HF_LAYER, default_gguf_path, read_params
+    from jserve.model.checkpoint import default_gguf_path
+    from jserve.model.sources import _HF_GLOBAL, _HF_LAYER, read_params
 
     gguf = default_gguf_path()
     stamp = f"{gguf} {gguf.stat().st_size} {int(gguf.stat().st_mtime)}"

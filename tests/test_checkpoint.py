@@ -12,7 +12,8 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import DATA
 from jserve import cli
-from jserve.model.checkpoint import convert, load_checkpoint, read_params, unpermute_rotary
+from jserve.model.checkpoint import convert, load_checkpoint, read_params
+from jserve.model.sources import unpermute_rotary
 
 
 @pytest.fixture

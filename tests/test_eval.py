@@ -251,8 +251,8 @@ def test_cli_json_on_a_tiny_checkpoint(tmp_path, smollm2_checkpoint):
     assert report.text["sha256"] == default_text().sha256 and report.text["tokens"] > 30_000
     assert report.ppl["candidate"] == report.ppl["reference"] > 1
     # --quantization: Q is the model quantized at load, R the model; --save stores the gate's report
-    from jserve.model.checkpoint import quality_report_path
     from jserve.model.quant import QuantSpec
+    from jserve.model.quant_record import quality_report_path
 
     with contextlib.redirect_stdout(io.StringIO()):
         rc = main(["eval", "--model", str(out), "--quantization", "int8", "--text", str(text), "--ctx", "32",

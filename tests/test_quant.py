@@ -14,7 +14,8 @@ import pytest
 from jserve.engine import quality_gate
 from jserve.engine.config import EngineConfig
 from jserve.model import quant
-from jserve.model.checkpoint import convert, load_checkpoint, quality_report_path, write_quality_report
+from jserve.model.checkpoint import convert, load_checkpoint
+from jserve.model.quant_record import quality_report_path, write_quality_report
 from test_backends import WANTS_LOGPROBS, StepRow, _load, _model_logprobs
 from test_checkpoint import tiny_hf_folder  # noqa: F401 (fixture)
 
@@ -144,7 +145,7 @@ def _report(kl_mean, top1):
 
 
 def test_quality_gate_thresholds_and_modes():
-    record = {"label": "int8 per-channel sym", "spec": {"scheme": "int8"}, "report": None}
+    record = {"label": "int8 per-channel sym", "scheme": "int8", "report": None}
     with pytest.raises(quality_gate.QualityGateError, match="no quality report"):
         quality_gate.check(record)
     assert not quality_gate.check(record, gate="warn").passed  # served, with a warning
@@ -160,7 +161,7 @@ def test_quality_gate_thresholds_and_modes():
     with pytest.raises(quality_gate.QualityGateError, match="top-1 agreement 0.9000 < 0.95"):
         quality_gate.check(dict(record, report=_report(0.001, 0.9)))
     assert quality_gate.check(dict(record, report=_report(0.001, 0.9)), min_top1=0.85).passed
-    int4 = {"label": "int4 g32 asym", "spec": {"scheme": "int4"}, "report": _report(0.08, 0.9)}
+    int4 = {"label": "int4 g32 asym", "scheme": "int4", "report": _report(0.08, 0.9)}
     assert quality_gate.check(int4).passed  # int4's own, looser thresholds
     with pytest.raises(quality_gate.QualityGateError, match="beyond the gate"):  # RTN int4 on SmolLM2-135M
         quality_gate.check(dict(int4, report=_report(0.26, 0.75)))
@@ -277,7 +278,7 @@ def test_awq_folder_converts_to_int4_and_serves_after_the_gate(tiny_hf_folder, t
     """An AWQ safetensors folder loads as jserve int4 without a float copy, each linear equal to
     (q - z) * s; the checkpoint has no float source, so the gate waits for a report against one."""
     from jserve import LLM, SamplingParams
-    from jserve.model.checkpoint import _map_hf_name
+    from jserve.model.sources import _map_hf_name
 
     want = _awq_folder(tiny_hf_folder, tmp_path / "awq")
     convert(tmp_path / "awq", tmp_path / "ckpt", progress=False)

@@ -13,14 +13,8 @@ import pytest
 
 from jserve.model import quant
 from jserve.model.quant import QuantizedWeight
-from jserve.model.quant_import import (
-    from_awq,
-    from_gguf,
-    from_gptq,
-    permute_output_channels,
-    quantization_spec_from_hf,
-    stack_layers,
-)
+from jserve.model.quant_hf import from_awq, from_gptq, quantization_spec_from_hf
+from jserve.model.quant_import import from_gguf, permute_output_channels, stack_layers
 
 T = gguf.GGMLQuantizationType
 BLOCK = {T.Q8_0: (32, 34), T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
@@ -125,7 +119,8 @@ def test_gguf_unsupported_types_and_bad_shapes():
 
 @pytest.mark.slow  # GGUFReader parses the whole file's metadata (~2.5 s of CPU; > 5 s on a loaded machine)
 def test_gguf_real_model_tensors_bit_exact():
-    from jserve.model.checkpoint import default_gguf_path, unpermute_rotary
+    from jserve.model.checkpoint import default_gguf_path
+    from jserve.model.sources import unpermute_rotary
 
     reader = gguf.GGUFReader(str(default_gguf_path()))
     tensors = {t.name: t for t in reader.tensors}

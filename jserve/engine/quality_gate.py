@@ -69,7 +69,7 @@ def evaluate(quantization: Mapping[str, Any], max_kl: float | None = None,
              min_top1: float | None = None) -> GateResult:
     """Whether a quantization record (generation.json's `quantization`) passes the thresholds."""
     label = quantization["label"]
-    scheme = quantization.get("scheme") or quantization.get("spec", {}).get("scheme", "int4")
+    scheme = quantization["scheme"]
     kl_max, top1_min = thresholds(scheme, max_kl, min_top1)
     report = quantization.get("report")
     if not report:

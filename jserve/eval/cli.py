@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from jserve.eval.evaluate import evaluate
     from jserve.eval.models import load_model, parse_quantization, quantized
+    from jserve.model.checkpoint import read_quantization
 
     def log(msg: str) -> None:
         print(f"[eval] {msg}", file=sys.stderr, flush=True)
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     spec = parse_quantization(args.quantization, args.group_size)
     t0 = time.perf_counter()
     candidate = load_model(args.model, dtype=args.dtype)
-    record = _quantization_record(candidate.path)
+    record = read_quantization(candidate.path) if candidate.path else None
     if args.reference is None and record is not None and spec is None and record.get("source"):
         args.reference = record["source"]  # a quantized checkpoint against its float source
         log(f"reference: {args.reference} (the checkpoint's float source)")
@@ -101,22 +102,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quantization_record(path) -> dict | None:
-    import json
-
-    generation = Path(path) / "generation.json"
-    return json.loads(generation.read_text()).get("quantization") if generation.is_file() else None
-
-
 def _save(path, spec, report, log) -> None:
-    from jserve.model.checkpoint import quality_report_path, write_quality_report
+    from jserve.model.quant_record import write_load_report, write_quality_report
 
     if spec is not None:
-        out = quality_report_path(path, spec.label())
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".json.partial")
-        tmp.write_text(report.dumps() + "\n")
-        tmp.rename(out)
+        out = write_load_report(path, spec.label(), report.to_json())
         log(f"saved the report to {out}")
     else:
         write_quality_report(path, report.to_json())

@@ -22,6 +22,9 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
 SUPPORTED_ARCHITECTURES = tuple(sorted(_HF_ARCHITECTURES))
 
 
+# A decoder layer's matmul weights, in the order the model and the fused native layers take them.
+LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequency scaling: `llama3` (Llama 3.1/3.2) or `linear` (position interpolation)."""

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jserve.model import quant
-from jserve.model.config import ModelConfig, rope_inv_freq
+from jserve.model.config import LAYER_MATMULS, ModelConfig, rope_inv_freq
 
 
 class Attention(Protocol):
@@ -110,7 +110,6 @@ def _w(variable: nnx.Variable) -> Any:
 
 
 _GLOBAL = ("embed", "final_norm", "lm_head")
-LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LAYOUTS = ("list", "stacked")  # per-layer weights: one module per layer, or one with a layer axis
 
 

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jserve.model.config import LAYER_MATMULS
+
 SCHEMES = ("int8", "int4", "fp8")
 GROUP_SIZES = (32, 64, 128)  # int4's; int8 and fp8 default to one scale per output channel
 FP8 = jnp.float8_e4m3fn
@@ -283,8 +285,6 @@ def embed_rows(table: QuantizedWeight, tokens: jax.Array, dtype) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------- whole models
-
-LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # = jserve.model.llama's
 
 
 def quantize_stacked(w: Any, scheme: str, group_size: int = 0, symmetric: bool = True) -> QuantizedWeight:

@@ -64,7 +64,6 @@ class NativeCpuBackend(Backend):
         self.want_native_matmuls = native_matmuls and mesh is None and native_matmul.available()
         self.native_matmuls = self.native_head = False  # what prepare_params packed
         self.uniform_layers = False  # every layer's matmul weights of one kind (all float or all quantized)
-        self.compute_dtype = jnp.dtype(jnp.float32)  # the activations' (a quantized embedding's rows)
 
     def batch_buckets(self, buckets: Sequence[int]) -> tuple[int, ...]:
         # Batch 1 pays off with the native kernel only (the Pallas interpret kernel takes seconds).
@@ -74,7 +73,6 @@ class NativeCpuBackend(Backend):
 
     def prepare_params(self, config: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
         params = super().prepare_params(config, params)
-        self.compute_dtype = _activation_dtype(params)
         if not self.want_native_matmuls:
             return params
         layers = params["layers"]
@@ -111,7 +109,7 @@ class NativeCpuBackend(Backend):
         attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout)
         fused = (self.native_matmuls and self.uniform_layers and self.native_attention
                  and fused_layers_supported(config))
-        return NativeCpuOps(attention, config=config, fused=fused, dtype=self.compute_dtype)
+        return NativeCpuOps(attention, config=config, fused=fused)
 
     def compiler_options(self, rows: int, tokens: int) -> dict[str, str] | None:
         if self.native_matmuls:
@@ -132,12 +130,6 @@ def fused_layers_supported(config: ModelConfig) -> bool:
     c = config
     return (native_layer.available() and native_layer.supports(c.num_heads, c.num_kv_heads, c.head_dim)
             and not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm))
-
-
-def _activation_dtype(params: dict[str, Any]):
-    """The model's activation dtype: its float weights' (the final norm's)."""
-    norm = params.get("final_norm")
-    return jnp.dtype(norm.dtype) if norm is not None else jnp.dtype(jnp.float32)
 
 
 def _weight_kind(w) -> str:
@@ -176,7 +168,6 @@ class NativeCpuOps(XlaOps):
 
     config: ModelConfig | None = None
     fused: bool = False  # decode steps run the fused native decoder layers
-    dtype: Any = jnp.float32  # the activations' dtype: a quantized embedding's rows come in it
 
     def linear(self, x, w, out_features):
         return native_linear(x, w, out_features)
@@ -184,11 +175,12 @@ class NativeCpuOps(XlaOps):
     def embed(self, table, tokens):
         """Rows of the table as the params hold it: [vocab, hidden], or packed as [vocab / P,
         hidden, P] panels of its transpose (token t is panel t // P, lane t % P); a quantized
-        table (its transpose, packed or not) dequantized to `dtype`."""
+        table (its transpose, packed or not) dequantized to float32 (the model casts the rows to
+        its activations' dtype)."""
         if isinstance(table, native_matmul.PackedQuantized):
-            return native_matmul.quantized_rows(table, tokens, self.dtype)
+            return native_matmul.quantized_rows(table, tokens, jnp.float32)
         if quant.is_quantized(table):
-            return quant.embed_rows(table, tokens, self.dtype)
+            return quant.embed_rows(table, tokens, jnp.float32)
         if table.ndim == 3:
             lanes = table.shape[2]
             return table[tokens // lanes, :, tokens % lanes]
