@@ -1,11 +1,12 @@
 """The package's layers and their direction, read from the source (every import, function-local
 ones included; `if TYPE_CHECKING:` blocks excepted):
 
-    core, text  <-  model  <-  runtime  <-  engine  <-  entry points (llm, cli, server, bench)
+    core, text, structured  <-  model  <-  runtime  <-  engine  <-  entry points (llm, cli, server, bench)
 
 A module may import its own layer and those below it, never one above; no import cycle exists
 between modules; and the bottom layers import neither JAX, flax nor numpy (checked in a fresh
-interpreter, as a user of the bookkeeping alone would run them; the text layer may use numpy).
+interpreter, as a user of the bookkeeping alone would run them; the text and structured layers
+may use numpy).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jserve"
-LAYERS = {"core": 0, "text": 0, "model": 1, "runtime": 2, "engine": 3}
+LAYERS = {"core": 0, "text": 0, "structured": 0, "model": 1, "runtime": 2, "engine": 3}
 ENTRY = 4  # jserve/__init__, llm, cli, server/, bench/
 HEAVY = ("jax", "flax", "numpy")
 
@@ -117,7 +118,8 @@ def test_the_layer_test_sees_a_violation(tmp_path, monkeypatch):
         test_imports_point_down_the_layers()
 
 
-@pytest.mark.parametrize("package,heavy", [("core", HEAVY), ("text", ("jax", "flax"))])
+@pytest.mark.parametrize("package,heavy", [("core", HEAVY), ("text", ("jax", "flax")),
+                                                 ("structured", ("jax", "flax"))])
 def test_bottom_layers_import_no_heavy_library(package, heavy):
     modules = sorted(_module(p) for p in (PACKAGE / package).rglob("*.py"))
     code = (f"import sys; import {', '.join(modules)}; "

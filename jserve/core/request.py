@@ -14,6 +14,59 @@ MAX_LOGPROBS = 20  # the most top-k logprobs a request may ask for (a static sha
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate, named as vLLM names it: exactly one of
+
+    - `json`: a JSON schema (a dict, or its JSON text) the output must validate against;
+    - `json_object`: True for any JSON object (OpenAI's `{"type": "json_object"}`);
+    - `regex`: a regular expression the whole output must match;
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: a context-free grammar in Lark syntax or llama.cpp's GBNF.
+
+    `disable_any_whitespace` (default True) makes JSON compact, with ", " and ": " separators and
+    no other whitespace: small models otherwise fill the output with spaces and newlines; set it
+    False for JSON whose whitespace is free. The grammar library (`jserve.structured`) compiles it
+    into a token mask per step; the output ends when the constraint is complete.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self):
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_CONSTRAINTS)}, got "
+                             f"{', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), got "
+                             f"{type(self.json).__name__}")
+        if self.json_object is not True and self.json_object is not False:
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            choice = [self.choice] if isinstance(self.choice, str) else list(self.choice)
+            if not choice or any(not isinstance(c, str) or not c for c in choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                                 f"{self.choice!r:.80}")
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: json, json_object, regex, choice or grammar."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. `temperature=0` is greedy decoding."""
 
@@ -35,6 +88,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs at each prompt position
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # A grammar the output must follow (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         def check(cond: bool, name: str, rule: str):
@@ -68,6 +123,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

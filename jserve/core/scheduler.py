@@ -43,6 +43,8 @@ dropped and its lookahead pages go back with the rest. The price is the usual on
 scheduling: a seat freed inside the call by a stop (EOS, a stop id or string) stays empty until
 the call ends, so a waiting request may be admitted up to K - 1 steps later than with single
 steps, and the stopped request's row computes for nothing until then.
+While a request with structured outputs runs, every step is a single step: its grammar's mask for
+the next token needs the token before it on the host.
 
 Aborts free pages at once, even between `schedule()` and `update()`: the in-flight step may still
 write K/V into those pages, but the pages were neither indexed by the prefix cache (only full,
@@ -231,6 +233,8 @@ class Scheduler:
             return None
         if any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
             return None  # a prompt (or a preempted request's recompute) is still in chunks
+        if any(r.params.structured_outputs is not None for r in running):
+            return None  # a grammar's mask needs each sample on the host: single steps while one runs
         steps = [self._num_decode_steps(r) for r in running]
         if self._waiting:
             # Someone waits for a seat: end the call when the first seat frees by max_tokens or

@@ -6,7 +6,9 @@ EOS, max_tokens. A request with `n > 1` runs as n sequences (their shared prompt
 the prefix cache) gathered into one `RequestOutput`. With `num_scheduler_steps` K > 1, a step
 where only decodes run is one device call of up to K decode steps (see `jserve.core.scheduler`); the
 engine then takes its tokens one step at a time, with the same stop checks, so the outputs are
-those of K single steps.
+those of K single steps. A request with structured outputs gets a grammar matcher per sequence
+(`jserve.structured.grammar`): its rows carry it to the runner, which fills their token bitmask,
+and each sampled token advances it; a complete grammar ends the sequence ("stop").
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from jserve.core.page_table import PageTable
 from jserve.core.plan import Request, RequestStatus, ScheduledChunk, SchedulerProtocol, StepPlan
 from jserve.core.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from jserve.core.scheduler import Scheduler
-from jserve.core.stop import StopPolicy
+from jserve.core.stop import Stop, StopPolicy
 from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from jserve.model import quant
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepOutput, StepRow
+from jserve.structured.grammar import GrammarCompiler, GrammarMatcher
 from jserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class _Sequence:
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None
+    matcher: GrammarMatcher | None = None  # its grammar, for structured outputs
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,6 +93,11 @@ class LLMEngine:
         self._sequences: dict[str, _Sequence] = {}
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
+        # The structured-output constraints' compiler and cache (thread-safe: the server compiles
+        # in it before a request reaches this thread; llguidance reads the vocabulary on first use).
+        self.grammars = GrammarCompiler(tokenizer, runner.config.vocab_size, sorted(self.eos_token_ids))
+        self.num_structured_requests = 0
+        self.num_grammar_errors = 0  # sampled tokens a grammar refused (a bug if ever > 0)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -111,6 +120,8 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens but the context length is {limit}: "
                              f"it must be shorter to leave room for output")
+        # A constraint the library refuses is a ValueError (GrammarError) naming what is wrong.
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         group = _Group(request_id, prompt, ids, params)
         if params.prompt_logprobs is not None:
             if self.runner.multiprocess:
@@ -129,8 +140,8 @@ class LLMEngine:
                 salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
             req = Request(rid, list(ids), sub, arrival, priority=priority, cache_salt=salt)
             detok = self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
-            seq = _Sequence(group, i, req, detok,
-                            logprobs=[] if params.logprobs is not None else None)
+            seq = _Sequence(group, i, req, detok, logprobs=[] if params.logprobs is not None else None,
+                            matcher=grammar.matcher() if grammar is not None else None)
             group.sequences.append(seq)
         added = []
         try:
@@ -144,6 +155,8 @@ class LLMEngine:
         for seq in group.sequences:
             self._sequences[seq.request.request_id] = seq
         self._groups[request_id] = group
+        if grammar is not None:
+            self.num_structured_requests += 1
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its samples); its pages are free at once. None if unknown."""
@@ -190,8 +203,11 @@ class LLMEngine:
             stop_ids, min_new = (self.stop_policy.device_stops(p, len(req.output_token_ids))
                                  if chunk.num_steps > 1 else ((), 0))
             history = (req.prompt_token_ids, req.output_token_ids) if chunk.samples and p.has_penalties else None
+            seq = self._sequences.get(req.request_id)
+            constraint = seq.matcher if seq is not None and chunk.samples else None
             rows.append(StepRow(chunk.start, chunk.token_ids, chunk.page_ids, p, len(req.output_token_ids),
-                                history, group, chunk.num_steps, stop_ids, min_new, self._next_ids(chunk)))
+                                history, group, chunk.num_steps, stop_ids, min_new, self._next_ids(chunk),
+                                constraint))
         return rows
 
     def _next_ids(self, chunk: ScheduledChunk) -> list[int] | None:
@@ -259,10 +275,13 @@ class LLMEngine:
             seq.logprobs.append(self._logprob_entry(out.top_ids[i], out.top_logprobs[i], out.logprob[i],
                                                     out.rank[i], token, req.params.logprobs))
         delta = seq.detok.add([token])
+        grammar_done = seq.matcher is not None and self._advance_grammar(seq, token)
         if not req.is_finished:  # the scheduler finishes requests that reach the context length
             new_from = len(seq.text)
             seq.text += delta
             stop = self.stop_policy.check(req.params, token, len(req.output_token_ids), seq.text, new_from)
+            if stop is None and grammar_done:
+                stop = Stop("stop")
             if stop is not None:
                 if stop.text is not None:
                     seq.text = stop.text
@@ -274,6 +293,16 @@ class LLMEngine:
             seq.text += delta
         if req.is_finished and not isinstance(seq.stop_reason, str):
             seq.text += seq.detok.flush()
+
+    def _advance_grammar(self, seq: _Sequence, token: int) -> bool:
+        """Feed a sampled token to the sequence's grammar; True once the grammar is complete (or
+        broken: a refused token, which the mask should make impossible, ends it too, logged)."""
+        if seq.matcher.consume(token):
+            return seq.matcher.is_stopped
+        self.num_grammar_errors += 1
+        logger.error("request %s: its grammar refused sampled token %d (%s); ending it", seq.request.request_id,
+                     token, seq.matcher.error)
+        return True
 
     def _logprob_entry(self, top_ids, top_logprobs, logprob, rank, token: int, k: int) -> dict[int, Logprob]:
         """One position's logprobs: its `k` most likely tokens, and `token` (sampled, or the
@@ -306,6 +335,19 @@ class LLMEngine:
             "padded_token_fraction": (padded - real) / padded if padded else 0.0,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            **self._structured_stats(),
+        }
+
+    def _structured_stats(self) -> dict[str, Any]:
+        masks = list(self.runner.mask_records)[-64:]  # (constrained rows, host seconds) of recent steps
+        return {
+            "structured_requests": self.num_structured_requests,
+            "grammar_errors": self.num_grammar_errors,
+            "grammars_compiled": self.grammars.num_compiled,
+            "grammar_compile_seconds": self.grammars.compile_seconds,
+            "mask_seconds": self.runner.mask_seconds,
+            "mask_steps": self.runner.num_mask_steps,
+            "mask_seconds_per_step": sum(t for _, t in masks) / len(masks) if masks else 0.0,
         }
 
 

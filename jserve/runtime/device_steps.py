@@ -24,14 +24,14 @@ def forward(graphdef, ops, params, kv, tokens, positions, meta, last):
     return logits[:, 0], kv
 
 
-def sample_rows(logits, sampling, history):
-    """The sampler over a step's logits [batch, vocab]: compiled once per batch size, apart from
-    `forward` (whose shapes also vary with the tokens per row), which more than halves the
-    compilation time of a warm-up."""
-    return sample(logits, sampling, penalties=history, num_logprobs=MAX_LOGPROBS)
+def sample_rows(logits, sampling, history, bitmask):
+    """The sampler over a step's logits [batch, vocab] and its rows' grammar bitmask: compiled
+    once per batch size, apart from `forward` (whose shapes also vary with the tokens per row),
+    which more than halves the compilation time of a warm-up."""
+    return sample(logits, sampling, penalties=history, bitmask=bitmask, num_logprobs=MAX_LOGPROBS)
 
 
-def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sampling, history):
+def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sampling, history, bitmask):
     """A prefill chunk whose prompt logprobs are wanted: the model's logits at every position, the
     logprobs of `next_ids` (the token after each position; negative: none) under them, and the
     sampler at each row's `last` token, as `forward` + `sample_rows` give it."""
@@ -41,14 +41,15 @@ def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sa
     chosen, rank, top_ids, top_logprobs = prompt_logprobs(logits, jnp.maximum(next_ids, 0),
                                                           num_logprobs=MAX_LOGPROBS)
     prompt = {"logprob": chosen, "rank": rank, "top_ids": top_ids, "top_logprobs": top_logprobs}
-    return sample_rows(final, sampling, history), prompt, kv
+    return sample_rows(final, sampling, history, bitmask), prompt, kv
 
 
 def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps,
                  stop_ids, min_new, sampling, history):
     """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
     early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
-    padded row: no query, its K/V write into the null page."""
+    padded row: no query, its K/V write into the null page. No row has a grammar: its mask
+    depends on each sample, which the host must see (the scheduler runs such rows in single steps)."""
     model = nnx.merge(graphdef, params)
     B = tokens.shape[0]
     rows = jnp.arange(B)

@@ -6,7 +6,10 @@ width. Each step runs the model's forward (its backend's operations, `jserve.run
 jit with the pages donated, then the sampler, a jit of its own; a `StepOutput` comes back. With
 `decode_steps` K > 1, `execute_decode_steps` runs up to K
 decode steps in one call (multi-step decode): a device loop feeds each row's sampled token back
-and stops a row at its stop ids or its step count. Shapes come from `buckets.py`; compilations
+and stops a row at its stop ids or its step count. A row with a grammar (`StepRow.constraint`)
+gets its token bitmask filled on the host after the forward is dispatched, so the mask is made
+while the device runs the model; the sampler takes it as one more fixed-shape input (a cached
+all-ones mask when no row is constrained). Shapes come from `buckets.py`; compilations
 are counted so that a server can prove none happens after warm-up. Over a mesh, rows of
 data-parallel group g sit in the g-th block of each batch, and in a multi-process run process 0
 broadcasts each step's inputs to the others (`follow`).
@@ -33,6 +36,7 @@ from jserve.runtime.backends import Backend
 from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
 from jserve.runtime.sampler import SamplingArrays, penalty_history
 from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRecord, StepRow
+from jserve.structured.grammar import bitmask_width, fill_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +126,11 @@ class Runner:
             device_steps.decode_steps, self.graphdef, self.ops, self.page_size, config.vocab_size, decode_steps),
             donate_argnames=("kv",))
         self._seen: set[tuple] = set()
+        self.bitmask_width = bitmask_width(config.vocab_size)
+        self._free_masks: dict[int, Any] = {}  # batch -> the all-ones bitmask, on the device
+        self.mask_records: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
+        self.mask_seconds = 0.0  # host time spent filling grammar bitmasks, in total
+        self.num_mask_steps = 0  # calls that filled one
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
         self.warmed_up = False
@@ -193,6 +202,7 @@ class Runner:
         next_ids[row.group, :row.num_tokens] = row.next_ids
         sampling, history = self._sampling(placed, B)
         args = self._place(((tokens, positions, meta, last), next_ids, sampling, history))
+        args = (*args, self._bitmask(B, self._constraints(placed)))
         cached = _cache_size(self._score_step)
         t0 = time.perf_counter()
         out, plp, self.kv = self._score_step(self.params, self.kv, *args[0], *args[1:])
@@ -220,6 +230,8 @@ class Runner:
             raise ValueError(f"{len(rows)} rows exceed the largest decode bucket {self.batch_buckets[-1]}")
         if any(r.num_tokens != 1 for r in rows):
             raise ValueError("a multi-step decode takes exactly one token per row")
+        if any(r.constraint is not None for r in rows):
+            raise ValueError("a row with a grammar runs in single steps: its mask needs each sample on the host")
         if any(not 1 <= r.num_steps <= K for r in rows):
             raise ValueError(f"num_steps must be in [1, {K}], got {[r.num_steps for r in rows]}")
         for r in rows:
@@ -310,7 +322,7 @@ class Runner:
         sampling, history = self._sampling(placed, B)
         cached = self._compiled_count()
         t0 = time.perf_counter()
-        out = jax.device_get(self._call(kind, B, T, (arrays, sampling, history)))
+        out = jax.device_get(self._call(kind, B, T, (arrays, sampling, history), self._constraints(placed)))
         seconds = time.perf_counter() - t0
         self._count((kind, B, T), None if cached is None else self._compiled_count() > cached)
         real = sum(r.num_tokens for r in rows)
@@ -323,18 +335,53 @@ class Runner:
         self.total_real_tokens += record.real_tokens
         self.total_padded_tokens += record.padded_tokens
 
-    def _call(self, kind: str, B: int, T: int, inputs):
+    def _call(self, kind: str, B: int, T: int, inputs, constraints):
         """Run the compiled step on host inputs (on every process, when there are several)."""
         if self.multiprocess:
             if jax.process_index() != 0:
                 raise RuntimeError("only process 0 drives the steps; the others call follow()")
-            inputs = broadcast(np.asarray([STEP_OP, STEP_KINDS.index(kind), B, T], np.int32), inputs)
-        return self._device_step(inputs)
+            mask = self._host_bitmask(B, constraints) if constraints else np.full((B, self.bitmask_width), -1,
+                                                                                   np.int32)
+            inputs = broadcast(np.asarray([STEP_OP, STEP_KINDS.index(kind), B, T], np.int32), (*inputs, mask))
+            return self._device_step(inputs)
+        return self._device_step(inputs, constraints)
 
-    def _device_step(self, inputs):
-        (tokens, positions, meta, last), sampling, history = self._place(inputs)
+    def _device_step(self, inputs, constraints=()):
+        """The forward, dispatched (the device runs it meanwhile); then the grammar bitmask
+        (filled now, unless it came with `inputs`) and the sampler."""
+        (tokens, positions, meta, last), sampling, history, *mask = self._place(inputs)
         logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, positions, meta, last)
-        return self._sample(logits, sampling, history)
+        bitmask = mask[0] if mask else self._bitmask(tokens.shape[0], constraints)
+        return self._sample(logits, sampling, history, bitmask)
+
+    @staticmethod
+    def _constraints(placed: Sequence[StepRow | None]) -> list[tuple[Any, int]]:
+        """(grammar matcher, batch row) of each constrained row."""
+        return [(r.constraint, slot) for slot, r in enumerate(placed) if r is not None and r.constraint is not None]
+
+    def _bitmask(self, B: int, constraints: Sequence[tuple[Any, int]]):
+        """The step's token bitmask on the device: the rows' grammars', or the cached all-ones one."""
+        if not constraints:
+            if B not in self._free_masks:
+                self._free_masks[B] = self._put(np.full((B, self.bitmask_width), -1, np.int32))
+            return self._free_masks[B]
+        return self._put(self._host_bitmask(B, constraints))
+
+    def _host_bitmask(self, B: int, constraints: Sequence[tuple[Any, int]]) -> np.ndarray:
+        mask = np.full((B, self.bitmask_width), -1, np.int32)
+        t0 = time.perf_counter()
+        fill_bitmasks(constraints, mask)
+        seconds = time.perf_counter() - t0
+        self.mask_seconds += seconds
+        self.num_mask_steps += 1
+        self.mask_records.append((len(constraints), seconds))
+        return mask
+
+    def _put(self, x: np.ndarray):
+        """A host array on the device, committed as the pages are (one compiled signature)."""
+        if self.mesh is not None:
+            return self._place(x)
+        return jax.device_put(x, _device_of(self.params))
 
     def step_fn(self, batch: int, tokens: int):
         """The jitted forward (`device_steps.forward`) for a (global batch, tokens) shape, with the
@@ -360,7 +407,8 @@ class Runner:
             op, kind, B, T = (int(x) for x in broadcast(np.zeros(4, np.int32)))
             if op == STOP_OP:
                 return steps
-            template = (self._pack([None] * B, B, T), *self._sampling([], B))
+            template = (self._pack([None] * B, B, T), *self._sampling([], B),
+                        np.zeros((B, self.bitmask_width), np.int32))
             jax.block_until_ready(self._device_step(broadcast(None, template)))
             steps += 1
 

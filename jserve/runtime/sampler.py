@@ -1,6 +1,10 @@
-"""On-device sampling inside the step: penalties, greedy, temperature, top-k/p, min-p, per-row seeds.
+"""On-device sampling inside the step: grammar masks, penalties, greedy, temperature, top-k/p, min-p,
+per-row seeds.
 
 Each row carries its own parameters as arrays, so one compiled step serves any mix of requests.
+A structured-output row's grammar arrives as its row of a token bitmask (`bitmask`, int32
+`[batch, ceil(vocab / 32)]`, all ones for a free row): tokens it disallows get -inf before any
+other processing; a step without a constrained row skips the unpacking.
 A row's random key is `fold_in(key(seed), step)`: the same seed gives the same tokens whatever
 else is in the batch. Logprobs are those of the model's raw distribution (as vLLM reports them).
 """
@@ -136,6 +140,17 @@ def argmax(x: jax.Array, chunk: int = 512) -> jax.Array:
     return jnp.minimum(piece * chunk + within, V - 1)
 
 
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's bitmask clears the token's bit (bit `t % 32` of word `t // 32`, as
+    llguidance and xgrammar lay it out); logits [batch, vocab], bitmask int32 [batch, >= vocab / 32]."""
+    batch, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    words = bitmask.astype(jnp.uint32)[:, :, None]
+    bits = jax.lax.shift_right_logical(words, jnp.broadcast_to(shifts, words.shape[:2] + (32,))) & jnp.uint32(1)
+    allowed = bits.reshape(batch, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                      min_p: jax.Array) -> jax.Array:
     """Mask tokens outside top-k / top-p / min-p with -inf (rows of [batch, vocab])."""
@@ -158,11 +173,14 @@ def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
 
 
 def sample(logits: jax.Array, sampling: SamplingArrays,
-           penalties: tuple[jax.Array, jax.Array] | None = None, *, num_logprobs: int = 0):
+           penalties: tuple[jax.Array, jax.Array] | None = None, bitmask: jax.Array | None = None, *,
+           num_logprobs: int = 0):
     """Sample one token per row.
 
     Args:
       logits: float32 [batch, vocab].
+      bitmask: int32 [batch, ceil(vocab / 32)], the tokens each row may sample (`apply_bitmask`;
+        -1, every bit set, for a free row), or None: no row is constrained.
       sampling: the rows' settings; its penalties apply when `penalties` (history, num_prompt:
         see `penalty_history`) is given. Where no row wants logprobs (`sampling.logprobs`), the
         logprob outputs are zeros and cost nothing (the log-softmax and top-k over the
@@ -198,19 +216,24 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
         best = argmax(logits)
         return jax.lax.cond(jnp.all(greedy), lambda l, b: b, draw, logits, best)
 
-    if penalties is None:
-        tokens = pick(logits)
-    else:
-        # Only steps that carry a penalised row pay for the [batch, vocab] counts. The tokens, not
-        # the penalised logits, leave the conditional: a [batch, vocab] result would be copied out
-        # of it on every step.
-        has_penalty = jnp.any((repetition != 1.0) | (presence != 0.0) | (frequency != 0.0))
+    # Only steps that carry a penalised row pay for the [batch, vocab] counts, and only steps with
+    # a constrained row for unpacking the bitmask. The tokens, not the processed logits, leave the
+    # conditional: a [batch, vocab] result would be copied out of it on every step.
+    def penalised(l):
+        counts, in_prompt = _counts(*penalties, l.shape[-1])
+        return pick(apply_penalties(l, counts, in_prompt, repetition, presence, frequency))
 
-        def penalised(l):
-            counts, in_prompt = _counts(*penalties, l.shape[-1])
-            return pick(apply_penalties(l, counts, in_prompt, repetition, presence, frequency))
-
-        tokens = jax.lax.cond(has_penalty, penalised, pick, logits)
+    branches = [pick]
+    if penalties is not None:
+        branches.append(penalised)
+    if bitmask is not None:
+        branches += [lambda l, f=f: f(apply_bitmask(l, bitmask)) for f in list(branches)]
+    index = jnp.int32(0)
+    if penalties is not None:
+        index += jnp.any((repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)).astype(jnp.int32)
+    if bitmask is not None:
+        index += jnp.any(bitmask != -1).astype(jnp.int32) * (2 if penalties is not None else 1)
+    tokens = branches[0](logits) if len(branches) == 1 else jax.lax.switch(index, branches, logits)
     tokens = tokens.astype(jnp.int32)
 
     def logprob_outputs(raw):

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -31,6 +31,9 @@ class StepRow:
         it has sampled `min_new` tokens (`jserve.core.stop.StopPolicy.device_stops`).
       next_ids: for a chunk whose prompt logprobs are wanted, the token after each of its
         positions (-1 where there is none yet); the step then reports their logprobs.
+      constraint: the sequence's `jserve.structured.grammar.GrammarMatcher` where its sample
+        must follow a grammar (structured outputs): the runner fills the row's token bitmask
+        from it while the device runs the forward. Single steps only.
     """
 
     start: int
@@ -44,6 +47,7 @@ class StepRow:
     stop_ids: tuple[int, ...] = ()
     min_new: int = 0
     next_ids: Sequence[int] | None = None
+    constraint: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -29,6 +30,8 @@ from jserve.server.http import Timeouts
 from jserve.server.limits import Admission, Limits
 from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server.tenancy import TENANT, tenant_of_key
+from jserve.structured import tool_parsers
+from jserve.structured.grammar import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +67,17 @@ class ServerState:
       tokenizer_workers: processes that tokenize large inputs (0: all inline).
       on_fatal: called with the problem once a dead engine's requests have been failed (the CLI
         exits non-zero from it).
+      tool_call_parser: what reads the model's tool calls for tool_choice "auto"
+        (`jserve.structured.tool_parsers`); None: the one the chat template implies, if any.
     """
 
     def __init__(self, model_names: str | tuple[str, ...] = "jserve", *, api_keys: tuple[str, ...] = (),
                  limits: Limits | None = None, timeouts: Timeouts | None = None, scheduling_policy: str = "fcfs",
                  step_timeout: float = watchdog.DEFAULT_STEP_TIMEOUT, tokenizer_workers: int = 1,
-                 metrics: ServerMetrics | None = None, on_fatal: Callable[[str], Any] | None = None):
+                 metrics: ServerMetrics | None = None, on_fatal: Callable[[str], Any] | None = None,
+                 tool_call_parser: str | None = None):
+        if tool_call_parser is not None:
+            tool_parsers.get_parser(tool_call_parser)  # ValueError naming an unknown one
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
@@ -83,6 +91,7 @@ class ServerState:
         self.tokenizer_workers = tokenizer_workers
         self.metrics = metrics or ServerMetrics()
         self.on_fatal = on_fatal
+        self.tool_call_parser = tool_call_parser
         self.engine: AsyncLLMEngine | None = None
         self.tokenizer: Any = None
         self.ctx: protocol.Context | None = None
@@ -111,8 +120,9 @@ class ServerState:
         self.tokenizer = llm.tokenizer
         self.capacity = config.max_num_seqs
         self.admission = Admission(config.max_num_seqs + limits.max_queue, limits.max_queued_tokens)
+        parser = self.tool_call_parser or tool_parsers.parser_for_template(llm.tokenizer.chat_template)
         self.ctx = protocol.Context(self.model_names, config.max_model_len, llm.runner.config.vocab_size, limits,
-                                    allow_priority=self.scheduling_policy == "priority")
+                                    allow_priority=self.scheduling_policy == "priority", tool_parser=parser)
         self.quantization = quantization_summary(llm.quantization)
         self.metrics.set_quantization(self.quantization)
         self.engine = engine
@@ -324,11 +334,12 @@ async def _encode(state: ServerState, text: str, add_special_tokens: bool, param
     return await state.pool.run(size, tokenizer_pool.encode, text, add_special_tokens)
 
 
-async def _render(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-    size = protocol.messages_bytes(messages)
+async def _render(state: ServerState, messages: list[dict], add_generation_prompt: bool,
+                  tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    size = protocol.messages_bytes(messages) + (len(json.dumps(tools).encode()) if tools else 0)
     tokenizer_pool.check_text_size(size, state.ctx.limits.max_input_tokens, state.pool.max_token_bytes, "messages")
     try:
-        return await state.pool.run(size, tokenizer_pool.render_chat, messages, add_generation_prompt)
+        return await state.pool.run(size, tokenizer_pool.render_chat, messages, add_generation_prompt, tools)
     except tokenizer_pool.ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
 
@@ -345,7 +356,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if ids is None:
             req.prompts[i] = (text, await _encode(state, text, True))
     protocol.check_prompts(req, state.ctx)
+    await _compile_constraint(state, req)
     return await run_generation(request, state, req)
+
+
+async def _compile_constraint(state: ServerState, req: protocol.GenerateRequest) -> None:
+    """Compile the request's output constraint (cached) in the grammar compiler's threads, off
+    the event loop and the engine thread; a 400 naming what is wrong, or that it took too long."""
+    spec = req.params.structured_outputs
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(state.engine.engine.grammars.compile, spec)
+    except GrammarError as e:
+        raise bad_request(str(e), param=_constraint_param(req)) from None
+
+
+def _constraint_param(req: protocol.GenerateRequest) -> str:
+    if req.tools is not None and req.tools.choice not in ("auto", "none"):
+        return "tools"
+    return "response_format"
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -354,6 +384,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.timeouts.body)
     req = protocol.parse_chat(body, state.ctx)
     state.admission.check(req.num_seqs, 0)
-    req.prompts = [await _render(state, req.messages, req.add_generation_prompt)]
+    tools = list(req.tools.tools) if req.tools is not None and req.tools.choice != "none" else None
+    req.prompts = [await _render(state, req.messages, req.add_generation_prompt, tools)]
     protocol.check_prompts(req, state.ctx)
+    await _compile_constraint(state, req)
     return await run_generation(request, state, req)

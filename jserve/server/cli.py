@@ -23,6 +23,7 @@ from typing import Any
 from jserve.server.http import Timeouts
 from jserve.server.limits import Limits
 from jserve.server.watchdog import DEFAULT_STEP_TIMEOUT
+from jserve.structured.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
                    help="seconds one engine step may run before the engine counts as hung and the server exits 1 "
                         "(0: never; default %(default)s)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls, for tool_choice 'auto' (default: what the chat template "
+                        "implies; without one, 'auto' is refused and 'required' / named tools still work)")
     p.add_argument("--tokenizer-workers", type=int, default=1,
                    help="processes that tokenize large inputs off the event loop (0: tokenize inline)")
     g = p.add_argument_group("limits (429 past the admission ones, 400 past the per-request ones)")
@@ -186,7 +190,8 @@ async def serve(args: argparse.Namespace) -> int:
     names = served_model_names(args)
     state = ServerState(names, api_keys=api_keys(args), limits=limits(args), timeouts=timeouts(args),
                         scheduling_policy=args.scheduling_policy, step_timeout=args.step_timeout,
-                        tokenizer_workers=args.tokenizer_workers, on_fatal=on_fatal)
+                        tokenizer_workers=args.tokenizer_workers, on_fatal=on_fatal,
+                        tool_call_parser=args.tool_call_parser)
     runner = web.AppRunner(build_app(state, max_body_bytes=args.max_body_bytes), **state.timeouts.runner_kwargs())
     await runner.setup()
     await CappedSite(runner, args.host, args.port, max_connections=state.timeouts.max_connections).start()

@@ -1,9 +1,8 @@
 """Which body fields each route implements; any other field is a 400 naming it, never dropped.
 
-A client that sends `response_format` or `tools` must learn that it did not get JSON mode or
-tool calls. OpenAI fields the server lacks are accepted only with a value that asks for nothing
-(null, or their default, e.g. `"response_format": {"type": "text"}`), as some clients always send
-them.
+A client that sends a field the server lacks must learn that it did not get what it asked for.
+OpenAI fields the server lacks are accepted only with a value that asks for nothing (null, or
+their default, e.g. `"store": false`), as some clients always send them.
 """
 
 from __future__ import annotations
@@ -19,12 +18,18 @@ _SAMPLING = frozenset({
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids", "min_tokens",
     "include_stop_str_in_output", "skip_special_tokens", "cache_salt"})
 
-COMPLETIONS = _SAMPLING | {"prompt", "echo", "suffix"}
-CHAT = _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt"}
+# the output constraints (jserve.server.structured), OpenAI's and vLLM's spellings
+_CONSTRAINTS = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                          "guided_grammar"})
+COMPLETIONS = _SAMPLING | _CONSTRAINTS | {"prompt", "echo", "suffix"}
+CHAT = _SAMPLING | _CONSTRAINTS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+                                   "tools", "tool_choice", "parallel_tool_calls"}
 TOKENIZE = frozenset({"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
 DETOKENIZE = frozenset({"model", "tokens"})
 STREAM_OPTIONS = frozenset({"include_usage"})
-MESSAGE = frozenset({"role", "content", "name", "tool_call_id"})
+MESSAGE = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+TOOL_CALL = frozenset({"id", "type", "function", "index"})
+TOOL_CALL_FUNCTION = frozenset({"name", "arguments"})
 CONTENT_PART = frozenset({"type", "text"})
 
 # OpenAI fields not implemented here, with the values that ask for nothing (null always does).

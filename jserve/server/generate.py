@@ -23,6 +23,8 @@ from jserve.server import protocol
 from jserve.server.errors import APIError
 from jserve.server.tenancy import TENANT, engine_salt
 from jserve.server.watchdog import CLIENT_MESSAGE
+from jserve.structured import tool_parsers
+from jserve.structured.tools import ForcedToolParser
 
 # Set on a request whose client went away (the metrics count it as 499).
 DISCONNECTED = web.RequestKey("disconnected", bool) if hasattr(web, "RequestKey") else "jserve_disconnected"
@@ -78,7 +80,7 @@ def _engine_error(e: Exception) -> APIError:
 
 
 class _Choice:
-    def __init__(self, index: int, prefix: str):
+    def __init__(self, index: int, prefix: str, tool_parser: Any = None):
         self.index = index
         self.text = ""
         self.token_ids: list[int] = []
@@ -86,6 +88,29 @@ class _Choice:
         self.finish_reason: str | None = None
         self.prefix = prefix  # echoed prompt, sent first
         self.started = False
+        self.tool_parser = tool_parser  # reads tool calls out of the text (chat with tools), or None
+        self.tool_stream = tool_parser.stream() if tool_parser is not None else None
+
+
+def _tool_parser(req: protocol.GenerateRequest) -> Any:
+    """What reads the request's tool calls back: the grammar's shape for a forced choice, the
+    model's own format for "auto"; None without tools or for "none"."""
+    tools = req.tools
+    if tools is None or not tools.calls_expected:
+        return None
+    if tools.choice == "auto":
+        return tool_parsers.get_parser(tools.parser)
+    return ForcedToolParser(tools.forced_name)
+
+
+def _finish_reason(ch: _Choice, reason: str | None, calls: list) -> str | None:
+    """OpenAI's "tool_calls" where the choice ended on its own with tool calls."""
+    return "tool_calls" if reason == "stop" and calls else reason
+
+
+def _openai_calls(req: protocol.GenerateRequest, calls: list) -> list:
+    """The calls a reply may carry: the first only where parallel_tool_calls is false."""
+    return calls if req.tools is None or req.tools.parallel else calls[:1]
 
 
 def _usage(state: "ServerState", rids: list[str], req: protocol.GenerateRequest, choices: dict) -> dict:
@@ -117,7 +142,7 @@ async def run_generation(request: web.Request, state: "ServerState",
     for p, (text, ids) in enumerate(req.prompts):
         prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
         for i in range(n):
-            choices[p * n + i] = _Choice(p * n + i, prefix)
+            choices[p * n + i] = _Choice(p * n + i, prefix, _tool_parser(req))
     created = int(time.time())
     head = {"id": request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": created, "model": state.model_name}
@@ -155,7 +180,9 @@ async def run_generation(request: web.Request, state: "ServerState",
                             ch.logprobs += c.logprobs
                         ch.finish_reason = c.finish_reason
                         if req.stream:
-                            chunks.append(_chunk(req, ch, c, offset, tok))
+                            chunk = _chunk(req, ch, c, offset, tok)
+                            if chunk is not None:
+                                chunks.append(chunk)
                     if req.stream and chunks:
                         if response is None:  # headers go out with the first output: errors before it get a status
                             response = await _start_sse(request, request_id, write_timeout)
@@ -227,10 +254,13 @@ async def _bounded(request: web.Request, write, timeout: float) -> None:
         raise ConnectionResetError(f"the client read nothing for {timeout:g} s") from None
 
 
-def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, tok: Any) -> dict:
-    """One streamed choice for the new part `delta` (a CompletionOutput of deltas)."""
+def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, tok: Any) -> dict | None:
+    """One streamed choice for the new part `delta` (a CompletionOutput of deltas); None where a
+    tool-call parser holds the whole part back."""
     first, ch.started = not ch.started, True
     text = ch.prefix + delta.text if first else delta.text
+    if req.chat and ch.tool_stream is not None:
+        return _tool_chunk(req, ch, delta, text, first, tok)
     if req.chat:
         d: dict = {"role": "assistant", "content": text} if first else {"content": text}
         logprobs = (protocol.chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
@@ -241,11 +271,43 @@ def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, 
     return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
+def _tool_chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, text: str, first: bool,
+                tok: Any) -> dict | None:
+    """A streamed chat choice whose text may hold tool calls: content the parser lets through,
+    and `delta.tool_calls` as each call is read (the openai client assembles them)."""
+    content, calls = ch.tool_stream.feed(text)
+    if delta.finish_reason is not None:
+        more, last = ch.tool_stream.finish()
+        content, calls = content + more, calls + last
+    if req.tools is not None and not req.tools.parallel:
+        calls = [c for c in calls if c.index == 0]
+    logprobs = (protocol.chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
+                if delta.logprobs is not None else None)
+    finish = _finish_reason(ch, delta.finish_reason, ch.tool_stream.calls)
+    d: dict = {"role": "assistant"} if first else {}
+    if content or first:
+        d["content"] = content if content else None
+    if calls:
+        d["tool_calls"] = [c.to_openai() for c in calls]
+    if not first and not content and not calls and finish is None and not logprobs:
+        return None
+    return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+
+
 def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any) -> dict:
     has_lp = req.params.logprobs is not None
     if req.chat:
         logprobs = protocol.chat_logprobs(ch.token_ids, ch.logprobs, tok, req.top_logprobs) if has_lp else None
-        return {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-                "logprobs": logprobs, "finish_reason": ch.finish_reason}
+        message: dict = {"role": "assistant", "content": ch.text}
+        finish = ch.finish_reason
+        if ch.tool_parser is not None:
+            content, calls = ch.tool_parser.parse(ch.text)
+            calls = _openai_calls(req, calls)
+            if calls:
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": [{"id": c.id, "type": "function",
+                                           "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+                finish = _finish_reason(ch, finish, calls)
+        return {"index": ch.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     logprobs = protocol.completion_logprobs(ch.token_ids, ch.logprobs, tok, len(ch.prefix)) if has_lp else None
     return {"index": ch.index, "text": ch.prefix + ch.text, "logprobs": logprobs, "finish_reason": ch.finish_reason}

@@ -10,14 +10,16 @@ and lengths against the model and the limits.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import reprlib
 from typing import Any, Sequence
 
 from jserve.core.request import Logprob, SamplingParams
-from jserve.server import fields
+from jserve.server import fields, structured
 from jserve.server.errors import APIError, bad_request
 from jserve.server.limits import Limits
+from jserve.server.structured import ToolRequest
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 # repr of a client's value for an error message, never more than a few dozen items deep or wide
@@ -40,6 +42,7 @@ class GenerateRequest:
     top_logprobs: int | None = None  # chat: alternatives listed per token (None: no logprobs)
     messages: list[dict] | None = None  # chat: rendered into prompts[0] by the chat template
     add_generation_prompt: bool = True
+    tools: ToolRequest | None = None  # chat: the tools offered and how calls are read back
 
     @property
     def num_seqs(self) -> int:
@@ -63,6 +66,7 @@ class Context:
     vocab_size: int  # of the model (token ids the engine accepts)
     limits: Limits  # resolved (`Limits.resolve`)
     allow_priority: bool = False  # --scheduling-policy priority
+    tool_parser: str | None = None  # what reads tool calls for tool_choice "auto" (None: refused)
 
     @property
     def model_name(self) -> str:
@@ -174,7 +178,7 @@ def _stop_token_ids(body: dict, ctx: Context) -> list[int] | None:
 
 
 def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int | None,
-              num_prompts: int) -> SamplingParams:
+              num_prompts: int, constraint=None) -> SamplingParams:
     limits = ctx.limits
     n = _int(body, "n", 1, 1, limits.max_n)
     if n * num_prompts > limits.max_n:
@@ -209,7 +213,7 @@ def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int
         max_tokens=max_tokens, min_tokens=_int(body, "min_tokens", 0, 0, ctx.max_model_len), stop=stop,
         stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"))
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"), structured_outputs=constraint)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -301,7 +305,8 @@ def parse_completion(body: dict, ctx: Context) -> GenerateRequest:
     if echo and logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", param="echo")
     max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
-    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=logprobs, num_prompts=len(prompts))
+    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=logprobs, num_prompts=len(prompts),
+                       constraint=structured.parse_constraint(body))
     return GenerateRequest(chat=False, prompts=prompts, params=params, echo=echo, **common)
 
 
@@ -337,13 +342,47 @@ def parse_messages(body: dict) -> list[dict]:
             value = _str(m, key) if key in m else None
             if value is not None:
                 msg[key] = value
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise bad_request(f"{name}.tool_calls is for assistant messages, got role {role}",
+                                  param=f"{name}.tool_calls")
+            msg["tool_calls"] = _message_tool_calls(m["tool_calls"], f"{name}.tool_calls")
         out.append(msg)
+    return out
+
+
+def _message_tool_calls(calls: Any, name: str) -> list[dict]:
+    """An assistant message's tool calls as chat templates read them (transformers' form: the
+    arguments as an object, not OpenAI's JSON text)."""
+    if not isinstance(calls, list):
+        raise _type_error(name, "a list of tool calls", calls)
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{name}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              f"\"arguments\"}}}}, got {_show(call)}", param=where)
+        fields.check_fields(call, fields.TOOL_CALL, where)
+        fields.check_fields(fn, fields.TOOL_CALL_FUNCTION, f"{where}.function")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise bad_request(f"{where}.function.arguments must be JSON text, got {_show(arguments)}",
+                                  param=f"{where}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise _type_error(f"{where}.function.arguments", "a JSON object", arguments)
+        out.append({"id": _str(call, "id") or f"call_{j}", "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
     return out
 
 
 def messages_bytes(messages: list[dict]) -> int:
     """UTF-8 bytes of the text the messages hold (the size the chat template will render)."""
-    return sum(len(v.encode()) for m in messages for v in m.values())
+    return sum(len(v.encode()) if isinstance(v, str) else len(json.dumps(v).encode())
+               for m in messages for v in m.values())
 
 
 def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
@@ -359,9 +398,11 @@ def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
     max_tokens = _int(body, "max_completion_tokens", None, 1, 2**31 - 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1, 2**31 - 1)
-    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=top_logprobs, num_prompts=1)
+    tools = structured.parse_tools(body, ctx.tool_parser)
+    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=top_logprobs, num_prompts=1,
+                       constraint=structured.chat_constraint(body, tools))
     return GenerateRequest(chat=True, prompts=[(None, None)], params=params, top_logprobs=top_logprobs,
-                           messages=messages, add_generation_prompt=add_generation_prompt, **common)
+                           messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **common)
 
 
 # ------------------------------------------------------------------------------ response shapes

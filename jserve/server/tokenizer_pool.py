@@ -39,10 +39,13 @@ def encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-def render_chat(tok: Any, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-    """The rendered conversation and its ids; ChatTemplateError for a template's own error."""
+def render_chat(tok: Any, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """The rendered conversation (with the tools offered, for templates that show them) and its
+    ids; ChatTemplateError for a template's own error."""
+    extra = {"tools": tools} if tools else {}
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     except ValueError as e:
         raise ChatTemplateError(f"chat template: {e}") from None
     except Exception as e:  # noqa: BLE001 - jinja2 errors raised by the template (raise_exception)

@@ -1,0 +1,267 @@
+"""Constraints compiled with llguidance: one matcher per sequence, one token bitmask per step.
+
+`GrammarCompiler` (one per served tokenizer) turns a request's `StructuredOutputsParams` into an
+llguidance grammar, checks and compiles it (cached by its canonical text; off the caller's thread
+and within a time limit, so a schema too hard to compile is an error, not a stalled server), and
+hands out a `GrammarMatcher` per sequence (a copy of the compiled one). Each step the runner asks
+`fill_bitmasks` for the constrained rows' masks, int32 `[batch, ceil(vocab / 32)]`, bit `t % 32`
+of word `t // 32` set where token t is allowed (llguidance's layout, which the sampler unpacks);
+the engine feeds each sampled token back with `GrammarMatcher.consume`.
+
+Why llguidance: it is a Rust library with an abi3 wheel and no Python dependencies; it computes
+a 49k-vocabulary mask in microseconds (docs/performance.md: scripts/bench_grammar_libs.py), takes
+JSON schema, regex, choice, Lark and GBNF; xgrammar, the other well-kept one, needs torch.
+Matchers are used on the engine thread only (compilation runs in a small pool of its own), which
+is what keeps concurrent requests apart: each sequence owns its matcher, nothing is shared.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from jserve.core.request import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 10.0  # a constraint not compiled within this is refused
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar library refuses; the message says what is wrong."""
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def canonical(spec: StructuredOutputsParams) -> str:
+    """The constraint as canonical text: the compile cache's key."""
+    value = getattr(spec, spec.kind)
+    if spec.kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise GrammarError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if isinstance(value, tuple):
+        value = list(value)
+    return json.dumps([spec.kind, value, spec.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar for a constraint (not yet checked)."""
+    import llguidance
+
+    kind, value = spec.kind, getattr(spec, spec.kind)
+    options = _COMPACT_JSON if spec.disable_any_whitespace else None
+    try:
+        if kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, (dict, bool)):
+                raise GrammarError(f"structured_outputs.json must be a JSON schema object, got "
+                                   f"{type(schema).__name__}")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(value)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(list(value), ensure_ascii=False))
+        return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
+    except GrammarError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"structured_outputs.{kind}: {e}") from None
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar (an llguidance `LLMatcher`)."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: Any):
+        self._matcher = matcher
+
+    def consume(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar refuses it (the matcher is then in error)."""
+        return bool(self._matcher.consume_token(int(token)))
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar is complete and allows nothing more (the sequence ends)."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+class CompiledGrammar:
+    """A checked, compiled constraint; `matcher()` gives each sequence its own copy."""
+
+    def __init__(self, key: str, template: Any, seconds: float):
+        self.key = key
+        self._template = template
+        self.seconds = seconds  # compile time
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy())
+
+
+def _llg_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """llguidance's view of a `jserve.text.tokenizer.Tokenizer`, `vocab_size` ids wide (the model's)."""
+    import llguidance
+
+    eos = [int(t) for t in eos_token_ids] or list(tokenizer.eos_token_ids)
+    if not eos:
+        raise GrammarError("structured outputs need an end-of-sequence token, and this tokenizer has none")
+    backend = tokenizer._backend
+    if backend.kind == "hf":
+        return llguidance.LLTokenizer(backend.tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
+    from llguidance._tokenizer import TokenizerWrapper
+
+    return llguidance.LLTokenizer(TokenizerWrapper(_SentencePieceTokens(tokenizer, eos)), n_vocab=vocab_size,
+                                  eos_token=eos)
+
+
+class _SentencePieceTokens:
+    """A sentencepiece vocabulary as llguidance reads one: each token's bytes, and an encoder."""
+
+    def __init__(self, tokenizer: Any, eos: list[int]):
+        self._tokenizer = tokenizer
+        self.eos_token_id = eos[0] if eos else 0
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+        self.tokens = [self._bytes(tokenizer.id_to_piece(i) or "") for i in range(tokenizer.vocab_size)]
+
+    @staticmethod
+    def _bytes(piece: str) -> bytes:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])  # a byte-fallback piece
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+class GrammarCompiler:
+    """Compiles and caches the constraints of one tokenizer; thread-safe.
+
+    `compile` runs the library's compilation in a pool of `workers` threads and waits at most
+    `timeout` seconds for it (the library bounds its own work too: llguidance's parser limits).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *, cache_size: int = 256,
+                 timeout: float = COMPILE_TIMEOUT_S, workers: int = 2):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = tuple(eos_token_ids)
+        self.timeout = timeout
+        self._llg_tok: Any = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jserve-grammar")
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
+
+    def _library_tokenizer(self) -> Any:
+        with self._lock:
+            if self._llg_tok is None:
+                self._llg_tok = _llg_tokenizer(self._tokenizer, self.vocab_size, self._eos)
+            return self._llg_tok
+
+    def cached(self, spec: StructuredOutputsParams) -> CompiledGrammar | None:
+        with self._lock:
+            hit = self._cache.get(canonical(spec))
+            if hit is not None:
+                self._cache.move_to_end(hit.key)
+            return hit
+
+    def compile(self, spec: StructuredOutputsParams, timeout: float | None = None) -> CompiledGrammar:
+        """The compiled constraint (from the cache when seen before); GrammarError naming what is
+        wrong with it, or saying it did not compile within `timeout` (default: the compiler's)."""
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
+        key = canonical(spec)
+        future = self._pool.submit(self._build, spec, key)
+        limit = self.timeout if timeout is None else timeout
+        try:
+            compiled = future.result(timeout=limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise GrammarError(f"structured_outputs.{spec.kind} could not be compiled within {limit:g} s; "
+                               f"simplify it") from None
+        with self._lock:
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            self.num_compiled += 1
+            self.compile_seconds += compiled.seconds
+        return compiled
+
+    def _build(self, spec: StructuredOutputsParams, key: str) -> CompiledGrammar:
+        import llguidance
+
+        t0 = time.perf_counter()
+        grammar = grammar_text(spec)
+        tok = self._library_tokenizer()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+        if failed:
+            raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(messages[0])}")
+        unsupported = [m for m in messages if "unimplemented" in m.lower() or "unsupported" in m.lower()]
+        if unsupported:  # a keyword the library would ignore: the output could break the schema
+            raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(unsupported[0])}")
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(matcher.get_error())}")
+        return CompiledGrammar(key, matcher, time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _first_line(message: str) -> str:
+    """A library message on one line, at most 300 characters."""
+    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip()) or str(message)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+_EXECUTOR: Any = None
+
+
+def fill_bitmasks(rows: Sequence[tuple[GrammarMatcher, int]], out: np.ndarray) -> None:
+    """Write each `(matcher, row)`'s allowed tokens into `out[row]` (int32 `[batch, width]`; the
+    other rows are left as they are), in parallel over llguidance's thread pool."""
+    global _EXECUTOR
+    import llguidance
+    import llguidance.numpy as llg_np
+
+    if not rows:
+        return
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    if len(rows) == 1:
+        matcher, row = rows[0]
+        llg_np.fill_next_token_bitmask(matcher._matcher, out, row)
+        return
+    llg_np.fill_next_token_bitmask_par(_EXECUTOR, [(m._matcher, row) for m, row in rows], out)
+
+
+def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The ids a bitmask row allows (the numpy reference of the sampler's unpacking)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask_row, np.int32).view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])
