@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jserve.llm",
     "SamplingParams": "jserve.core.request",
+    "StructuredOutputsParams": "jserve.core.request",
     "RequestOutput": "jserve.core.request",
     "CompletionOutput": "jserve.core.request",
     "Logprob": "jserve.core.request",

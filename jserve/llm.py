@@ -121,8 +121,10 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list) and generate."""
+             add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None
+             ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate; `tools`
+        (OpenAI function tools) are shown to templates that render them."""
         if not messages:
             raise ValueError("messages is empty")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
@@ -131,7 +133,8 @@ class LLM:
             for m in conv:
                 if not isinstance(m, Mapping) or "role" not in m:
                     raise ValueError(f"each chat message needs a 'role' and 'content', got {m!r}")
-            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            extra = {"tools": list(tools)} if tools else {}
+            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt, **extra)
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params)

@@ -261,8 +261,10 @@ SCHEMAS: list[SchemaCase] = [
             "properties": {
                 "title": _str(40),
                 "date": {"type": "string", "format": "date"},
-                "start_time": {"type": "string", "format": "time"},
-                "created_at": {"type": "string", "format": "date-time"},
+                # time and date-time allow fractional seconds of any length: a small model can
+                # write digits forever there, so the lengths are bounded (llguidance intersects them)
+                "start_time": {"type": "string", "format": "time", "maxLength": 20},
+                "created_at": {"type": "string", "format": "date-time", "maxLength": 32},
             },
             "required": ["title", "date", "start_time", "created_at"],
             "additionalProperties": False,

@@ -288,7 +288,9 @@ ERRORS = [
     ("/v1/completions", b'{"prompt": "hi", "stop": ["x", "\\ud800"]}', 400, "stop[1]"),
     ("/v1/completions", b'{"model": "' + MODEL.encode() + b'", "model": "other", "prompt": "hi"}', 400, "model"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "NaN"),
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),  # chat only
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options.continuous_usage_stats"),

@@ -138,8 +138,10 @@ class AsyncLLMEngine:
         yield (text, token_ids, logprobs; completions with nothing new are left out; prompt
         logprobs come once, first). With `delta=False` each holds everything so far. Text that
         could still turn out to be the start of a stop string is held back until it cannot.
-        Raises ValueError for a request the engine rejects, EngineDeadError if the loop is not
-        running or dies. Closing the generator early aborts the request.
+        A structured-outputs constraint is compiled first, off the engine thread (a GrammarError,
+        a ValueError, if it cannot be). Raises ValueError for a request the engine rejects,
+        EngineDeadError if the loop is not running or dies. Closing the generator early aborts
+        the request.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -148,6 +150,8 @@ class AsyncLLMEngine:
         except TypeError:
             raise ValueError(f"prompt_token_ids must be a sequence of token ids, got "
                              f"{type(prompt_token_ids).__name__}") from None
+        if params.structured_outputs is not None:  # in the compiler's threads, never on the engine thread
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:

@@ -103,7 +103,7 @@ def _tool_parser(req: protocol.GenerateRequest) -> Any:
     return ForcedToolParser(tools.forced_name)
 
 
-def _finish_reason(ch: _Choice, reason: str | None, calls: list) -> str | None:
+def _finish_reason(reason: str | None, calls: list) -> str | None:
     """OpenAI's "tool_calls" where the choice ended on its own with tool calls."""
     return "tool_calls" if reason == "stop" and calls else reason
 
@@ -283,7 +283,7 @@ def _tool_chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, text: st
         calls = [c for c in calls if c.index == 0]
     logprobs = (protocol.chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
                 if delta.logprobs is not None else None)
-    finish = _finish_reason(ch, delta.finish_reason, ch.tool_stream.calls)
+    finish = _finish_reason(delta.finish_reason, ch.tool_stream.calls)
     d: dict = {"role": "assistant"} if first else {}
     if content or first:
         d["content"] = content if content else None
@@ -307,7 +307,7 @@ def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any) -> dict:
                 message = {"role": "assistant", "content": content or None,
                            "tool_calls": [{"id": c.id, "type": "function",
                                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
-                finish = _finish_reason(ch, finish, calls)
+                finish = _finish_reason(finish, calls)
         return {"index": ch.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     logprobs = protocol.completion_logprobs(ch.token_ids, ch.logprobs, tok, len(ch.prefix)) if has_lp else None
     return {"index": ch.index, "text": ch.prefix + ch.text, "logprobs": logprobs, "finish_reason": ch.finish_reason}

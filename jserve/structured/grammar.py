@@ -169,9 +169,10 @@ class GrammarCompiler:
         self._eos = tuple(eos_token_ids)
         self.timeout = timeout
         self._llg_tok: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a done callback may run in compile(), under it
         self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
         self._cache_size = cache_size
+        self._pending: dict[str, concurrent.futures.Future] = {}  # compilations under way, by key
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jserve-grammar")
         self.num_compiled = 0
         self.compile_seconds = 0.0
@@ -182,36 +183,40 @@ class GrammarCompiler:
                 self._llg_tok = _llg_tokenizer(self._tokenizer, self.vocab_size, self._eos)
             return self._llg_tok
 
-    def cached(self, spec: StructuredOutputsParams) -> CompiledGrammar | None:
-        with self._lock:
-            hit = self._cache.get(canonical(spec))
-            if hit is not None:
-                self._cache.move_to_end(hit.key)
-            return hit
-
     def compile(self, spec: StructuredOutputsParams, timeout: float | None = None) -> CompiledGrammar:
-        """The compiled constraint (from the cache when seen before); GrammarError naming what is
-        wrong with it, or saying it did not compile within `timeout` (default: the compiler's)."""
-        hit = self.cached(spec)
-        if hit is not None:
-            return hit
+        """The compiled constraint (from the cache when seen before; a compilation already under
+        way for it is waited for, not repeated); GrammarError naming what is wrong with it, or
+        saying it did not compile within `timeout` (default: the compiler's)."""
         key = canonical(spec)
-        future = self._pool.submit(self._build, spec, key)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            future = self._pending.get(key)
+            if future is None:
+                future = self._pending[key] = self._pool.submit(self._build, spec, key)
+                future.add_done_callback(lambda f, key=key: self._done(key, f))
         limit = self.timeout if timeout is None else timeout
         try:
-            compiled = future.result(timeout=limit)
+            return future.result(timeout=limit)
         except concurrent.futures.TimeoutError:
-            future.cancel()
             raise GrammarError(f"structured_outputs.{spec.kind} could not be compiled within {limit:g} s; "
                                f"simplify it") from None
+
+    def _done(self, key: str, future: concurrent.futures.Future) -> None:
+        """A compilation ended: cache its result (even if its caller stopped waiting)."""
         with self._lock:
+            self._pending.pop(key, None)
+            if future.cancelled() or future.exception() is not None:
+                return
+            compiled = future.result()
             self._cache[key] = compiled
             self._cache.move_to_end(key)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             self.num_compiled += 1
             self.compile_seconds += compiled.seconds
-        return compiled
 
     def _build(self, spec: StructuredOutputsParams, key: str) -> CompiledGrammar:
         import llguidance
