@@ -236,3 +236,6 @@ def test_runner_refuses_a_grammar_in_a_multi_step_call(wide, tokenizer):
     out = engine.runner.execute([StepRow(0, [5, 6, 7], [1] * 32, constraint=matcher)])
     allowed = set(tokenizer.encode("a", add_special_tokens=False))
     assert int(out.tokens[0]) in allowed
+    # and so does a chunk whose prompt logprobs are scored (the runner's scoring step)
+    out = engine.runner.execute([StepRow(0, [5, 6, 7], [1] * 32, next_ids=[6, 7, -1], constraint=matcher)])
+    assert int(out.tokens[0]) in allowed and out.prompt[0] is not None
