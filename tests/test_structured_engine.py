@@ -239,3 +239,20 @@ def test_runner_refuses_a_grammar_in_a_multi_step_call(wide, tokenizer):
     # and so does a chunk whose prompt logprobs are scored (the runner's scoring step)
     out = engine.runner.execute([StepRow(0, [5, 6, 7], [1] * 32, next_ids=[6, 7, -1], constraint=matcher)])
     assert int(out.tokens[0]) in allowed and out.prompt[0] is not None
+
+
+def test_a_refused_token_aborts_the_request(wide, tokenizer, monkeypatch):
+    """If a grammar ever refuses a sampled token (here: its mask is never filled, so the sampler
+    runs free), the request ends as "abort", counted, its pages back, the engine serving on."""
+    import jserve.runtime.runner as runner_module
+
+    engine = _engine(wide, tokenizer, max_num_seqs=2)
+    monkeypatch.setattr(runner_module, "fill_bitmasks", lambda rows, out: None)
+    spec = StructuredOutputsParams(choice=["zzzzzzzz"])
+    done = _run(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec))})
+    assert done["a"].outputs[0].finish_reason == "abort"
+    stats = engine.stats()
+    assert stats["grammar_errors"] == 1 and stats["pages_in_use"] == 0
+    monkeypatch.undo()
+    done = _run(engine, {"b": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec))})
+    assert done["b"].outputs[0].text == "zzzzzzzz" and done["b"].outputs[0].finish_reason == "stop"

@@ -17,6 +17,8 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from test_server import MODEL, assert_error, client, engine, engine_idle, expected, request, server  # noqa: F401
 
@@ -143,12 +145,16 @@ BAD = [
     ({"response_format": {"type": "yaml"}}, "response_format.type", "yaml"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name and a schema"),
     ({"response_format": {"type": "json_object", "extra": 1}}, "response_format.extra", "unsupported field"),
-    ({"structured_outputs": {"regex": "a(b"}}, "response_format", "unclosed group"),
-    ({"structured_outputs": {"grammar": 'start: "a" missing'}}, "response_format", "missing"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
+    ({"structured_outputs": {"grammar": 'start: "a" missing'}}, "structured_outputs", "missing"),
+    ({"guided_grammar": "root ::= root"}, "guided_grammar", "can produce no text"),
+    ({"guided_json": {"$ref": "#"}}, "guided_json", "can produce no text"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+      "tool_choice": "required"}, "tools", "strin"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "unsupported"),
-    ({"structured_outputs": {"json": '{"type": '}}, "response_format", "not valid JSON"),
+    ({"structured_outputs": {"json": '{"type": '}}, "structured_outputs", "not valid JSON"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one constraint"),
     ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "guided_json",
      "one output constraint"),
@@ -188,6 +194,45 @@ def test_a_schema_too_hard_to_compile_in_time_is_a_400(server, monkeypatch):
     status, _, body = request(server, "POST", "/v1/chat/completions", {  # the server goes on serving
         "model": MODEL, "messages": ASK, "max_tokens": 5, "response_format": {"type": "json_object"}})
     assert status == 200, body
+
+
+# ------------------------------------------------------------------------------ fuzz
+
+_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False),
+                    st.text(max_size=6), st.sampled_from(["string", "object", "array", "integer", "$ref", "#/x"]))
+_ANY = st.recursive(_SCALAR, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.sampled_from(["type", "properties", "items", "enum", "const", "anyOf", "$ref", "pattern",
+                                     "format", "minimum", "maxLength", "required", "x"]), inner, max_size=4)),
+    max_leaves=10)
+_REGEX = st.text(alphabet="ab()[]{}|*+?.^$\\-0123456789,", max_size=12)
+_CONSTRAINT = st.one_of(
+    st.fixed_dictionaries({"response_format": st.fixed_dictionaries({
+        "type": st.sampled_from(["json_schema", "json_object", "text", "xml"]),
+        "json_schema": st.fixed_dictionaries({"name": st.text(max_size=5), "schema": _ANY})})}),
+    st.fixed_dictionaries({"structured_outputs": st.dictionaries(
+        st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"]),
+        st.one_of(_ANY, _REGEX), max_size=2)}),
+    st.fixed_dictionaries({"guided_regex": _REGEX}),
+    st.fixed_dictionaries({"guided_grammar": st.one_of(_REGEX, st.text(max_size=20))}),
+    st.fixed_dictionaries({"guided_choice": _ANY}),
+    st.fixed_dictionaries({"tools": st.one_of(_ANY, st.lists(st.fixed_dictionaries({
+        "type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=4),
+                                                                        "parameters": _ANY})}), max_size=2)),
+        "tool_choice": st.one_of(_ANY, st.sampled_from(["auto", "required", "none"])),
+        "parallel_tool_calls": _SCALAR}),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(extra=_CONSTRAINT, chat=st.booleans())
+def test_fuzz_constraints_never_5xx(server, extra, chat):
+    body = {"model": MODEL, "max_tokens": 3, **extra, **({"messages": ASK} if chat else {"prompt": "Hi"})}
+    status, _, answer = request(server, "POST", "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert status < 500, (body, answer)
+    if status >= 400:
+        assert_error(status, answer, status)
+        assert answer["error"]["param"], answer  # every refusal names its field
 
 
 # ------------------------------------------------------------------------------ tools

@@ -275,14 +275,16 @@ class LLMEngine:
             seq.logprobs.append(self._logprob_entry(out.top_ids[i], out.top_logprobs[i], out.logprob[i],
                                                     out.rank[i], token, req.params.logprobs))
         delta = seq.detok.add([token])
-        grammar_done = seq.matcher is not None and self._advance_grammar(seq, token)
+        grammar = self._advance_grammar(seq, token) if seq.matcher is not None else None
         if not req.is_finished:  # the scheduler finishes requests that reach the context length
             new_from = len(seq.text)
             seq.text += delta
             stop = self.stop_policy.check(req.params, token, len(req.output_token_ids), seq.text, new_from)
-            if stop is None and grammar_done:
+            if stop is None and grammar == "complete":
                 stop = Stop("stop")
-            if stop is not None:
+            if grammar == "broken":
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+            elif stop is not None:
                 if stop.text is not None:
                     seq.text = stop.text
                 seq.stop_reason = stop.stop_reason
@@ -294,15 +296,16 @@ class LLMEngine:
         if req.is_finished and not isinstance(seq.stop_reason, str):
             seq.text += seq.detok.flush()
 
-    def _advance_grammar(self, seq: _Sequence, token: int) -> bool:
-        """Feed a sampled token to the sequence's grammar; True once the grammar is complete (or
-        broken: a refused token, which the mask should make impossible, ends it too, logged)."""
+    def _advance_grammar(self, seq: _Sequence, token: int) -> str | None:
+        """Feed a sampled token to the sequence's grammar: "complete" once it allows nothing more,
+        "broken" if it refused the token (its mask should make that impossible; the library's
+        per-step limits can: logged, counted, and the sequence aborted), else None."""
         if seq.matcher.consume(token):
-            return seq.matcher.is_stopped
+            return "complete" if seq.matcher.is_stopped else None
         self.num_grammar_errors += 1
-        logger.error("request %s: its grammar refused sampled token %d (%s); ending it", seq.request.request_id,
+        logger.error("request %s: its grammar refused sampled token %d (%s); aborting it", seq.request.request_id,
                      token, seq.matcher.error)
-        return True
+        return "broken"
 
     def _logprob_entry(self, top_ids, top_logprobs, logprob, rank, token: int, k: int) -> dict[int, Logprob]:
         """One position's logprobs: its `k` most likely tokens, and `token` (sampled, or the

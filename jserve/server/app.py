@@ -369,13 +369,7 @@ async def _compile_constraint(state: ServerState, req: protocol.GenerateRequest)
     try:
         await asyncio.to_thread(state.engine.engine.grammars.compile, spec)
     except GrammarError as e:
-        raise bad_request(str(e), param=_constraint_param(req)) from None
-
-
-def _constraint_param(req: protocol.GenerateRequest) -> str:
-    if req.tools is not None and req.tools.choice not in ("auto", "none"):
-        return "tools"
-    return "response_format"
+        raise bad_request(str(e), param=req.constraint_param) from None
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

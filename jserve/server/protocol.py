@@ -43,6 +43,7 @@ class GenerateRequest:
     messages: list[dict] | None = None  # chat: rendered into prompts[0] by the chat template
     add_generation_prompt: bool = True
     tools: ToolRequest | None = None  # chat: the tools offered and how calls are read back
+    constraint_param: str | None = None  # the field the output constraint came from (for its errors)
 
     @property
     def num_seqs(self) -> int:
@@ -305,9 +306,10 @@ def parse_completion(body: dict, ctx: Context) -> GenerateRequest:
     if echo and logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", param="echo")
     max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
+    constraint, field = structured.parse_constraint(body)
     params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=logprobs, num_prompts=len(prompts),
-                       constraint=structured.parse_constraint(body))
-    return GenerateRequest(chat=False, prompts=prompts, params=params, echo=echo, **common)
+                       constraint=constraint)
+    return GenerateRequest(chat=False, prompts=prompts, params=params, echo=echo, constraint_param=field, **common)
 
 
 def parse_messages(body: dict) -> list[dict]:
@@ -399,10 +401,11 @@ def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1, 2**31 - 1)
     tools = structured.parse_tools(body, ctx.tool_parser)
-    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=top_logprobs, num_prompts=1,
-                       constraint=structured.chat_constraint(body, tools))
+    constraint, field = structured.chat_constraint(body, tools)
+    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=top_logprobs, num_prompts=1, constraint=constraint)
     return GenerateRequest(chat=True, prompts=[(None, None)], params=params, top_logprobs=top_logprobs,
-                           messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **common)
+                           messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                           constraint_param=field, **common)
 
 
 # ------------------------------------------------------------------------------ response shapes

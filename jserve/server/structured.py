@@ -135,15 +135,16 @@ def _guided(body: dict) -> StructuredOutputsParams | None:
     return spec
 
 
-def parse_constraint(body: dict) -> StructuredOutputsParams | None:
-    """The one output constraint a body asks for, or None; 400 if it asks for several."""
+def parse_constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The one output constraint a body asks for and the field it came from, or (None, None);
+    400 if it asks for several."""
     guided = next((name for name in _GUIDED if body.get(name) is not None), "guided_json")
     found = [(name, spec) for name, spec in (("response_format", _response_format(body)),
                                              ("structured_outputs", _structured_outputs(body)),
                                              (guided, _guided(body))) if spec is not None]
     if len(found) > 1:
         raise bad_request(f"give one output constraint, got {found[0][0]} and {found[1][0]}", param=found[1][0])
-    return found[0][1] if found else None
+    return (found[0][1], found[0][0]) if found else (None, None)
 
 
 def _tool(tool: Any, i: int) -> dict:
@@ -217,11 +218,11 @@ def parse_tools(body: dict, default_parser: str | None) -> ToolRequest | None:
                        default_parser if choice == "auto" else None)
 
 
-def chat_constraint(body: dict, tools: ToolRequest | None) -> StructuredOutputsParams | None:
-    """A chat request's constraint: its own, or its forced tool choice's (not both)."""
-    own = parse_constraint(body)
+def chat_constraint(body: dict, tools: ToolRequest | None) -> tuple[StructuredOutputsParams | None, str | None]:
+    """A chat request's constraint (its own, or its forced tool choice's: not both) and its field."""
+    own, field = parse_constraint(body)
     forced = tool_constraint(tools.tools, tools.choice, tools.parallel) if tools is not None else None
     if own is not None and forced is not None:
         raise bad_request("tool_choice 'required' or a named function constrains the output already: drop "
                           "response_format / structured_outputs, or use tool_choice 'auto'", param="tool_choice")
-    return own or forced
+    return (own, field) if own is not None else (forced, "tools" if forced is not None else None)

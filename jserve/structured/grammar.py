@@ -233,6 +233,11 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(matcher.get_error())}")
+        probe = matcher.deep_copy()  # the first mask, on a copy: a grammar that allows no output
+        first = np.frombuffer(probe.compute_bitmask(), np.uint8)  # (`root ::= root`, a $ref loop) fails here
+        if probe.is_error() or not first.any():
+            why = _first_line(probe.get_error()) if probe.is_error() else "no token is allowed"
+            raise GrammarError(f"structured_outputs.{spec.kind} can produce no text at all ({why})")
         return CompiledGrammar(key, matcher, time.perf_counter() - t0)
 
     def shutdown(self) -> None:
@@ -241,7 +246,8 @@ class GrammarCompiler:
 
 def _first_line(message: str) -> str:
     """A library message on one line, at most 300 characters."""
-    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip()) or str(message)
+    message = str(message).split("<state>")[0]  # llguidance appends its parser state: not for clients
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip()) or message
     return text if len(text) <= 300 else text[:297] + "..."
 
 
