@@ -9,6 +9,7 @@ import dataclasses
 import json
 import random
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -106,8 +107,11 @@ def test_grammar_compiler_cache_errors_and_threads(tokenizer):
                          (StructuredOutputsParams(grammar="start: undefined_rule"), "undefined_rule")]:
         with pytest.raises(GrammarError, match=re.escape(needle)):
             compiler.compile(spec)
+    slow = GrammarCompiler(tokenizer, V, [2])  # a compilation made to outlast its limit
+    real = slow._compile
+    slow._compile = lambda spec, key: (time.sleep(0.5), real(spec, key))[1]
     with pytest.raises(GrammarError, match="within"):
-        compiler.compile(StructuredOutputsParams(regex="[a-z]{1,40}@[0-9]{2,30}"), timeout=1e-9)
+        slow.compile(StructuredOutputsParams(regex="[a-z]{1,40}@[0-9]{2,30}"), timeout=0.1)
     # many threads compiling the same and different constraints at once
     specs = [StructuredOutputsParams(choice=[f"x{i % 5}", "y"]) for i in range(40)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -122,6 +126,25 @@ def test_grammar_compiler_cache_errors_and_threads(tokenizer):
         StructuredOutputsParams(json={}, regex="a")
     with pytest.raises(ValueError, match="structured_outputs must be"):
         SamplingParams(structured_outputs={"json": {}})
+
+
+def test_a_busy_compiler_is_grammar_busy(tokenizer, monkeypatch):
+    import threading
+
+    from jserve.structured.grammar import GrammarBusy
+
+    compiler = GrammarCompiler(tokenizer, V, [2], workers=1, timeout=0.2)
+    compiler.queue_timeout = 0.2
+    release = threading.Event()
+    real = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda spec, key: (release.wait(5), real(spec, key))[1])
+    slow = concurrent.futures.ThreadPoolExecutor(1).submit(compiler.compile, StructuredOutputsParams(regex="a"), 10)
+    try:
+        with pytest.raises(GrammarBusy, match="busy"):  # queued behind it for longer than queue_timeout
+            compiler.compile(StructuredOutputsParams(regex="b"))
+    finally:
+        release.set()
+    assert slow.result(10).key == canonical(StructuredOutputsParams(regex="a"))  # its own limit counts from its start
 
 
 def test_sentencepiece_vocabulary_bytes():
@@ -159,6 +182,9 @@ def test_forced_tool_stream_equals_parse_at_any_split():
     assert deltas[0].name == "get" and deltas[0].id and all(d.id is None for d in deltas[1:])
     assert "".join(d.arguments for d in deltas) == '{"city": "Paris"}' == stream.calls[0].arguments
     assert named.parse('{"city": "Pa')[1] == []
+    cut = named.stream()  # cut by a stop string or max_tokens: the deltas went out, but no call counts
+    cut.feed('{"city": "Pa')
+    assert cut.finish() == ("", []) and cut.calls == []
 
 
 # ------------------------------------------------------------------------------ the engine

@@ -305,3 +305,14 @@ def test_parser_for_template():
         assert parser_for_template("<|begin_of_text|>" + marker) == "llama3_json", marker
     assert parser_for_template(CHATML_TEMPLATE) is None
     assert parser_for_template(None) is None and parser_for_template("") is None
+
+
+def test_names_outside_the_tools_and_plain_json_stay_content():
+    other = '<tool_call>{"name": "other", "arguments": {}}</tool_call>'
+    text = other + '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    content, calls = get_parser("hermes", names=["f"]).parse(text)
+    assert [c.name for c in calls] == ["f"] and content == other
+    llama = get_parser("llama3_json", names=["f", "John"])
+    assert llama.parse('{"name": "John", "age": 30}') == ('{"name": "John", "age": 30}', [])  # no arguments
+    assert llama.parse('{"name": "g", "parameters": {}}')[1] == []  # not among the tools
+    assert [c.name for c in llama.parse('{"name": "f", "parameters": {"x": 1}}')[1]] == ["f"]

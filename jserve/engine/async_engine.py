@@ -150,8 +150,9 @@ class AsyncLLMEngine:
         except TypeError:
             raise ValueError(f"prompt_token_ids must be a sequence of token ids, got "
                              f"{type(prompt_token_ids).__name__}") from None
-        if params.structured_outputs is not None:  # in the compiler's threads, never on the engine thread
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
+        grammar = None  # compiled in the compiler's threads and handed over: never on the engine thread
+        if params.structured_outputs is not None:
+            grammar = await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
@@ -159,7 +160,7 @@ class AsyncLLMEngine:
         try:
             self._submit(_Command("add", request_id, (ids, params),
                                   dict(prompt=prompt, priority=priority, cache_salt=cache_salt,
-                                       arrival_time=time.monotonic()), queue=queue, loop=loop))
+                                       arrival_time=time.monotonic(), grammar=grammar), queue=queue, loop=loop))
         except BaseException:
             with self._cond:
                 self._streams.pop(queue, None)

@@ -30,7 +30,7 @@ from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from jserve.model import quant
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepOutput, StepRow
-from jserve.structured.grammar import GrammarCompiler, GrammarMatcher
+from jserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from jserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, grammar: CompiledGrammar | None = None) -> None:
         """Queue a request; ValueError (naming the value) for ids outside the vocabulary or a
-        prompt that leaves no room for output in the context."""
+        prompt that leaves no room for output in the context. `grammar`: its structured-outputs
+        constraint compiled already (`self.grammars.compile`, off this thread); else it is
+        compiled here when the request has one."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = [int(t) for t in prompt_token_ids]
@@ -121,7 +123,10 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens but the context length is {limit}: "
                              f"it must be shorter to leave room for output")
         # A constraint the library refuses is a ValueError (GrammarError) naming what is wrong.
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         group = _Group(request_id, prompt, ids, params)
         if params.prompt_logprobs is not None:
             if self.runner.multiprocess:

@@ -340,10 +340,12 @@ class Runner:
         if self.multiprocess:
             if jax.process_index() != 0:
                 raise RuntimeError("only process 0 drives the steps; the others call follow()")
-            mask = self._host_bitmask(B, constraints) if constraints else np.full((B, self.bitmask_width), -1,
-                                                                                   np.int32)
-            inputs = broadcast(np.asarray([STEP_OP, STEP_KINDS.index(kind), B, T], np.int32), (*inputs, mask))
-            return self._device_step(inputs)
+            # The header says whether a grammar bitmask follows: only a constrained step sends one
+            # (filled before the broadcast, so before the forward: no overlap across hosts).
+            header = np.asarray([STEP_OP, STEP_KINDS.index(kind), B, T, int(bool(constraints))], np.int32)
+            if constraints:
+                return self._device_step(broadcast(header, (*inputs, self._host_bitmask(B, constraints))))
+            return self._device_step(broadcast(header, inputs))
         return self._device_step(inputs, constraints)
 
     def _device_step(self, inputs, constraints=()):
@@ -404,18 +406,19 @@ class Runner:
         """
         steps = 0
         while True:
-            op, kind, B, T = (int(x) for x in broadcast(np.zeros(4, np.int32)))
+            op, kind, B, T, masked = (int(x) for x in broadcast(np.zeros(5, np.int32)))
             if op == STOP_OP:
                 return steps
-            template = (self._pack([None] * B, B, T), *self._sampling([], B),
-                        np.zeros((B, self.bitmask_width), np.int32))
+            template = (self._pack([None] * B, B, T), *self._sampling([], B))
+            if masked:
+                template = (*template, np.zeros((B, self.bitmask_width), np.int32))
             jax.block_until_ready(self._device_step(broadcast(None, template)))
             steps += 1
 
     def stop_followers(self) -> None:
         """On process 0 at shutdown: release the processes in `follow()`."""
         if self.multiprocess and jax.process_index() == 0:
-            broadcast(np.asarray([STOP_OP, 0, 0, 0], np.int32))
+            broadcast(np.asarray([STOP_OP, 0, 0, 0, 0], np.int32))
 
     def _place(self, tree):
         """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""

@@ -31,7 +31,7 @@ from jserve.server.limits import Admission, Limits
 from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server.tenancy import TENANT, tenant_of_key
 from jserve.structured import tool_parsers
-from jserve.structured.grammar import GrammarError
+from jserve.structured.grammar import GrammarBusy, GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -368,6 +368,8 @@ async def _compile_constraint(state: ServerState, req: protocol.GenerateRequest)
         return
     try:
         await asyncio.to_thread(state.engine.engine.grammars.compile, spec)
+    except GrammarBusy as e:
+        raise APIError(503, str(e), code="grammar_compiler_busy", headers={"Retry-After": "2"}) from None
     except GrammarError as e:
         raise bad_request(str(e), param=req.constraint_param) from None
 

@@ -98,8 +98,8 @@ def _tool_parser(req: protocol.GenerateRequest) -> Any:
     tools = req.tools
     if tools is None or not tools.calls_expected:
         return None
-    if tools.choice == "auto":
-        return tool_parsers.get_parser(tools.parser)
+    if tools.choice == "auto":  # calls to functions outside the request's tools stay content
+        return tool_parsers.get_parser(tools.parser, [t["function"]["name"] for t in tools.tools])
     return ForcedToolParser(tools.forced_name)
 
 

@@ -53,7 +53,11 @@ class ToolRequest:
 
 
 def _schema_size(value: Any, name: str) -> None:
-    if len(json.dumps(value, ensure_ascii=False)) > MAX_SCHEMA_BYTES:
+    try:
+        size = len(json.dumps(value, ensure_ascii=False))
+    except RecursionError:
+        raise bad_request(f"{name} is nested too deeply", param=name) from None
+    if size > MAX_SCHEMA_BYTES:
         raise bad_request(f"{name} is larger than {MAX_SCHEMA_BYTES // 1024} KiB", param=name)
 
 
@@ -93,11 +97,11 @@ def _response_format(body: dict) -> StructuredOutputsParams | None:
     schema = spec.get("schema")
     if schema is None:
         return StructuredOutputsParams(json_object=True)
-    if not isinstance(schema, (dict, bool)):
+    if not isinstance(schema, dict):
         raise bad_request(f"response_format.json_schema.schema must be a JSON schema object, got "
                           f"{type(schema).__name__}", param="response_format.json_schema.schema")
     _schema_size(schema, "response_format.json_schema.schema")
-    return StructuredOutputsParams(json=schema)
+    return _make({"json": schema}, "response_format.json_schema.schema")
 
 
 def _make(kwargs: dict, where: str) -> StructuredOutputsParams:

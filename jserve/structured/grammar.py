@@ -39,6 +39,10 @@ class GrammarError(ValueError):
     """A constraint the grammar library refuses; the message says what is wrong."""
 
 
+class GrammarBusy(GrammarError):
+    """Every compiler thread stayed busy with other constraints: not the request's fault (503)."""
+
+
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per row of a token bitmask."""
     return (vocab_size + 31) // 32
@@ -47,14 +51,17 @@ def bitmask_width(vocab_size: int) -> int:
 def canonical(spec: StructuredOutputsParams) -> str:
     """The constraint as canonical text: the compile cache's key."""
     value = getattr(spec, spec.kind)
-    if spec.kind == "json" and isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise GrammarError(f"structured_outputs.json is not valid JSON: {e}") from None
-    if isinstance(value, tuple):
-        value = list(value)
-    return json.dumps([spec.kind, value, spec.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
+    try:
+        if spec.kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise GrammarError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if isinstance(value, tuple):
+            value = list(value)
+        return json.dumps([spec.kind, value, spec.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
+    except RecursionError:
+        raise GrammarError(f"structured_outputs.{spec.kind} is nested too deeply") from None
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -81,6 +88,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise
     except (ValueError, TypeError) as e:
         raise GrammarError(f"structured_outputs.{kind}: {e}") from None
+    except RecursionError:
+        raise GrammarError(f"structured_outputs.{kind} is nested too deeply") from None
 
 
 class GrammarMatcher:
@@ -159,7 +168,8 @@ class GrammarCompiler:
     """Compiles and caches the constraints of one tokenizer; thread-safe.
 
     `compile` runs the library's compilation in a pool of `workers` threads and waits at most
-    `timeout` seconds for it (the library bounds its own work too: llguidance's parser limits).
+    `timeout` seconds from its start (the library bounds its own work too: llguidance's parser
+    limits), and at most `queue_timeout` for a free thread (`GrammarBusy`).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *, cache_size: int = 256,
@@ -168,11 +178,13 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = tuple(eos_token_ids)
         self.timeout = timeout
+        self.queue_timeout = 3 * timeout  # the most a constraint waits for a free compiler thread
         self._llg_tok: Any = None
         self._lock = threading.RLock()  # a done callback may run in compile(), under it
         self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
         self._cache_size = cache_size
-        self._pending: dict[str, concurrent.futures.Future] = {}  # compilations under way, by key
+        # compilations under way, by key: their future and (once a worker took it up) their start
+        self._pending: dict[str, tuple[concurrent.futures.Future, list[float]]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jserve-grammar")
         self.num_compiled = 0
         self.compile_seconds = 0.0
@@ -193,16 +205,32 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            future = self._pending.get(key)
-            if future is None:
-                future = self._pending[key] = self._pool.submit(self._build, spec, key)
+            pending = self._pending.get(key)
+            if pending is None:
+                started: list[float] = []  # when a worker took it up
+                future = self._pool.submit(self._timed_build, spec, key, started)
+                pending = self._pending[key] = (future, started)
                 future.add_done_callback(lambda f, key=key: self._done(key, f))
+        future, started = pending
         limit = self.timeout if timeout is None else timeout
-        try:
-            return future.result(timeout=limit)
-        except concurrent.futures.TimeoutError:
-            raise GrammarError(f"structured_outputs.{spec.kind} could not be compiled within {limit:g} s; "
-                               f"simplify it") from None
+        queued = time.monotonic()
+        while True:  # the limit counts from the compilation's start, not from its wait in the queue
+            now = time.monotonic()
+            wait = (started[0] + limit - now) if started else min(0.05, queued + self.queue_timeout - now)
+            try:
+                return future.result(timeout=max(wait, 0.0))
+            except concurrent.futures.TimeoutError:
+                now = time.monotonic()
+                if started and now - started[0] >= limit:
+                    raise GrammarError(f"structured_outputs.{spec.kind} could not be compiled within {limit:g} "
+                                       f"s; simplify it") from None
+                if not started and now - queued >= self.queue_timeout:
+                    raise GrammarBusy(f"the grammar compiler is busy (compilations queued for "
+                                      f"{self.queue_timeout:g} s); retry shortly") from None
+
+    def _timed_build(self, spec: StructuredOutputsParams, key: str, started: list[float]) -> CompiledGrammar:
+        started.append(time.monotonic())
+        return self._build(spec, key)
 
     def _done(self, key: str, future: concurrent.futures.Future) -> None:
         """A compilation ended: cache its result (even if its caller stopped waiting)."""
@@ -219,20 +247,32 @@ class GrammarCompiler:
             self.compile_seconds += compiled.seconds
 
     def _build(self, spec: StructuredOutputsParams, key: str) -> CompiledGrammar:
+        try:
+            return self._compile(spec, key)
+        except GrammarError:
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - the library's own failure (a Rust panic is a BaseException)
+            logger.exception("the grammar library failed on a %s constraint", spec.kind)
+            raise GrammarError(f"structured_outputs.{spec.kind}: the grammar library failed on it "
+                               f"({type(e).__name__})") from None
+
+    def _compile(self, spec: StructuredOutputsParams, key: str) -> CompiledGrammar:
         import llguidance
 
         t0 = time.perf_counter()
         grammar = grammar_text(spec)
         tok = self._library_tokenizer()
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
-        if failed:
-            raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(messages[0])}")
-        unsupported = [m for m in messages if "unimplemented" in m.lower() or "unsupported" in m.lower()]
-        if unsupported:  # a keyword the library would ignore: the output could break the schema
-            raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(unsupported[0])}")
+        # An invalid grammar, and a schema keyword the library does not implement (`uniqueItems`:
+        # ignoring it could break the schema), leave the matcher in error with the reason.
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(matcher.get_error())}")
+        unsupported = [w for w in matcher.get_grammar_warnings() if "unimplemented" in w.lower()
+                       or "unsupported" in w.lower() or "ignor" in w.lower()]
+        if unsupported:
+            raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(unsupported[0])}")
         probe = matcher.deep_copy()  # the first mask, on a copy: a grammar that allows no output
         first = np.frombuffer(probe.compute_bitmask(), np.uint8)  # (`root ::= root`, a $ref loop) fails here
         if probe.is_error() or not first.any():

@@ -13,7 +13,8 @@ its chat template taught it, and these parsers turn them into OpenAI `tool_calls
 
 A call is valid when its JSON parses, its ``name`` is a non-empty string and its arguments are an object (missing
 arguments are taken as ``{}``); anything else stays in the content, text and markup alike, so nothing is lost and
-nothing raises. Names come back as written: checking them against the request's tools is the server's job.
+nothing raises. Given the request's tool names (`get_parser(name, names)`), a call to any other name is content
+too; llama3_json also needs `parameters` or `arguments`, so a plain JSON answer (`{"name": "John"}`) stays content.
 
 Streaming: `ToolCallStream.feed` takes each new piece of text (any split) and returns the content to send now and the
 tool-call deltas to send now; `finish` flushes what was held back. Content is held back only while it could still be
@@ -70,12 +71,16 @@ def _reject_constant(name: str):
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # NaN / Infinity would not survive json.dumps as JSON
 
 
-def _call_from_obj(obj) -> ToolCall | None:
-    """The call a decoded JSON value describes, or None where it is not a valid call."""
+def _call_from_obj(obj, names: frozenset[str] | None = None, need_arguments: bool = False) -> ToolCall | None:
+    """The call a decoded JSON value describes, or None where it is not a valid call: no string
+    `name`, a name outside `names` (the request's tools, when given), or, with `need_arguments`,
+    neither `arguments` nor `parameters` (a plain JSON answer such as `{"name": "John"}`)."""
     if not isinstance(obj, dict):
         return None
     name = obj.get("name")
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or (names is not None and name not in names):
+        return None
+    if need_arguments and "arguments" not in obj and "parameters" not in obj:
         return None
     args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
     if isinstance(args, str):
@@ -88,11 +93,11 @@ def _call_from_obj(obj) -> ToolCall | None:
     return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
 
-def _call_from_text(text: str) -> ToolCall | None:
+def _call_from_text(text: str, names: frozenset[str] | None = None) -> ToolCall | None:
     """The call `text` (one JSON object, whitespace around it allowed) describes, or None."""
     try:
-        return _call_from_obj(_DECODER.decode(text))  # decode() allows surrounding whitespace, nothing else
-    except ValueError:
+        return _call_from_obj(_DECODER.decode(text), names)  # decode() allows surrounding whitespace, nothing else
+    except (ValueError, RecursionError):
         return None
 
 
@@ -107,7 +112,8 @@ def _partial_suffix(text: str, tag: str) -> int:
 class ToolCallStream(abc.ABC):
     """Incremental parse of one generation. `calls` holds the calls completed so far (same ids as their deltas)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        self.names = names  # the function names a call may have (None: any)
         self.calls: list[ToolCall] = []
         self._buf = ""  # text received but not yet decided
         self._ws = ""  # trailing content whitespace held until more content follows
@@ -152,8 +158,8 @@ class ToolCallStream(abc.ABC):
 class _HermesStream(ToolCallStream):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        super().__init__(names)
         self._in_call = False  # inside <tool_call>: self._buf is the call's body so far
         self._scan = 0  # where in the body to resume looking for CLOSE
 
@@ -175,7 +181,7 @@ class _HermesStream(ToolCallStream):
                 self._scan = max(0, len(buf) - len(self.CLOSE) + 1)
                 return
             body = buf if j < 0 else buf[:j]
-            call = _call_from_text(body)
+            call = _call_from_text(body, self.names)
             if call is not None:
                 self._add(call, deltas)
             else:
@@ -186,8 +192,8 @@ class _HermesStream(ToolCallStream):
 class _Llama3JsonStream(ToolCallStream):
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        super().__init__(names)
         self._mode = "start"  # start: undecided | json: in an object at self._at | sep: between objects | text
         self._at = 0  # json mode: where the object starts in self._buf
         self._tried = 0  # json mode: how much of self._buf the last failed decode saw
@@ -207,10 +213,10 @@ class _Llama3JsonStream(ToolCallStream):
                     return
                 try:
                     obj, end = _DECODER.raw_decode(buf, self._at)
-                except ValueError:
+                except (ValueError, RecursionError):
                     self._tried = len(buf)
                     continue
-                call = _call_from_obj(obj)
+                call = _call_from_obj(obj, self.names, need_arguments=True)
                 if call is None:  # JSON, but not a call (e.g. JSON-mode output): it and all after it are content
                     self._mode = "text"
                     continue
@@ -241,6 +247,11 @@ class ToolParser(abc.ABC):
 
     name: str
 
+    def __init__(self, names=None) -> None:
+        """`names`: the function names a call may have (the request's tools); a call to another
+        name stays content. None: any name."""
+        self.names = None if names is None else frozenset(names)
+
     @abc.abstractmethod
     def stream(self) -> ToolCallStream:
         """A fresh incremental parser for one generation."""
@@ -257,23 +268,24 @@ class HermesToolParser(ToolParser):
     name = "hermes"
 
     def stream(self) -> ToolCallStream:
-        return _HermesStream()
+        return _HermesStream(self.names)
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
     def stream(self) -> ToolCallStream:
-        return _Llama3JsonStream()
+        return _Llama3JsonStream(self.names)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
 
 
-def get_parser(name: str) -> ToolParser:
-    """The parser registered as `name`; ValueError naming it and the known ones otherwise."""
+def get_parser(name: str, names=None) -> ToolParser:
+    """The parser registered as `name` (accepting calls to `names` only, when given); ValueError
+    naming it and the known ones otherwise."""
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name](names)
     except KeyError:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
 

@@ -117,7 +117,7 @@ class ForcedToolStream:
                 return deltas
             try:
                 element, end = decoder.raw_decode(text, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 self._pos = pos
                 return deltas  # not complete yet
             self._pos = end
@@ -127,8 +127,10 @@ class ForcedToolStream:
                 self.calls.append(call)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """The calls are final: a named call counts only when its arguments are a JSON object (a
+        stop string or max_tokens may have cut them; the deltas already sent say what came)."""
         if self.name is not None:
-            if self._named_id is not None:
+            if self._named_id is not None and _is_object(self._text):
                 self.calls = [ToolCall(self.name, self._text, self._named_id)]
             return "", []
         return ("", []) if self.calls else (self._text.strip(), [])
@@ -143,5 +145,5 @@ def _skip(text: str, pos: int, chars: str) -> int:
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
