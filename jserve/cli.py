@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from jserve.engine.config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
@@ -47,8 +48,6 @@ def _evaluate_converted(args: argparse.Namespace, out) -> None:
         if not args.quiet:
             print(f"[eval] {msg}", file=sys.stderr, flush=True)
 
-    from pathlib import Path
-
     from jserve.model.checkpoint import default_gguf_path
 
     default = Path(args.source).resolve() == default_gguf_path().resolve()
@@ -79,7 +78,7 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                             stop=args.stop or None, ignore_eos=args.ignore_eos,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty)
+                            frequency_penalty=args.frequency_penalty, structured_outputs=_constraint(args))
     try:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
@@ -95,6 +94,28 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print(completion.text)
     return 0
+
+
+def _constraint(args: argparse.Namespace):
+    """--json-schema / --regex / --choice / --grammar as a StructuredOutputsParams (None without)."""
+    from jserve.core.request import StructuredOutputsParams
+
+    def text(value: str) -> str:  # "@path" reads a file
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(text(args.json_schema))
+        except ValueError as e:
+            raise ValueError(f"--json-schema is not valid JSON: {e}") from None
+        return StructuredOutputsParams(json=schema)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice:
+        return StructuredOutputsParams(choice=args.choice)
+    if args.grammar is not None:
+        return StructuredOutputsParams(grammar=text(args.grammar))
+    return None
 
 
 def _human(n: float) -> str:
@@ -217,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     p.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
+    g = p.add_argument_group("structured outputs (one of)").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="SCHEMA", help="JSON schema the output follows "
+                                                                          "(JSON text, or @file)")
+    g.add_argument("--regex", default=None, help="regular expression the whole output matches")
+    g.add_argument("--choice", action="append", default=None, help="an allowed output (repeatable)")
+    g.add_argument("--grammar", default=None, help="Lark or GBNF grammar of the output (text, or @file)")
     add_engine_args(p, exclude=("seed",))  # --seed above seeds the request
     add_multihost_args(p)
     p.set_defaults(func=_generate)

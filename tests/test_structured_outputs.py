@@ -381,3 +381,7 @@ def test_64_concurrent_mixed_requests(server):
     assert stats["compilations_after_warmup"] == compiled
     assert stats["pages_in_use"] == 0 and stats["grammar_errors"] == 0
     assert stats["mask_steps"] > 0 and stats["mask_seconds_per_step"] > 0
+    status, _, text = request(server, "GET", "/metrics")
+    values = dict(re.findall(r"^(jserve_structured_\w+|jserve_grammar\w+) ([0-9.e+-]+)$", text.decode(), re.M))
+    assert float(values["jserve_structured_mask_seconds_per_step"]) > 0
+    assert float(values["jserve_structured_requests"]) >= 32 and float(values["jserve_grammar_errors"]) == 0

@@ -54,3 +54,20 @@ def test_readme_python_example_works_as_written(smollm2_llm):
 
     assert json.loads(printed[0])["color"] in ("red", "green", "blue")
     assert jserve.StructuredOutputsParams is StructuredOutputsParams
+
+
+def test_cli_generate_with_a_json_schema(smollm2_checkpoint, capsys):
+    import json
+
+    from jserve import cli
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    rc = cli.main(["generate", "--model", str(smollm2_checkpoint), "--chat", "--prompt", "Name a city.",
+                   "--max-tokens", "40", "--max-model-len", "256", "--json-schema", json.dumps(schema), "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"city"}
+    rc = cli.main(["generate", "--model", str(smollm2_checkpoint), "--prompt", "x", "--regex", "a(b",
+                   "--max-model-len", "256"])
+    assert rc == 2 and "unclosed group" in capsys.readouterr().err

@@ -160,7 +160,8 @@ class AsyncLLMEngine:
         try:
             self._submit(_Command("add", request_id, (ids, params),
                                   dict(prompt=prompt, priority=priority, cache_salt=cache_salt,
-                                       arrival_time=time.monotonic(), grammar=grammar), queue=queue, loop=loop))
+                                       arrival_time=time.monotonic(), **({"grammar": grammar} if grammar else {})),
+                                  queue=queue, loop=loop))
         except BaseException:
             with self._cond:
                 self._streams.pop(queue, None)
