@@ -371,7 +371,7 @@ def _message_tool_calls(calls: Any, name: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise bad_request(f"{where}.function.arguments must be JSON text, got {_show(arguments)}",
                                   param=f"{where}.function.arguments") from None
         if not isinstance(arguments, dict):
@@ -383,8 +383,11 @@ def _message_tool_calls(calls: Any, name: str) -> list[dict]:
 
 def messages_bytes(messages: list[dict]) -> int:
     """UTF-8 bytes of the text the messages hold (the size the chat template will render)."""
-    return sum(len(v.encode()) if isinstance(v, str) else len(json.dumps(v).encode())
-               for m in messages for v in m.values())
+    try:
+        return sum(len(v.encode()) if isinstance(v, str) else len(json.dumps(v).encode())
+                   for m in messages for v in m.values())
+    except RecursionError:
+        raise bad_request("messages are nested too deeply", param="messages") from None
 
 
 def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
