@@ -124,6 +124,7 @@ class ServerState:
         self.ctx = protocol.Context(self.model_names, config.max_model_len, llm.runner.config.vocab_size, limits,
                                     allow_priority=self.scheduling_policy == "priority", tool_parser=parser)
         self.quantization = quantization_summary(llm.quantization)
+        llm.grammars.prepare()  # llguidance's vocabulary, in the background
         self.metrics.set_quantization(self.quantization)
         self.engine = engine
         self.metrics.ready.set(1)

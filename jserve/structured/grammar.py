@@ -181,6 +181,7 @@ class GrammarCompiler:
         self.queue_timeout = 3 * timeout  # the most a constraint waits for a free compiler thread
         self._llg_tok: Any = None
         self._lock = threading.RLock()  # a done callback may run in compile(), under it
+        self._tokenizer_lock = threading.Lock()  # the library's tokenizer is built once (~0.3 s)
         self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
         self._cache_size = cache_size
         # compilations under way, by key: their future and (once a worker took it up) their start
@@ -190,10 +191,15 @@ class GrammarCompiler:
         self.compile_seconds = 0.0
 
     def _library_tokenizer(self) -> Any:
-        with self._lock:
+        with self._tokenizer_lock:
             if self._llg_tok is None:
                 self._llg_tok = _llg_tokenizer(self._tokenizer, self.vocab_size, self._eos)
             return self._llg_tok
+
+    def prepare(self) -> None:
+        """Build the library's view of the vocabulary now, in the background (a server calls this
+        at start, so its first constrained request does not wait for it)."""
+        self._pool.submit(self._library_tokenizer)
 
     def compile(self, spec: StructuredOutputsParams, timeout: float | None = None) -> CompiledGrammar:
         """The compiled constraint (from the cache when seen before; a compilation already under
