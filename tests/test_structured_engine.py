@@ -87,6 +87,20 @@ def test_sampler_respects_the_mask():
         np.testing.assert_allclose(np.asarray(out["logprob"]), lp[np.arange(B), tokens], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cuda"], ids=["lowered-for-TPU", "lowered-for-CUDA"])
+def test_the_masked_sampler_lowers_for_tpu_and_gpu(platform):
+    """The sampler with its bitmask input (what every step runs on an accelerator) lowers for
+    the TPU and for CUDA on this CPU, the mask unpacked inside the step."""
+    from jserve.runtime import device_steps
+    from jserve.runtime.sampler import penalty_history
+
+    B, vocab = 8, 1000
+    args = (jnp.zeros((B, vocab), jnp.float32), SamplingArrays.build([], B), penalty_history([], B, 64, vocab),
+            jnp.full((B, (vocab + 31) // 32), -1, jnp.int32))
+    text = jax.jit(device_steps.sample_rows).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert "shift_right_logical" in text and "case" in text  # the unpacking, under the switch
+
+
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_checkpoint):
     return Tokenizer.load(smollm2_checkpoint)
@@ -282,3 +296,10 @@ def test_a_refused_token_aborts_the_request(wide, tokenizer, monkeypatch):
     monkeypatch.undo()
     done = _run(engine, {"b": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec))})
     assert done["b"].outputs[0].text == "zzzzzzzz" and done["b"].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs", [{"choice": True}, {"choice": 3}, {"choice": {"a": 1}}, {"regex": 5},
+                                    {"grammar": ["x"]}, {"json": 3}, {"json_object": "yes"}])
+def test_structured_outputs_params_refuse_bad_types(kwargs):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(**kwargs)

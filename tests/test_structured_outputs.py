@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from typing import Literal
 
@@ -233,7 +234,8 @@ _CONSTRAINT = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("JSERVE_FUZZ_EXAMPLES", 150)), deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(extra=_CONSTRAINT, chat=st.booleans())
 def test_fuzz_constraints_never_5xx(server, extra, chat):
     body = {"model": MODEL, "max_tokens": 3, **extra, **({"messages": ASK} if chat else {"prompt": "Hi"})}

@@ -51,6 +51,9 @@ class StructuredOutputsParams:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
         if self.choice is not None:
+            if not isinstance(self.choice, (str, list, tuple)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                                 f"{type(self.choice).__name__}")
             choice = [self.choice] if isinstance(self.choice, str) else list(self.choice)
             if not choice or any(not isinstance(c, str) or not c for c in choice):
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "

@@ -107,7 +107,7 @@ def _response_format(body: dict) -> StructuredOutputsParams | None:
 def _make(kwargs: dict, where: str) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kwargs)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise bad_request(str(e).replace("structured_outputs", where, 1), param=where) from None
 
 
