@@ -196,7 +196,7 @@ def server_part(args: argparse.Namespace) -> dict:
             loads = {"free": {"temperature": 0, "ignore_eos": True},
                      "json_schema": {"temperature": 0, "response_format": {
                          "type": "json_schema", "json_schema": {"name": "records", "schema": SCHEMA}}}}
-            _bench(jserve, url, workload, dataclass_args(args, 2 * args.concurrency), loads["json_schema"],
+            _bench(jserve, url, workload, _with_requests(args, 2 * args.concurrency), loads["json_schema"],
                    Path(tmp) / "warm")  # compiles the grammar, warms the tokenizer and the caches
             for r in range(args.rounds):
                 for name, extra in loads.items():
@@ -230,7 +230,7 @@ def server_part(args: argparse.Namespace) -> dict:
     return {"rows": rows, "median": median, "ratio": ratio}
 
 
-def dataclass_args(args: argparse.Namespace, num_requests: int) -> argparse.Namespace:
+def _with_requests(args: argparse.Namespace, num_requests: int) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "num_requests": num_requests})
 
 

@@ -284,10 +284,10 @@ def test_runner_refuses_a_grammar_in_a_multi_step_call(wide, tokenizer):
 def test_a_refused_token_aborts_the_request(wide, tokenizer, monkeypatch):
     """If a grammar ever refuses a sampled token (here: its mask is never filled, so the sampler
     runs free), the request ends as "abort", counted, its pages back, the engine serving on."""
-    import jserve.runtime.runner as runner_module
+    import jserve.runtime.step_masks as step_masks
 
     engine = _engine(wide, tokenizer, max_num_seqs=2)
-    monkeypatch.setattr(runner_module, "fill_bitmasks", lambda rows, out: None)
+    monkeypatch.setattr(step_masks, "fill_bitmasks", lambda rows, out: None)
     spec = StructuredOutputsParams(choice=["zzzzzzzz"])
     done = _run(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec))})
     assert done["a"].outputs[0].finish_reason == "abort"

@@ -347,15 +347,12 @@ class LLMEngine:
         }
 
     def _structured_stats(self) -> dict[str, Any]:
-        masks = list(self.runner.mask_records)[-64:]  # (constrained rows, host seconds) of recent steps
         return {
             "structured_requests": self.num_structured_requests,
             "grammar_errors": self.num_grammar_errors,
             "grammars_compiled": self.grammars.num_compiled,
             "grammar_compile_seconds": self.grammars.compile_seconds,
-            "mask_seconds": self.runner.mask_seconds,
-            "mask_steps": self.runner.num_mask_steps,
-            "mask_seconds_per_step": sum(t for _, t in masks) / len(masks) if masks else 0.0,
+            **self.runner.masks.stats(),  # host time filling masks: in all, and per step of the last 64
         }
 
 

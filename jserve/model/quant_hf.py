@@ -109,17 +109,23 @@ def _check_shape(what: str, a: np.ndarray, want: tuple[int, ...]) -> None:
         raise ValueError(f"{what} has shape {tuple(a.shape)}, expected {want}")
 
 
+def _packed(kind: str, qweight, qzeros, scales, layout: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The three arrays of a packed linear, checked: int32 words in qweight (2-D, `layout`) and qzeros."""
+    qweight, qzeros, scales = np.asarray(qweight), np.asarray(qzeros), np.asarray(scales)
+    for name, a in (("qweight", qweight), ("qzeros", qzeros)):
+        if a.dtype not in (np.int32, np.uint32):
+            raise ValueError(f"{kind} {name} must be int32 words, got {a.dtype}")
+    if qweight.ndim != 2:
+        raise ValueError(f"{kind} qweight must be {layout}, got shape {qweight.shape}")
+    return qweight, qzeros, scales
+
+
 def from_awq(qweight, qzeros, scales, group_size: int, bits: int = 4) -> QuantizedWeight:
     """An AutoAWQ "gemm" linear (qweight int32 [K, N / 8], qzeros int32 [K / G, N / 8], scales
     [K / G, N]) as jserve's int4 [K, N] (asymmetric unless every zero point is 8)."""
     if bits != 4:
         raise ValueError(f"AWQ checkpoints are 4-bit here, got bits={bits}")
-    qweight, qzeros, scales = np.asarray(qweight), np.asarray(qzeros), np.asarray(scales)
-    for name, a in (("qweight", qweight), ("qzeros", qzeros)):
-        if a.dtype not in (np.int32, np.uint32):
-            raise ValueError(f"AWQ {name} must be int32 words, got {a.dtype}")
-    if qweight.ndim != 2:
-        raise ValueError(f"AWQ qweight must be [K, N / 8], got shape {qweight.shape}")
+    qweight, qzeros, scales = _packed("AWQ", qweight, qzeros, scales, "[K, N / 8]")
     K, N = qweight.shape[0], qweight.shape[1] * 8
     group = _group(group_size, K)
     _check_shape("AWQ qzeros", qzeros, (K // group, N // 8))
@@ -145,12 +151,7 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, bits: int = 4, group_size: in
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r} is not supported "
                          f"({', '.join(GPTQ_FORMATS)} are)")
-    qweight, qzeros, scales = np.asarray(qweight), np.asarray(qzeros), np.asarray(scales)
-    for name, a in (("qweight", qweight), ("qzeros", qzeros)):
-        if a.dtype not in (np.int32, np.uint32):
-            raise ValueError(f"GPTQ {name} must be int32 words, got {a.dtype}")
-    if qweight.ndim != 2:
-        raise ValueError(f"GPTQ qweight must be [K * bits / 32, N], got shape {qweight.shape}")
+    qweight, qzeros, scales = _packed("GPTQ", qweight, qzeros, scales, "[K * bits / 32, N]")
     per_word = 32 // bits
     K, N = qweight.shape[0] * per_word, qweight.shape[1]
     group = _group(group_size, K)

@@ -8,8 +8,8 @@ jit with the pages donated, then the sampler, a jit of its own; a `StepOutput` c
 decode steps in one call (multi-step decode): a device loop feeds each row's sampled token back
 and stops a row at its stop ids or its step count. A row with a grammar (`StepRow.constraint`)
 gets its token bitmask filled on the host after the forward is dispatched, so the mask is made
-while the device runs the model; the sampler takes it as one more fixed-shape input (a cached
-all-ones mask when no row is constrained). Shapes come from `buckets.py`; compilations
+while the device runs the model; the sampler takes it as one more fixed-shape input
+(`step_masks.py`). Shapes come from `buckets.py`; compilations
 are counted so that a server can prove none happens after warm-up. Over a mesh, rows of
 data-parallel group g sit in the g-th block of each batch, and in a multi-process run process 0
 broadcasts each step's inputs to the others (`follow`).
@@ -35,8 +35,8 @@ from jserve.runtime import backends, device_steps, step_rows
 from jserve.runtime.backends import Backend
 from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
 from jserve.runtime.sampler import SamplingArrays, penalty_history
+from jserve.runtime.step_masks import StepMasks
 from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRecord, StepRow
-from jserve.structured.grammar import bitmask_width, fill_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +126,7 @@ class Runner:
             device_steps.decode_steps, self.graphdef, self.ops, self.page_size, config.vocab_size, decode_steps),
             donate_argnames=("kv",))
         self._seen: set[tuple] = set()
-        self.bitmask_width = bitmask_width(config.vocab_size)
-        self._free_masks: dict[int, Any] = {}  # batch -> the all-ones bitmask, on the device
-        self.mask_records: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
-        self.mask_seconds = 0.0  # host time spent filling grammar bitmasks, in total
-        self.num_mask_steps = 0  # calls that filled one
+        self.masks = StepMasks(config.vocab_size, self._put)  # the sampler's grammar bitmasks
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
         self.warmed_up = False
@@ -202,7 +198,7 @@ class Runner:
         next_ids[row.group, :row.num_tokens] = row.next_ids
         sampling, history = self._sampling(placed, B)
         args = self._place(((tokens, positions, meta, last), next_ids, sampling, history))
-        args = (*args, self._bitmask(B, self._constraints(placed)))
+        args = (*args, self.masks.device(B, self._constraints(placed)))
         cached = _cache_size(self._score_step)
         t0 = time.perf_counter()
         out, plp, self.kv = self._score_step(self.params, self.kv, *args[0], *args[1:])
@@ -344,7 +340,7 @@ class Runner:
             # (filled before the broadcast, so before the forward: no overlap across hosts).
             header = np.asarray([STEP_OP, STEP_KINDS.index(kind), B, T, int(bool(constraints))], np.int32)
             if constraints:
-                return self._device_step(broadcast(header, (*inputs, self._host_bitmask(B, constraints))))
+                return self._device_step(broadcast(header, (*inputs, self.masks.host(B, constraints))))
             return self._device_step(broadcast(header, inputs))
         return self._device_step(inputs, constraints)
 
@@ -353,31 +349,13 @@ class Runner:
         (filled now, unless it came with `inputs`) and the sampler."""
         (tokens, positions, meta, last), sampling, history, *mask = self._place(inputs)
         logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, positions, meta, last)
-        bitmask = mask[0] if mask else self._bitmask(tokens.shape[0], constraints)
+        bitmask = mask[0] if mask else self.masks.device(tokens.shape[0], constraints)
         return self._sample(logits, sampling, history, bitmask)
 
     @staticmethod
     def _constraints(placed: Sequence[StepRow | None]) -> list[tuple[Any, int]]:
         """(grammar matcher, batch row) of each constrained row."""
         return [(r.constraint, slot) for slot, r in enumerate(placed) if r is not None and r.constraint is not None]
-
-    def _bitmask(self, B: int, constraints: Sequence[tuple[Any, int]]):
-        """The step's token bitmask on the device: the rows' grammars', or the cached all-ones one."""
-        if not constraints:
-            if B not in self._free_masks:
-                self._free_masks[B] = self._put(np.full((B, self.bitmask_width), -1, np.int32))
-            return self._free_masks[B]
-        return self._put(self._host_bitmask(B, constraints))
-
-    def _host_bitmask(self, B: int, constraints: Sequence[tuple[Any, int]]) -> np.ndarray:
-        mask = np.full((B, self.bitmask_width), -1, np.int32)
-        t0 = time.perf_counter()
-        fill_bitmasks(constraints, mask)
-        seconds = time.perf_counter() - t0
-        self.mask_seconds += seconds
-        self.num_mask_steps += 1
-        self.mask_records.append((len(constraints), seconds))
-        return mask
 
     def _put(self, x: np.ndarray):
         """A host array on the device, committed as the pages are (one compiled signature)."""
@@ -411,7 +389,7 @@ class Runner:
                 return steps
             template = (self._pack([None] * B, B, T), *self._sampling([], B))
             if masked:
-                template = (*template, np.zeros((B, self.bitmask_width), np.int32))
+                template = (*template, self.masks.ones(B))
             jax.block_until_ready(self._device_step(broadcast(None, template)))
             steps += 1
 

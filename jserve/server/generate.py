@@ -21,6 +21,7 @@ from jserve.core.request import RequestOutput
 from jserve.engine.async_engine import EngineDeadError
 from jserve.server import protocol
 from jserve.server.errors import APIError
+from jserve.server.response_logprobs import chat_logprobs, completion_logprobs
 from jserve.server.tenancy import TENANT, engine_salt
 from jserve.server.watchdog import CLIENT_MESSAGE
 from jserve.structured import tool_parsers
@@ -263,10 +264,10 @@ def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, 
         return _tool_chunk(req, ch, delta, text, first, tok)
     if req.chat:
         d: dict = {"role": "assistant", "content": text} if first else {"content": text}
-        logprobs = (protocol.chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
+        logprobs = (chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
                     if delta.logprobs is not None else None)
         return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-    logprobs = (protocol.completion_logprobs(delta.token_ids, delta.logprobs, tok, offset)
+    logprobs = (completion_logprobs(delta.token_ids, delta.logprobs, tok, offset)
                 if delta.logprobs is not None else None)
     return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
@@ -281,7 +282,7 @@ def _tool_chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, text: st
         content, calls = content + more, calls + last
     if req.tools is not None and not req.tools.parallel:
         calls = [c for c in calls if c.index == 0]
-    logprobs = (protocol.chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
+    logprobs = (chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
                 if delta.logprobs is not None else None)
     finish = _finish_reason(delta.finish_reason, ch.tool_stream.calls)
     d: dict = {"role": "assistant"} if first else {}
@@ -297,7 +298,7 @@ def _tool_chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, text: st
 def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any) -> dict:
     has_lp = req.params.logprobs is not None
     if req.chat:
-        logprobs = protocol.chat_logprobs(ch.token_ids, ch.logprobs, tok, req.top_logprobs) if has_lp else None
+        logprobs = chat_logprobs(ch.token_ids, ch.logprobs, tok, req.top_logprobs) if has_lp else None
         message: dict = {"role": "assistant", "content": ch.text}
         finish = ch.finish_reason
         if ch.tool_parser is not None:
@@ -309,5 +310,5 @@ def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any) -> dict:
                                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
                 finish = _finish_reason(finish, calls)
         return {"index": ch.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    logprobs = protocol.completion_logprobs(ch.token_ids, ch.logprobs, tok, len(ch.prefix)) if has_lp else None
+    logprobs = completion_logprobs(ch.token_ids, ch.logprobs, tok, len(ch.prefix)) if has_lp else None
     return {"index": ch.index, "text": ch.prefix + ch.text, "logprobs": logprobs, "finish_reason": ch.finish_reason}

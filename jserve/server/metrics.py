@@ -62,14 +62,16 @@ class ServerMetrics:
         self.flops_per_s = gauge("jserve_achieved_flops_per_second", "useful FLOPs per second of step time, "
                                                                      f"last {RECENT_STEPS} steps")
         self.ready = gauge("jserve_ready", "1 once warmed up and serving, else 0")
-        self.structured = gauge("jserve_structured_requests", "requests with structured outputs since start")
-        self.grammar_errors = gauge("jserve_grammar_errors", "sampled tokens a grammar refused (should stay 0)")
-        self.grammars = gauge("jserve_grammars_compiled", "structured-output constraints compiled (cache misses)")
-        self.grammar_seconds = gauge("jserve_grammar_compile_seconds", "time spent compiling constraints, total")
-        self.mask_seconds = gauge("jserve_structured_mask_seconds", "host time filling grammar bitmasks, total")
-        self.mask_steps = gauge("jserve_structured_mask_steps", "steps that filled a grammar bitmask")
-        self.mask_per_step = gauge("jserve_structured_mask_seconds_per_step",
-                                   "host time filling the grammar bitmask per step, mean of the last 64 such steps")
+        # Structured outputs: LLMEngine.stats() key -> its gauge.
+        self.structured = {key: gauge(name, doc) for key, name, doc in (
+            ("structured_requests", "jserve_structured_requests", "requests with structured outputs since start"),
+            ("grammar_errors", "jserve_grammar_errors", "sampled tokens a grammar refused (should stay 0)"),
+            ("grammars_compiled", "jserve_grammars_compiled", "structured-output constraints compiled (cache misses)"),
+            ("grammar_compile_seconds", "jserve_grammar_compile_seconds", "time spent compiling constraints, total"),
+            ("mask_seconds", "jserve_structured_mask_seconds", "host time filling grammar bitmasks, total"),
+            ("mask_steps", "jserve_structured_mask_steps", "steps that filled a grammar bitmask"),
+            ("mask_seconds_per_step", "jserve_structured_mask_seconds_per_step",
+             "host time filling the grammar bitmask per step, mean of the last 64 such steps"))}
         self.quantization = Gauge("jserve_quantization_info", "1, labelled with the weights' quantization "
                                   "(none for float weights)", ["quantization"], registry=r)
         self.bits_per_weight = gauge("jserve_weight_bits_per_weight", "stored bits per weight (codes, scales, "
@@ -119,10 +121,7 @@ class ServerMetrics:
         self.compilations.set(stats.get("compilations_after_warmup", 0))
         self.padding.set(stats.get("padded_token_fraction", 0.0))
         self.steps.set(stats.get("num_steps", 0))
-        for gauge_, key in ((self.structured, "structured_requests"), (self.grammar_errors, "grammar_errors"),
-                            (self.grammars, "grammars_compiled"), (self.grammar_seconds, "grammar_compile_seconds"),
-                            (self.mask_seconds, "mask_seconds"), (self.mask_steps, "mask_steps"),
-                            (self.mask_per_step, "mask_seconds_per_step")):
+        for key, gauge_ in self.structured.items():
             gauge_.set(stats.get(key, 0))
         recent = list(records)[-RECENT_STEPS:]
         seconds = sum(r.seconds for r in recent)
