@@ -98,6 +98,14 @@ class DataParallelScheduler:
         g = self._group.get(chunk.request.request_id)
         return None if g is None else self.schedulers[g].next_decode_step(chunk)
 
+    def reserve_drafts(self, chunk: ScheduledChunk, num_drafts: int) -> bool:
+        g = self._group.get(chunk.request.request_id)
+        return g is not None and self.schedulers[g].reserve_drafts(chunk, num_drafts)
+
+    def release_lookahead(self, request_id: str) -> int:
+        g = self._group.get(request_id)
+        return 0 if g is None else self.schedulers[g].release_lookahead(request_id)
+
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         changed = []
         for g, s in enumerate(self.schedulers):

@@ -29,7 +29,12 @@ Lookahead (multi-step decode): `allocate_slots(rid, 1, num_lookahead=n - 1)` als
 for the `n - 1` tokens the device will sample and feed back within one call, before they are
 known. The request then holds pages past its allocated slots; each later step's
 `allocate_slots(rid, 1)` (after `append_tokens`) finds its slot in them and takes no page. Pages
-held past the slots are released with the others by `free`.
+held past the slots are released with the others by `free`, or by `release_lookahead`.
+
+Speculative decoding takes lookahead pages the same way for a step's draft tokens
+(`allocate_slots(rid, 0, num_lookahead=m)` after the step's own slot); the drafts its samples
+confirm become slots one by one (`append_tokens`, `allocate_slots(rid, 1)`, `mark_computed`), and
+`release_lookahead` gives back the pages of those it rejected.
 
 A request always computes at least its last prompt token, and writes never touch a cached page:
 so a prompt of `m` full pages, all cached, reuses `m - 1` of them and recomputes the last page
@@ -251,6 +256,18 @@ class PageTable:
             seq.page_hashes.append(page_hash)
             # False when another page already holds this prefix: that one stays the cached copy.
             self.pool.register(seq.page_ids[i], page_hash)
+
+    def release_lookahead(self, request_id: Hashable) -> int:
+        """Gives back the request's pages past those its known tokens need (a speculative step's
+        pages for rejected drafts); returns how many. Their slots were never allocated, so nothing
+        indexes them and the K/V the step wrote there is never read."""
+        seq = self._seq(request_id)
+        keep = max(_cdiv(len(seq.token_ids), self.page_size), _cdiv(seq.num_allocated, self.page_size))
+        extra = seq.page_ids[keep:]
+        if extra:
+            del seq.page_ids[keep:]
+            self.pool.release(reversed(extra))
+        return len(extra)
 
     # Release.
 

@@ -46,6 +46,11 @@ steps, and the stopped request's row computes for nothing until then.
 While a request with structured outputs runs, every step is a single step: its grammar's mask for
 the next token needs the token before it on the host.
 
+Speculative decoding takes its draft tokens' pages the same way, after `schedule()` (the engine
+proposes drafts for the plan's decode chunks and calls `reserve_drafts`); the step's confirmed
+drafts are then taken like a multi-step decode's tokens, and `release_lookahead` gives back the
+rest of the pages.
+
 Aborts free pages at once, even between `schedule()` and `update()`: the in-flight step may still
 write K/V into those pages, but the pages were neither indexed by the prefix cache (only full,
 computed pages are) nor can they be handed out before the next `schedule()`, whose step runs after
@@ -270,6 +275,30 @@ class Scheduler:
             "the lookahead pages hold every step of a multi-step decode"
         self.page_table.allocate_slots(request.request_id, 1)
         return self._chunk(request, 1)
+
+    def reserve_drafts(self, chunk: ScheduledChunk, num_drafts: int) -> bool:
+        """Speculative decoding: pages for `num_drafts` tokens after a decode chunk's own (lookahead,
+        as for multi-step decode), before the step runs; False (nothing taken) when the pool is short,
+        and the step then runs without drafts (speculation never preempts). The chunk's `page_ids`
+        are updated. The step's confirmed drafts then go through `next_decode_step` and `update`
+        one at a time, and `release_lookahead` returns the pages of the rejected ones."""
+        request = chunk.request
+        if chunk.num_tokens != 1 or not chunk.samples:
+            raise ValueError("drafts follow a decode chunk (one token, sampled)")
+        if num_drafts <= 0:
+            return num_drafts == 0
+        if not self.page_table.allocate_slots(request.request_id, 0, num_lookahead=num_drafts):
+            return False
+        chunk.page_ids = self.page_table.page_ids(request.request_id)
+        return True
+
+    def release_lookahead(self, request_id: str) -> int:
+        """The running request's pages past its known tokens go back to the pool (see
+        `PageTable.release_lookahead`); 0 for a request that ended."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return 0
+        return self.page_table.release_lookahead(request_id)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Admits waiting requests in order while seats, budget and pages allow; returns the budget left."""

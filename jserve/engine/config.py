@@ -13,6 +13,7 @@ import re
 from typing import Any, Callable
 
 from jserve.core.scheduler import SchedulerConfig
+from jserve.core.speculative import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")  # vLLM's --kv-cache-dtype; "auto": the weights'
 BACKEND_NAMES = ("cpu", "tpu", "gpu", "reference", "cpu_pallas")  # jserve.runtime.backends.NAMES
@@ -66,6 +67,11 @@ class EngineConfig:
                                    choices=KV_CACHE_DTYPES)
     num_scheduler_steps: int = _setting(1, "decode steps per device call while only decodes run "
                                            "(multi-step decode)", parse=int)
+    speculative_config: Any = _setting(
+        None, 'speculative decoding, a JSON object as vLLM takes it: {"method": "ngram", '
+              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": '
+              '"draft_model", "model": "DRAFT", "num_speculative_tokens": 4}; also "disable_by_batch_size", '
+              '"min_acceptance", "acceptance_window", "backoff_steps" (jserve.core.speculative)', parse=str)
     mesh: Any = _setting(None, "device mesh, e.g. tp=4 or dp=2,tp=4, a dict or a jax.sharding.Mesh "
                                "(default: one device)")
     warmup: bool = _setting(True, "compile every bucket before serving (instead of on first use)", flag=None)
@@ -107,6 +113,11 @@ class EngineConfig:
                 self.quantization not in ("int4", "int8") or self.quantization_group_size not in (32, 64, 128)):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128 with quantization 'int4' or 'int8', "
                              f"got {self.quantization_group_size!r} with quantization={self.quantization!r}")
+        # Parsed once here (a dict or JSON text in, a SpeculativeConfig kept), naming a bad key or value.
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.num_scheduler_steps != 1:
+            raise ValueError(f"speculative decoding and multi-step decode (num_scheduler_steps="
+                             f"{self.num_scheduler_steps}) do not combine: give one of them")
         if self.quality_gate not in QUALITY_GATES:
             raise ValueError(f"quality_gate must be one of {QUALITY_GATES}, got {self.quality_gate!r}")
         for name in ("quality_max_kl", "quality_min_top1"):

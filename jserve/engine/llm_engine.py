@@ -30,6 +30,7 @@ from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from jserve.model import quant
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepOutput, StepRow
+from jserve.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from jserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from jserve.text.tokenizer import Tokenizer
 
@@ -71,7 +72,10 @@ class LLMEngine:
     """The continuous-batching engine: requests in, `RequestOutput`s out, one step at a time."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
-                 config: EngineConfig, quantization: dict[str, Any] | None = None):
+                 config: EngineConfig, quantization: dict[str, Any] | None = None,
+                 draft_runner: Runner | None = None):
+        """`draft_runner`: the draft model's runner, for `speculative_config` method "draft_model"
+        (its pages mirror `runner`'s: same count and size)."""
         self.runner = runner
         # generation.json's quantization record with its quality report (None: float weights)
         self.quantization = quantization
@@ -98,6 +102,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, runner.config.vocab_size, sorted(self.eos_token_ids))
         self.num_structured_requests = 0
         self.num_grammar_errors = 0  # sampled tokens a grammar refused (a bug if ever > 0)
+        self.speculator = _speculator(config, runner, draft_runner, self.scheduler)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -170,7 +175,7 @@ class LLMEngine:
             return None
         for seq in group.sequences:
             self.scheduler.abort_request(seq.request.request_id)
-            self._sequences.pop(seq.request.request_id, None)
+            self._forget(seq.request.request_id)
         return group.output()
 
     def has_unfinished_requests(self) -> bool:
@@ -184,8 +189,11 @@ class LLMEngine:
         changed: dict[str, _Group] = {}
         if plan.num_steps > 1:
             self._decode_steps(plan, changed)
-        elif plan.chunks:
-            out = self.runner.execute(self._step_rows(plan))
+        elif plan.chunks and not (self.speculator is not None and self._speculate(plan, changed)):
+            rows = self._step_rows(plan)
+            out = self.runner.execute(rows)
+            if self.speculator is not None:
+                self.speculator.proposer.sync(rows)  # a draft model computes what the target did
             self.num_steps += 1
             self._take(plan, out, changed)
         outputs = []
@@ -195,8 +203,59 @@ class LLMEngine:
             if output.finished:
                 self._groups.pop(rid, None)
                 for seq in group.sequences:
-                    self._sequences.pop(seq.request.request_id, None)
+                    self._forget(seq.request.request_id)
         return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self._sequences.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
+
+    def _speculate(self, plan: StepPlan, changed: dict[str, "_Group"]) -> bool:
+        """Run the plan as a speculative step if the speculator wants one: its decode chunks get
+        drafts and one verify call (`Runner.execute_verify`), its other chunks (prefill) a plain
+        call. False (nothing run) where no draft is proposed or speculation is turned down."""
+        spec = self.speculator
+        decode = [i for i, c in enumerate(plan.chunks)
+                  if c.num_tokens == 1 and c.samples and self._next_ids(c) is None]
+        if not decode:
+            return False
+        chunks = [plan.chunks[i] for i in decode]
+        matchers = [getattr(self._sequences.get(c.request.request_id), "matcher", None) for c in chunks]
+        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
+        wanted = spec.wanted(chunks, matchers, budget)
+        if wanted is None:
+            return False
+        draft_model = isinstance(spec.proposer, DraftModelProposer)
+        if not draft_model:  # n-gram drafts first: no pages are taken for a step that finds none
+            drafts = [spec.valid_drafts(d, m) for d, m in
+                      zip(spec.proposer.propose([c.request for c in chunks], wanted), matchers)]
+            if not any(drafts):
+                return False
+            wanted = [len(d) for d in drafts]
+        wanted = [n if self.scheduler.reserve_drafts(c, n) else 0 for c, n in zip(chunks, wanted)]
+        rows = self._step_rows(plan)  # after the reservations: the chunks' pages cover the drafts
+        if draft_model:
+            proposed = spec.proposer.propose_rows([rows[i] for i in decode], wanted)
+            drafts = [spec.valid_drafts(d, m) for d, m in zip(proposed, matchers)]
+        else:
+            drafts = [d[:n] for d, n in zip(drafts, wanted)]
+        others = [i for i in range(len(plan.chunks)) if i not in set(decode)]
+        if others:  # prefill chunks: a plain call (the draft model computes them too)
+            sub = _sub_plan(plan, others)
+            other_rows = [rows[i] for i in others]
+            out = self.runner.execute(other_rows)
+            spec.proposer.sync(other_rows)
+            self._take(sub, out, changed)
+        verify = [dataclasses.replace(rows[i], draft_ids=d) for i, d in zip(decode, drafts)]
+        out = self.runner.execute_verify(verify)
+        self.num_steps += 1
+        spec.num_verify_steps += 1
+        self._take_steps(_sub_plan(plan, decode), out, changed)
+        for chunk, d, valid in zip(chunks, drafts, out.num_valid):
+            spec.record(chunk.request.request_id, len(d), int(valid) - 1)
+            self.scheduler.release_lookahead(chunk.request.request_id)
+        return True
 
     def _step_rows(self, plan: StepPlan) -> list[StepRow]:
         """The runner's rows for a plan's chunks."""
@@ -258,7 +317,13 @@ class LLMEngine:
 
     def _decode_steps(self, plan: StepPlan, changed: dict[str, "_Group"]) -> None:
         """Run a multi-step decode plan, then take its tokens step by step as single steps would."""
-        out = self.runner.execute_decode_steps(self._step_rows(plan))
+        self.num_steps += self._take_steps(plan, self.runner.execute_decode_steps(self._step_rows(plan)), changed)
+
+    def _take_steps(self, plan: StepPlan, out: StepOutput, changed: dict[str, "_Group"]) -> int:
+        """Take several tokens per chunk (a multi-step decode's, or a verify step's accepted ones:
+        `out` has a leading axis of steps and `num_valid`) one step at a time, as single steps
+        would; returns the steps taken."""
+        taken = 0
         valid = out.num_valid
         live = list(enumerate(plan.chunks))
         for j in range(int(valid.max())):
@@ -270,8 +335,9 @@ class LLMEngine:
             rows = [i for i, _ in live]
             sub = dataclasses.replace(plan, chunks=[c for _, c in live], groups=[plan.groups[i] for i in rows],
                                       num_batched_tokens=len(live))
-            self.num_steps += 1
+            taken += 1
             self._take(sub, out.step(j).rows(rows), changed)
+        return taken
 
     def _accept(self, seq: _Sequence, out: StepOutput, i: int) -> None:
         req = seq.request
@@ -344,6 +410,7 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             **self._structured_stats(),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
     def _structured_stats(self) -> dict[str, Any]:
@@ -354,6 +421,29 @@ class LLMEngine:
             "grammar_compile_seconds": self.grammars.compile_seconds,
             **self.runner.masks.stats(),  # host time filling masks: in all, and per step of the last 64
         }
+
+
+def _sub_plan(plan: StepPlan, index: Sequence[int]) -> StepPlan:
+    """The plan's chunks at `index` only."""
+    chunks = [plan.chunks[i] for i in index]
+    return StepPlan(chunks=chunks, preempted=[], num_batched_tokens=sum(c.num_tokens for c in chunks),
+                    groups=[plan.groups[i] for i in index])
+
+
+def _speculator(config: EngineConfig, runner: Runner, draft_runner: Runner | None, scheduler) -> Speculator | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        if draft_runner is None:
+            raise ValueError("speculative_config method 'draft_model' needs the draft model's runner")
+        if (draft_runner.num_pages, draft_runner.page_size) != (runner.num_pages, runner.page_size):
+            raise ValueError(f"the draft runner's pages ({draft_runner.num_pages} x {draft_runner.page_size}) must "
+                             f"mirror the target's ({runner.num_pages} x {runner.page_size})")
+        proposer: Any = DraftModelProposer(spec, draft_runner)
+    else:
+        proposer = NgramProposer(spec)
+    return Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len, proposer)
 
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
@@ -372,14 +462,18 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> EngineConfig:
 
 
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
-                 config: EngineConfig, quantization: dict[str, Any] | None = None) -> LLMEngine:
+                 config: EngineConfig, quantization: dict[str, Any] | None = None,
+                 draft: tuple[Any, dict] | None = None) -> LLMEngine:
     """Size the page pool, build the runner (warming it up if asked) and the engine.
-    `quantization`: the weights' quantization record (with its quality report), for reports."""
+    `quantization`: the weights' quantization record (with its quality report), for reports.
+    `draft`: the draft model's (config, params) for speculative decoding with a draft model; its
+    runner gets as many pages as the target's, of the same size (the KV budget covers both)."""
     from jserve.core import buckets
     from jserve.runtime import backends
     from jserve.runtime.kv_cache import device_memory_bytes, kv_page_dtype, plan_memory
 
     config = resolve_max_model_len(config, model_config)
+    spec = config.speculative_config
     mesh, dp, plan_config = None, 1, model_config
     if config.mesh is not None:
         from jserve.runtime.sharding import device_share, make_mesh, mesh_sizes, params_per_device, place_params
@@ -405,6 +499,9 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                            memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
                            max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
         num_pages = plan.num_pages * dp
+        if draft is not None:  # the same number of pages again, in the draft model's KV layout
+            target_page, draft_page = (c.kv_bytes_per_token(kv_dtype.itemsize) for c in (plan_config, draft[0]))
+            num_pages = max(2, num_pages * target_page // (target_page + draft_page))
     if mesh is not None:
         # Pad/replicate heads for tp and put every weight in its sharding (jserve.runtime.sharding).
         model_config, params = place_params(model_config, params, mesh, layout=backend.param_layout)
@@ -414,7 +511,22 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     runner = Runner(model_config, params, num_pages=num_pages, page_size=page_size,
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
-                    mesh=mesh, decode_steps=config.num_scheduler_steps)
+                    mesh=mesh, decode_steps=config.num_scheduler_steps,
+                    num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+    draft_runner = None
+    if spec is not None and spec.method == "draft_model":
+        if draft is None:
+            raise ValueError("speculative_config method 'draft_model': the draft model was not loaded")
+        draft_config, draft_params = draft
+        if draft_config.vocab_size != model_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the "
+                             f"target's ({model_config.vocab_size}): a draft needs the same tokenizer")
+        draft_runner = Runner(draft_config, draft_params, num_pages=num_pages, page_size=page_size,
+                              max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
+                              batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens,
+                              decode_steps=spec.num_speculative_tokens + 1)
+        if config.warmup:
+            draft_runner.warmup()
     if runner.multiprocess:
         import jax
 
@@ -423,4 +535,4 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
     if config.warmup:
         runner.warmup()
-    return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
+    return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)

@@ -1,4 +1,5 @@
-"""The functions the paged runner jits (`jserve.runtime.runner`): one step, and several decode steps.
+"""The functions the paged runner jits (`jserve.runtime.runner`): one step, several decode steps, and
+a speculative step's verification.
 
 Pure device code: they take the params, the KV pages (donated) and the step's arrays, and return
 the sampler's outputs and the new pages. The runner binds the model's graph and its backend's
@@ -6,6 +7,8 @@ the sampler's outputs and the new pages. The runner binds the model's graph and 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -86,3 +89,36 @@ def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
     state = (jnp.int32(0), kv, tokens, num_steps <= 0, ids, buffers, jnp.zeros((B,), jnp.int32))
     _, kv, _, _, _, buffers, valid = jax.lax.while_loop(cond, body, state)
     return {**buffers, "num_valid": valid}, kv
+
+
+def verify(graphdef, ops, params, kv, tokens, positions, meta, drafts, sampling, history, bitmask):
+    """A speculative step (see `jserve.core.speculative`): each row's last known token and its
+    drafts, tokens [batch, k + 1] (a row of q_lens 1 + m holds m drafts; `drafts` int32 [batch, k],
+    -1 past them), computed in one call; the sampler runs at every position j as plain decoding
+    would sample there (seed step `sampling.step + j`, penalty history grown by the drafts before
+    j, `bitmask` [batch * (k + 1), words]: row b's grammar after its first j drafts).
+
+    Returns the sampler's outputs with a leading axis of positions ([k + 1, batch, ...]), with
+    `num_valid` [batch]: 1 + the drafts accepted (each equal to the sample at its position), 0
+    for a padding row; and the new pages.
+    """
+    model = nnx.merge(graphdef, params)
+    logits, kv = model(tokens, positions, kv, meta, ops)  # [batch, k + 1, vocab]
+    B, T, V = logits.shape
+    j = jnp.arange(T, dtype=jnp.int32)
+    flat = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), sampling)
+    flat = dataclasses.replace(flat, step=flat.step + jnp.tile(j, B))
+    ids, num_prompt = history
+    filled = jnp.sum(ids != V, axis=1)  # where each row's next token goes in its history
+    L = ids.shape[1]
+    offset = jnp.arange(L)[None, None, :] - filled[:, None, None]  # [batch, 1, L]
+    grown = (offset >= 0) & (offset < j[None, :, None])  # [batch, k + 1, L]: drafts before position j
+    draft_at = jnp.take_along_axis(drafts, jnp.clip(offset, 0, T - 2)[:, 0], axis=1)[:, None, :]
+    ids = jnp.where(grown, jnp.where(draft_at >= 0, draft_at, V), ids[:, None, :]).reshape(B * T, L)
+    out = sample(logits.reshape(B * T, V), flat, penalties=(ids, jnp.repeat(num_prompt, T)), bitmask=bitmask,
+                 num_logprobs=MAX_LOGPROBS)
+    out = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B, T, *x.shape[1:]), 0, 1), out)
+    num_drafts = meta.q_lens - 1  # -1 for a padding row
+    match = (drafts == out["tokens"][:T - 1].T) & (j[None, :T - 1] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    return {**out, "num_valid": jnp.where(num_drafts >= 0, accepted + 1, 0).astype(jnp.int32)}, kv

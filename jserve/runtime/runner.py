@@ -18,6 +18,7 @@ broadcasts each step's inputs to the others (`follow`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import math
@@ -52,7 +53,7 @@ class Runner:
                  batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
-                 huge_pages: bool = True, decode_steps: int = 1):
+                 huge_pages: bool = True, decode_steps: int = 1, num_speculative_tokens: int = 0):
         """`backend`: a `jserve.runtime.backends.Backend`, or its name for `backends.create` (with
         `native_matmuls` and `huge_pages`, see there); it decides the page size (when None), the
         params' and pages' layout and every operation. `params`: checkpoint weights (stacked) or a
@@ -60,7 +61,8 @@ class Runner:
         laid out and placed for it (`jserve.runtime.sharding.place_params`); buckets,
         `max_num_batched_tokens` and page ids are then per data-parallel group, and `num_pages`
         counts all groups' pages. `decode_steps` > 1 compiles `execute_decode_steps` for every
-        decode batch bucket too (one device mesh group, one process only)."""
+        decode batch bucket too (one device mesh group, one process only); so does
+        `num_speculative_tokens` k > 0 with `execute_verify`, at k + 1 tokens per row."""
         self.config = config
         self.mesh = mesh
         self.backend = backends.create(backend, mesh=mesh, native_matmuls=native_matmuls, huge_pages=huge_pages)
@@ -122,6 +124,14 @@ class Runner:
                              f"group in one process; this runner has dp={self.dp} over "
                              f"{jax.process_count()} processes")
         self.decode_steps = decode_steps
+        if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) or (
+                num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {num_speculative_tokens!r}")
+        if num_speculative_tokens and (self.dp > 1 or jax.process_count() > 1):
+            raise ValueError(f"speculative decoding runs on one data-parallel group in one process; this "
+                             f"runner has dp={self.dp} over {jax.process_count()} processes")
+        self.num_speculative_tokens = num_speculative_tokens
+        self._verify_fns: dict[tuple, Any] = {}  # compiler options -> the jitted verify step
         self._decode_steps = jax.jit(functools.partial(
             device_steps.decode_steps, self.graphdef, self.ops, self.page_size, config.vocab_size, decode_steps),
             donate_argnames=("kv",))
@@ -263,6 +273,50 @@ class Runner:
         return StepOutput.from_arrays({**{key: value[:, :len(rows)] for key, value in out.items()},
                                        "num_valid": valid})
 
+    def execute_verify(self, rows: Sequence[StepRow]) -> StepOutput:
+        """A speculative step: each decode row's token and its `draft_ids` (at most
+        `num_speculative_tokens`) computed in one call, sampled at every position, and the drafts
+        its samples confirm accepted (`device_steps.verify`).
+
+        Each row has one token and pages for `start + len(draft_ids)`. Returns a `StepOutput`
+        with a leading axis of k + 1 positions and `num_valid`: 1 + the row's accepted drafts (its
+        samples at positions 0 .. num_valid - 1 are its new tokens, as a multi-step decode's)."""
+        K = self.num_speculative_tokens
+        if not K:
+            raise ValueError("this runner has no verify step (num_speculative_tokens=0)")
+        if not rows:
+            raise ValueError("no rows")
+        if len(rows) > self.batch_buckets[-1]:
+            raise ValueError(f"{len(rows)} rows exceed the largest decode bucket {self.batch_buckets[-1]}")
+        for r in rows:
+            if r.num_tokens != 1 or len(r.draft_ids) > K or r.next_ids is not None:
+                raise ValueError(f"a verify row takes one token and at most {K} drafts (no prompt logprobs), got "
+                                 f"{r.num_tokens} tokens and {len(r.draft_ids)} drafts")
+            if r.start + 1 + len(r.draft_ids) > len(r.page_ids) * self.page_size:
+                raise ValueError(f"a row at position {r.start} with {len(r.draft_ids)} drafts needs "
+                                 f"{-(-(r.start + 1 + len(r.draft_ids)) // self.page_size)} pages, got {len(r.page_ids)}")
+        B, T = buckets.pick(self.batch_buckets, len(rows)), K + 1
+        placed = [dataclasses.replace(r, token_ids=[*r.token_ids, *r.draft_ids]) for r in rows]
+        placed += [None] * (B - len(rows))
+        (tokens, positions, meta, _), drafts = self._pack(placed, B, T), np.full((B, K), -1, np.int32)
+        for i, r in enumerate(rows):
+            drafts[i, :len(r.draft_ids)] = r.draft_ids
+        sampling, history = self._sampling(placed, B)
+        constraints = [(r.constraint, i * T, list(r.draft_ids)) for i, r in enumerate(rows) if r.constraint is not None]
+        verify = self._verify_fn(B, T)
+        cached = _cache_size(verify)
+        t0 = time.perf_counter()
+        out, self.kv = verify(self.params, self.kv, tokens, positions, meta, drafts, sampling, history,
+                                    self.masks.device_drafts(B * T, constraints))
+        out = jax.device_get(out)
+        seconds = time.perf_counter() - t0
+        self._count(("verify", B, T), None if cached is None else _cache_size(verify) > cached)
+        real = sum(1 + len(r.draft_ids) for r in rows)
+        self._record(StepRecord("verify", (B, T), real, B * T, seconds, *self._cost(placed[:len(rows)])))
+        valid = out.pop("num_valid")[:len(rows)]
+        return StepOutput.from_arrays({**{key: value[:, :len(rows)] for key, value in out.items()},
+                                       "num_valid": valid})
+
     def _sampling(self, rows: Sequence[StepRow | None], B: int):
         """The rows' `SamplingArrays` and penalty history, padded to B rows."""
         sampling = SamplingArrays.build([None if r is None else (r.sampling, r.sample_index) for r in rows], B)
@@ -373,8 +427,19 @@ class Runner:
             self._steps[key] = jax.jit(self._step, **kwargs)
         return self._steps[key]
 
+    def _verify_fn(self, batch: int, tokens: int):
+        """The jitted verify step (`device_steps.verify`) with the backend's compiler options."""
+        options = self.backend.compiler_options(batch, tokens) or {}
+        key = tuple(sorted(options.items()))
+        if key not in self._verify_fns:
+            kwargs = {"compiler_options": options} if options else {}
+            self._verify_fns[key] = jax.jit(functools.partial(device_steps.verify, self.graphdef, self.ops),
+                                            donate_argnames=("kv",), **kwargs)
+        return self._verify_fns[key]
+
     def _compiled_count(self) -> int | None:
-        sizes = [_cache_size(f) for f in (*self._steps.values(), self._sample, self._decode_steps)]
+        sizes = [_cache_size(f) for f in (*self._steps.values(), self._sample, self._decode_steps,
+                                                *self._verify_fns.values())]
         return None if None in sizes else sum(sizes)
 
     def follow(self) -> int:
@@ -452,6 +517,11 @@ class Runner:
             for B in tqdm(self.batch_buckets, desc="warm-up (multi-step decode)", unit="shape",
                           disable=not progress):
                 self.execute_decode_steps([StepRow(0, [0], [0] * self.max_pages, num_steps=self.decode_steps)] * B)
+        if self.num_speculative_tokens:
+            drafts = [0] * self.num_speculative_tokens
+            for B in tqdm(self.batch_buckets, desc="warm-up (speculative verify)", unit="shape",
+                          disable=not progress):
+                self.execute_verify([StepRow(0, [0], [0] * self.max_pages, draft_ids=drafts)] * B)
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
         self.warmed_up = True

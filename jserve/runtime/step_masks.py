@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jserve.structured.grammar import bitmask_width, fill_bitmasks
+from jserve.structured.grammar import bitmask_width, fill_bitmasks, fill_bitmasks_with_drafts
 
 
 class StepMasks:
@@ -37,16 +37,29 @@ class StepMasks:
             return self._free[B]
         return self._put(self.host(B, constraints))
 
+    def device_drafts(self, B: int, constraints: Sequence[tuple[Any, int, Sequence[int]]]) -> Any:
+        """A verify step's mask: `(matcher, first row, drafts)` per constrained sequence fills
+        rows `first .. first + len(drafts)`, its grammar after each prefix of its drafts."""
+        if not constraints:
+            return self.device(B, ())
+        mask = self.ones(B)
+        t0 = time.perf_counter()
+        fill_bitmasks_with_drafts(constraints, mask)
+        self._took(time.perf_counter() - t0)
+        return self._put(mask)
+
     def host(self, B: int, constraints: Sequence[tuple[Any, int]]) -> np.ndarray:
         """The mask filled on the host: `(matcher, batch row)` per constrained row."""
         mask = self.ones(B)
         t0 = time.perf_counter()
         fill_bitmasks(constraints, mask)
-        seconds = time.perf_counter() - t0
+        self._took(time.perf_counter() - t0)
+        return mask
+
+    def _took(self, seconds: float) -> None:
         self.seconds += seconds
         self.num_filled += 1
         self._recent.append(seconds)
-        return mask
 
     def ones(self, B: int) -> np.ndarray:
         return np.full((B, self.width), -1, np.int32)

@@ -34,6 +34,8 @@ class StepRow:
       constraint: the sequence's `jserve.structured.grammar.GrammarMatcher` where its sample
         must follow a grammar (structured outputs): the runner fills the row's token bitmask
         from it while the device runs the forward. Single steps only.
+      draft_ids: a speculative step's drafts for the tokens after `token_ids` (one token):
+        `Runner.execute_verify` computes them with it and keeps those its samples confirm.
     """
 
     start: int
@@ -48,6 +50,7 @@ class StepRow:
     min_new: int = 0
     next_ids: Sequence[int] | None = None
     constraint: Any = None
+    draft_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +107,7 @@ class StepOutput:
 class StepRecord:
     """What one compiled call did, for metrics (padding waste, time)."""
 
-    kind: str  # "decode" | "prefill"
+    kind: str  # "decode" | "prefill" | "verify"
     bucket: tuple[int, ...]
     real_tokens: int
     padded_tokens: int

@@ -104,6 +104,10 @@ class GrammarMatcher:
         """Advance by a sampled token; False if the grammar refuses it (the matcher is then in error)."""
         return bool(self._matcher.consume_token(int(token)))
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar would accept from here (nothing is consumed)."""
+        return int(self._matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
     @property
     def is_stopped(self) -> bool:
         """The grammar is complete and allows nothing more (the sequence ends)."""
@@ -316,6 +320,22 @@ def fill_bitmasks(rows: Sequence[tuple[GrammarMatcher, int]], out: np.ndarray) -
         llg_np.fill_next_token_bitmask(matcher._matcher, out, row)
         return
     llg_np.fill_next_token_bitmask_par(_EXECUTOR, [(m._matcher, row) for m, row in rows], out)
+
+
+def fill_bitmasks_with_drafts(rows: Sequence[tuple[GrammarMatcher, int, Sequence[int]]], out: np.ndarray) -> None:
+    """Speculative decoding: for each `(matcher, row, drafts)`, the matcher's allowed tokens into
+    `out[row]`, then after each prefix of `drafts` into `out[row + 1 ..]` (the matchers end where
+    they began). The drafts must be ones the grammar accepts (`GrammarMatcher.valid_prefix`)."""
+    global _EXECUTOR
+    import llguidance
+    import llguidance.numpy as llg_np
+
+    if not rows:
+        return
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    llg_np.fill_next_token_bitmask_par_with_draft_tokens(
+        _EXECUTOR, [(m._matcher, row, [int(t) for t in drafts]) for m, row, drafts in rows], out)
 
 
 def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:

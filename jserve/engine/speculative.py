@@ -1,0 +1,207 @@
+"""Speculative decoding in the engine: who proposes drafts, for which sequences, and what it earned.
+
+`Speculator` decides each step (`jserve.core.speculative` says how a verify step keeps the
+output exact):
+
+- Turn-down: no speculation in a step with more decoding sequences than
+  `disable_by_batch_size` (past it the verify step, k + 1 tokens per row, is no longer
+  bandwidth-bound and costs more than the accepted tokens save; the default is measured, see
+  `DEFAULT_DISABLE_BY_BATCH_SIZE`), nor for a sequence whose acceptance rate over its last
+  `acceptance_window` proposed tokens fell below `min_acceptance` (it rests `backoff_steps` steps,
+  then tries again).
+- Drafts per sequence: at most k, and fewer near `max_tokens` or the context length (the step
+  keeps at most drafts + 1 tokens, all of which must be allowed), and only drafts its grammar
+  accepts (structured outputs).
+- Proposers: `NgramProposer` (prompt lookup over the sequence's own tokens, numpy on the host)
+  and `DraftModelProposer` (a smaller model on its own runner: its KV pages mirror the target's
+  page ids, so it computes every chunk the target computes and proposes greedily in one
+  multi-step call).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from jserve.core.plan import Request, ScheduledChunk
+from jserve.core.request import GREEDY
+from jserve.core.speculative import SpeculativeConfig
+from jserve.core.stop import tokens_left
+from jserve.runtime.steps import StepRow
+
+# Decoding sequences above which a step does not speculate, when the config gives no
+# `disable_by_batch_size`: on this project's 2-core CPU the verify step of the default model (k = 4)
+# costs 1.0x a decode step at batch 1, 1.3x at 4 and 2.0x at 8 (docs/performance.md).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+def ngram_lookup(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup: the (up to) k tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens, for the largest n in [min_n, max_n] that occurs; [] if none.
+    Vectorised: the candidates are the earlier positions of the last token, narrowed one
+    token back at a time."""
+    total = len(tokens)
+    if k <= 0 or total < min_n + 1:
+        return []
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # e: tokens[e] == the last token, e < total - 1
+    best = ends if min_n <= 1 else None
+    for d in range(1, min(max_n, total - 1)):
+        ends = ends[ends >= d]
+        ends = ends[tokens[ends - d] == tokens[total - 1 - d]]
+        if not len(ends):
+            break
+        if d + 1 >= min_n:
+            best = ends  # every candidate left matches the last d + 1 tokens
+    if best is None or not len(best):
+        return []
+    e = int(best[-1])  # the latest occurrence of the longest suffix found
+    return [int(t) for t in tokens[e + 1:e + 1 + k]]
+
+
+class NgramProposer:
+    """Drafts from the sequence's own prompt and output (vLLM's "ngram" method)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, length)
+
+    def propose(self, requests: Sequence[Request], wanted: Sequence[int]) -> list[list[int]]:
+        c = self.config
+        return [ngram_lookup(self._view(r), min_n=c.prompt_lookup_min, max_n=c.prompt_lookup_max, k=k) if k else []
+                for r, k in zip(requests, wanted)]
+
+    def _view(self, request: Request) -> np.ndarray:
+        """The request's tokens as a numpy array, grown in place as it decodes (no copy per step)."""
+        buf, n = self._tokens.get(request.request_id, (None, 0))
+        total = request.num_tokens
+        if buf is None or n > total or len(buf) < total:
+            buf = np.empty(max(2 * total, 256), np.int32)
+            n = 0
+        if n < total:
+            buf[n:total] = request.token_slice(n, total)
+        self._tokens[request.request_id] = (buf, total)
+        return buf[:total]
+
+    def forget(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+    def sync(self, rows: Sequence[StepRow]) -> None:
+        """Nothing to keep in step: the lookup reads the tokens themselves."""
+
+
+class DraftModelProposer:
+    """Drafts from a smaller model with the target's vocabulary, on a runner of its own whose
+    KV pages have the target's page ids and size: it computes every chunk the target does
+    (`sync`), so prefix-cache hits and recomputes after preemption hold its K/V too, and proposes
+    m drafts with one multi-step call of m + 1 greedy steps (the last step writes the K/V of
+    draft m, which the target may accept)."""
+
+    def __init__(self, config: SpeculativeConfig, runner: Any):
+        if runner.decode_steps < config.num_speculative_tokens + 1:
+            raise ValueError(f"the draft runner runs {runner.decode_steps} decode steps per call; "
+                             f"k + 1 = {config.num_speculative_tokens + 1} are needed")
+        self.config = config
+        self.runner = runner
+
+    def propose_rows(self, rows: Sequence[StepRow], wanted: Sequence[int]) -> list[list[int]]:
+        """Drafts for decode rows (their token computed by the draft model too, and `wanted[i]`
+        more after it, in one call)."""
+        draft_rows = [_greedy(r, num_steps=k + 1) for r, k in zip(rows, wanted)]
+        out = self.runner.execute_decode_steps(draft_rows)
+        return [[int(t) for t in out.tokens[:k, i]] for i, k in enumerate(wanted)]
+
+    def sync(self, rows: Sequence[StepRow]) -> None:
+        """Compute the target's chunks in the draft model's pages (nothing it samples is used)."""
+        if rows:
+            self.runner.execute([_greedy(r) for r in rows])
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def _greedy(row: StepRow, num_steps: int = 1) -> StepRow:
+    """The row as the draft model runs it: greedy, no penalties, grammar or prompt logprobs."""
+    return dataclasses.replace(row, sampling=GREEDY, history=None, constraint=None, next_ids=None, stop_ids=(),
+                               min_new=0, num_steps=num_steps, draft_ids=())
+
+
+@dataclasses.dataclass
+class _Acceptance:
+    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
+    resting: int = 0  # steps left without proposals
+
+
+class Speculator:
+    """Per step: which decode chunks get how many drafts; per request: its acceptance; in all:
+    the counters behind `/metrics` and `llm.stats()`."""
+
+    def __init__(self, config: SpeculativeConfig, max_len: int, proposer: Any):
+        self.config = config
+        self.max_len = max_len
+        self.proposer = proposer
+        self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        self._acceptance: dict[str, _Acceptance] = {}
+        self.num_proposed = 0  # draft tokens verified
+        self.num_accepted = 0  # of those, accepted
+        self.num_verify_rows = 0  # rows verified (one per sequence and verify step)
+        self.num_verify_steps = 0
+        self.num_turned_down = 0  # steps that could have speculated but ran plain (batch size)
+
+    def wanted(self, chunks: Sequence[ScheduledChunk], matchers: Sequence[Any], budget: int) -> list[int] | None:
+        """Drafts to ask for per decode chunk, or None: this step runs without speculation."""
+        if len(chunks) > self.disable_by_batch_size:
+            self.num_turned_down += 1
+            return None
+        k = self.config.num_speculative_tokens
+        out = []
+        for chunk in chunks:
+            req = chunk.request
+            state = self._acceptance.setdefault(req.request_id, _Acceptance())
+            if state.resting:
+                state.resting -= 1
+                out.append(0)
+                continue
+            # The step keeps up to drafts + 1 tokens: all must fit max_tokens and the context.
+            left = tokens_left(req.params, len(req.output_token_ids), req.num_tokens, self.max_len)
+            n = max(0, min(k, left - 1, budget))
+            budget -= n
+            out.append(n)
+        return out if any(out) else None
+
+    def valid_drafts(self, drafts: list[int], matcher: Any) -> list[int]:
+        """The leading drafts a sequence's grammar accepts (all without one)."""
+        return drafts if matcher is None or not drafts else drafts[:matcher.valid_prefix(drafts)]
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A verified row: `proposed` drafts, `accepted` of them confirmed."""
+        self.num_verify_rows += 1
+        self.num_proposed += proposed
+        self.num_accepted += accepted
+        c = self.config
+        state = self._acceptance.get(request_id)
+        if state is None or not proposed:
+            return
+        state.recent.extend([1] * accepted + [0] * (proposed - accepted))
+        window = list(state.recent)[-c.acceptance_window:]
+        if c.min_acceptance and len(window) >= c.acceptance_window and sum(window) < c.min_acceptance * len(window):
+            state.resting = c.backoff_steps
+            state.recent.clear()
+
+    def forget(self, request_id: str) -> None:
+        self._acceptance.pop(request_id, None)
+        self.proposer.forget(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "spec_proposed_tokens": self.num_proposed,
+            "spec_accepted_tokens": self.num_accepted,
+            "spec_verify_rows": self.num_verify_rows,
+            "spec_verify_steps": self.num_verify_steps,
+            "spec_turned_down_steps": self.num_turned_down,
+            "spec_acceptance_rate": self.num_accepted / self.num_proposed if self.num_proposed else 0.0,
+            # Tokens each verified row gained per step: 1 + its accepted drafts.
+            "spec_mean_accepted_length": 1 + self.num_accepted / self.num_verify_rows if self.num_verify_rows else 0.0,
+        }
