@@ -85,7 +85,9 @@ class LLM:
         engine_config = resolve_max_model_len(engine_config, self.config)
         self.max_model_len = engine_config.max_model_len
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
-        self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config, self.quantization)
+        draft = _load_draft(engine_config, self.tokenizer, dtype)
+        self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config, self.quantization,
+                                   draft=draft)
         self.runner = self.engine.runner
         self._next_id = 0
 
@@ -153,6 +155,27 @@ class LLM:
                 return item["prompt"], self.tokenizer.encode(item["prompt"])
             raise ValueError(f"a prompt dict needs 'prompt' (str) or 'prompt_token_ids', got keys {list(item)}")
         return None, _check_ids(item)
+
+
+def _load_draft(settings, tokenizer, dtype: str | None):
+    """The draft model's (config, params) for speculative decoding with method "draft_model", or
+    None. Any checkpoint `resolve_model` takes (a quantized one too: a draft's quality changes
+    the acceptance rate, never the output, so no quality gate applies); its tokenizer must be the
+    target's. ValueError naming the draft otherwise."""
+    from jserve.model.checkpoint import load_checkpoint, resolve_model
+    from jserve.text.tokenizer import Tokenizer
+
+    spec = settings.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    path = resolve_model(spec.model, dtype=dtype or "float32")
+    draft_tokenizer = Tokenizer.load(path)
+    probe = "Speculative decoding: 12 drafts, 3 accepted; café, naïve, 東京 {\"key\": [1, 2]}"
+    if draft_tokenizer.encode(probe) != tokenizer.encode(probe) or draft_tokenizer.vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"speculative_config.model {spec.model!r}: its tokenizer differs from the target model's "
+                         f"(a draft must share the vocabulary)")
+    config, params, _ = load_checkpoint(path, dtype=dtype)
+    return config, params
 
 
 def _quantization(path: Path, config, params: dict, generation: Mapping[str, Any], settings) -> tuple[dict, Any]:

@@ -1,8 +1,10 @@
 """Workloads of the serving benchmark: the four length patterns, their mix, a shared-system-prompt
-chat workload (prefix caching) and a JSONL replay, all deterministic in a seed.
+chat workload (prefix caching), an input-copying workload (speculative decoding) and a JSONL
+replay, all deterministic in a seed.
 
-Prompts are random words from a fixed vocabulary, so input lengths are approximate (one word is
-roughly one token); the server's ``usage.prompt_tokens`` gives the exact count.
+Prompts are random words from a fixed vocabulary (``copy``: English sentences), so input lengths
+are approximate (one word is roughly one token); the server's ``usage.prompt_tokens`` gives the
+exact count.
 """
 
 from __future__ import annotations
@@ -34,7 +36,52 @@ WORKLOADS = {
     "long-short": (LONG_IN, SHORT_OUT),
     "long-long": (LONG_IN, LONG_OUT),
 }
-NAMED_WORKLOADS = (*WORKLOADS, "mix", "shared-prefix")
+NAMED_WORKLOADS = (*WORKLOADS, "mix", "shared-prefix", "copy")
+
+# The copy workload: a passage of these sentences (a seeded selection) that the request asks to be
+# repeated ("copy") or returned with its typos fixed ("edit"), so the output repeats the prompt.
+_SENTENCES = (
+    "The library opens at nine in the morning and closes at six in the evening on weekdays.",
+    "Every spring the river floods the low fields, and the farmers move their sheep to the hills.",
+    "She packed a small bag with two shirts, a book of poems and a bottle of water.",
+    "The old bridge was built of stone more than three hundred years ago.",
+    "When the train stopped at the station, a young man with a red scarf stepped onto the platform.",
+    "Our team meets every Monday to review the open issues and plan the work for the week.",
+    "The recipe calls for two cups of flour, one egg, a pinch of salt and a glass of warm milk.",
+    "After the storm, the streets were covered with leaves and broken branches.",
+    "The museum has a large collection of maps, coins and letters from the early settlers.",
+    "He wrote a short note to his neighbour and left it under the door.",
+    "Please make sure that all windows are closed before you leave the building.",
+    "The garden behind the house is full of roses, tomatoes and tall sunflowers.",
+    "In the evening the children played football in the park until it was too dark to see the ball.",
+    "The company will release a new version of the software at the end of the month.",
+    "A cold wind blew from the north, and the sky turned grey over the mountains.",
+    "The teacher asked the students to read the first chapter and write a summary of it.",
+    "Fresh bread, cheese and fruit are sold at the market in the main square every Saturday.",
+    "The doctor told him to drink more water and to walk for half an hour every day.",
+    "Our flight was delayed by two hours because of the heavy fog at the airport.",
+    "The small boat sailed slowly along the coast, past the lighthouse and the white cliffs.",
+    "If you have any questions about your order, please contact our support team by email.",
+    "The city council decided to plant a thousand new trees along the main roads.",
+    "My grandmother kept all her old photographs in a wooden box under the bed.",
+    "The concert was so popular that the tickets were sold out within an hour.",
+    "Before the meeting, please read the report and bring your notes with you.",
+    "The new road through the valley will shorten the journey to the coast by an hour.",
+    "Most of the birds leave the island in autumn and return in the first weeks of spring.",
+    "The kitchen was warm and smelled of coffee, fresh bread and apples.",
+    "Our neighbours are painting their house blue and planting a hedge along the fence.",
+    "The hotel offers free breakfast, a small pool and bicycles for its guests.",
+    "Three students from our school won prizes in the national science competition.",
+    "The lights in the old theatre went out, and the audience waited in silence.",
+)
+COPY_OUT = 192  # output tokens before --scale; the passage is slightly longer
+_TOKENS_PER_WORD = 1.1  # SmolLM2's tokenizer on _SENTENCES
+_COPY_CHAT = {"copy": "Repeat the following text exactly:\n\n{text}",
+              "edit": "Fix the typos in the following text and return the full corrected text:\n\n{text}"}
+# Completions: a document whose second copy has begun (its first words), which the model continues.
+_COPY_DOC = {"copy": "Original:\n{text}\n\nExact copy:\n{head}",
+             "edit": "Draft (with typos):\n{text}\n\nFinal version (typos fixed):\n{head}"}
+_HEAD_WORDS = 4
 
 
 @dataclass
@@ -66,6 +113,39 @@ def _spec(endpoint: str, prompt: str, max_tokens: int, input_len: int, kind: str
     return RequestSpec(full, None, max_tokens, input_len, kind)
 
 
+def _passage(rng: random.Random, n_tokens: int) -> str:
+    """Sentences in a seeded order (a new order after each pass) until about ``n_tokens`` tokens."""
+    out: list[str] = []
+    pool: list[str] = []
+    words = 0
+    while words * _TOKENS_PER_WORD < n_tokens:
+        if not pool:
+            pool = rng.sample(_SENTENCES, len(_SENTENCES))
+        out.append(pool.pop())
+        words += len(out[-1].split())
+    return " ".join(out)
+
+
+def _with_typos(rng: random.Random, text: str, n: int) -> str:
+    """``text`` with two inner letters swapped in ``n`` words of six letters or more (not the first ones)."""
+    words = text.split(" ")
+    long = [i for i, w in enumerate(words) if i >= _HEAD_WORDS and w.isalpha() and len(w) >= 6]
+    for i in rng.sample(long, min(n, len(long))):
+        w, j = words[i], rng.randrange(1, len(words[i]) - 2)
+        words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+def _copy_spec(rng: random.Random, endpoint: str, kind: str, out_len: int) -> RequestSpec:
+    passage = _passage(rng, out_len + 16)
+    text = _with_typos(rng, passage, max(1, out_len // 64)) if kind == "edit" else passage
+    if endpoint == "chat":
+        return _spec(endpoint, _COPY_CHAT[kind].format(text=text), out_len, len(text.split()) + 12, kind)
+    head = " ".join(passage.split(" ")[:_HEAD_WORDS])
+    prompt = _COPY_DOC[kind].format(text=text, head=head)
+    return _spec(endpoint, prompt, out_len, len(prompt.split()), kind)
+
+
 def build_workload(workload: str, num_requests: int | None, endpoint: str, scale: float,
                    seed: int) -> list[RequestSpec]:
     """The requests of a named workload or a JSONL file, deterministic in ``seed``."""
@@ -86,6 +166,10 @@ def build_workload(workload: str, num_requests: int | None, endpoint: str, scale
         system = "You are a helpful assistant. " + _words(rng, sys_len)
         return [_spec(endpoint, _words(rng, q_len), out_len, sys_len + q_len, "shared-prefix", system=system)
                 for _ in range(n)]
+    if workload == "copy":
+        order = [("copy", "edit")[i % 2] for i in range(num_requests or 64)]
+        rng.shuffle(order)
+        return [_copy_spec(rng, endpoint, kind, _scaled(COPY_OUT, scale)) for kind in order]
     path = Path(workload)
     if not path.is_file():
         raise ValueError(f"--workload: {workload!r} is neither one of {', '.join(NAMED_WORKLOADS)} nor a file")

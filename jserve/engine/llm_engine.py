@@ -399,7 +399,7 @@ class LLMEngine:
             "compilations": self.runner.num_compilations,
             # The prompt-logprob step compiles on first use (not warmed up): counted here.
             "compilations_after_warmup": self.runner.num_compilations_after_warmup + (
-                self.runner.num_score_compilations),
+                self.runner.num_score_compilations) + sum(r.num_compilations_after_warmup for r in self._draft_runners()),
             "pages_in_use": sum(p.num_used_pages for p in pools),
             "pages_cached": sum(p.num_cached_pages for p in pools),
             "pages_free": sum(p.num_free_pages for p in pools),
@@ -412,6 +412,10 @@ class LLMEngine:
             **self._structured_stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
         }
+
+    def _draft_runners(self) -> list[Runner]:
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        return [proposer.runner] if isinstance(proposer, DraftModelProposer) else []
 
     def _structured_stats(self) -> dict[str, Any]:
         return {
