@@ -140,9 +140,9 @@ def _copy_spec(rng: random.Random, endpoint: str, kind: str, out_len: int) -> Re
     passage = _passage(rng, out_len + 16)
     text = _with_typos(rng, passage, max(1, out_len // 64)) if kind == "edit" else passage
     if endpoint == "chat":
-        return _spec(endpoint, _COPY_CHAT[kind].format(text=text), out_len, len(text.split()) + 12, kind)
-    head = " ".join(passage.split(" ")[:_HEAD_WORDS])
-    prompt = _COPY_DOC[kind].format(text=text, head=head)
+        prompt = _COPY_CHAT[kind].format(text=text)
+    else:
+        prompt = _COPY_DOC[kind].format(text=text, head=" ".join(passage.split(" ")[:_HEAD_WORDS]))
     return _spec(endpoint, prompt, out_len, len(prompt.split()), kind)
 
 

@@ -330,12 +330,13 @@ def fill_bitmasks_with_drafts(rows: Sequence[tuple[GrammarMatcher, int, Sequence
     import llguidance
     import llguidance.numpy as llg_np
 
-    if not rows:
+    fill_bitmasks([(m, row) for m, row, drafts in rows if not drafts], out)  # the library wants drafts
+    drafted = [(m._matcher, row, [int(t) for t in drafts]) for m, row, drafts in rows if drafts]
+    if not drafted:
         return
     if _EXECUTOR is None:
         _EXECUTOR = llguidance.LLExecutor()
-    llg_np.fill_next_token_bitmask_par_with_draft_tokens(
-        _EXECUTOR, [(m._matcher, row, [int(t) for t in drafts]) for m, row, drafts in rows], out)
+    llg_np.fill_next_token_bitmask_par_with_draft_tokens(_EXECUTOR, drafted, out)
 
 
 def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
