@@ -72,6 +72,16 @@ class ServerMetrics:
             ("mask_steps", "jserve_structured_mask_steps", "steps that filled a grammar bitmask"),
             ("mask_seconds_per_step", "jserve_structured_mask_seconds_per_step",
              "host time filling the grammar bitmask per step, mean of the last 64 such steps"))}
+        # Speculative decoding (0 without it): LLMEngine.stats() key -> its gauge.
+        self.speculative = {key: gauge("jserve_" + key, doc) for key, doc in (
+            ("spec_proposed_tokens", "draft tokens verified since start"),
+            ("spec_accepted_tokens", "draft tokens accepted (equal to the target's sample) since start"),
+            ("spec_verify_rows", "rows verified since start (one per sequence per verify step)"),
+            ("spec_verify_steps", "verify steps since start"),
+            ("spec_turned_down_steps", "steps run without speculation because of the batch size"),
+            ("spec_acceptance_rate", "accepted / proposed draft tokens since start"),
+            ("spec_mean_accepted_length", "tokens a verified row gained per verify step (1 + accepted drafts), "
+                                          "mean since start"))}
         self.quantization = Gauge("jserve_quantization_info", "1, labelled with the weights' quantization "
                                   "(none for float weights)", ["quantization"], registry=r)
         self.bits_per_weight = gauge("jserve_weight_bits_per_weight", "stored bits per weight (codes, scales, "
@@ -121,7 +131,7 @@ class ServerMetrics:
         self.compilations.set(stats.get("compilations_after_warmup", 0))
         self.padding.set(stats.get("padded_token_fraction", 0.0))
         self.steps.set(stats.get("num_steps", 0))
-        for key, gauge_ in self.structured.items():
+        for key, gauge_ in (*self.structured.items(), *self.speculative.items()):
             gauge_.set(stats.get(key, 0))
         recent = list(records)[-RECENT_STEPS:]
         seconds = sum(r.seconds for r in recent)
