@@ -34,7 +34,9 @@ from jserve.runtime.steps import StepRow
 
 # Decoding sequences above which a step does not speculate, when the config gives no
 # `disable_by_batch_size`: on this project's 2-core CPU the verify step of the default model (k = 4)
-# costs 1.0x a decode step at batch 1, 1.3x at 4 and 2.0x at 8 (docs/performance.md).
+# costs 1.1x a decode step at batch 1, 1.3x at 4, 2.4x at 8 and 3.7x at 16
+# (scripts/bench_speculative.py --parts step, docs/performance.md): past 4 a row must gain more
+# than two tokens a step to pay for it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
