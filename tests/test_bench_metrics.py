@@ -129,3 +129,50 @@ def test_parse_metrics_and_compare_without_a_server():
     assert a["prompt_tokens"] == {"server": 20.0, "client": 20, "rel_diff": 0.0}
     assert a["generation_tokens"]["server"] == 8.0 and a["compilations_during_run"] == 0.0
     assert server_metrics.compare(None, after, metrics) is None
+
+
+def _metrics_text(ttft_count: float, spec: tuple[float, float, float] | None) -> str:
+    """A jserve /metrics page; ``spec``: the (proposed, accepted, verify rows) gauges, None: without them."""
+    text = ("# TYPE jserve_time_to_first_token_seconds histogram\n"
+            f'jserve_time_to_first_token_seconds_bucket{{le="+Inf"}} {ttft_count}\n'
+            f"jserve_time_to_first_token_seconds_sum {ttft_count / 10}\n"
+            f"jserve_time_to_first_token_seconds_count {ttft_count}\n")
+    if spec is not None:
+        for name, value in zip(("proposed_tokens", "accepted_tokens", "verify_rows"), spec):
+            text += f"# TYPE jserve_spec_{name} gauge\njserve_spec_{name} {value}\n"
+        text += "# TYPE jserve_spec_turned_down_steps gauge\njserve_spec_turned_down_steps 0.0\n"
+    return text
+
+
+_CLIENT = {"ttft_ms": {"mean": 100.0}, "total_input_tokens": 0, "input_tokens_exact": False,
+           "total_output_tokens": 100, "completed": 2}
+
+
+def test_compare_speculative_gauges():
+    """The spec_* gauges' deltas over the run, the acceptance rate and mean accepted length, and their line."""
+    before = server_metrics.parse_metrics(_metrics_text(2.0, (40.0, 20.0, 10.0)))
+    after = server_metrics.parse_metrics(_metrics_text(4.0, (240.0, 170.0, 60.0)))
+    a = server_metrics.compare(before, after, _CLIENT)
+    assert (a["spec_proposed_tokens"], a["spec_accepted_tokens"], a["spec_verify_rows"]) == (200.0, 150.0, 50.0)
+    assert a["spec_acceptance_rate"] == pytest.approx(0.75)
+    assert a["spec_mean_accepted_length"] == pytest.approx(4.0)
+    assert a["spec_verify_steps"] is None and a["spec_turned_down_steps"] == 0.0  # a gauge the server lacks: None
+    table = server_metrics.format_agreement(a)
+    assert "speculative decoding: 200 draft tokens proposed, 150 accepted (75.0%), mean accepted length 4.00" in table
+    # exported but no speculation during the run (a jserve serving without it): no rates, no line
+    a = server_metrics.compare(after, after, _CLIENT)
+    assert a["spec_proposed_tokens"] == 0.0 and a["spec_acceptance_rate"] is None
+    assert a["spec_mean_accepted_length"] is None
+    assert "speculative" not in server_metrics.format_agreement(a)
+
+
+def test_compare_without_speculative_gauges():
+    before = server_metrics.parse_metrics(_metrics_text(2.0, None))
+    after = server_metrics.parse_metrics(_metrics_text(4.0, None))
+    assert not any(k.startswith("jserve_spec") for k in after)
+    a = server_metrics.compare(before, after, _CLIENT)
+    assert a["requests"]["server"] == 2.0
+    for key in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_rows", "spec_acceptance_rate",
+                "spec_mean_accepted_length"):
+        assert a[key] is None
+    assert "speculative" not in server_metrics.format_agreement(a)

@@ -12,14 +12,16 @@ import pytest
 from aiohttp import web
 
 import jserve.bench as bench
+from jserve.bench import workloads
 
 TTFT_S = 0.05  # the fake server's delay before the first token
 TOKEN_S = 0.01  # and between tokens
 QUEUE_MS, PREFILL_MS = 3.0, 7.0
 
 
-def _fake_app(seen: list[dict]) -> web.Application:
-    """Streams max_tokens chunks ("tok0 tok1 ..."), then a usage chunk with jserve's timing fields."""
+def _fake_app(seen: list[dict], metrics: bool = False) -> web.Application:
+    """Streams max_tokens chunks ("tok0 tok1 ..."), then a usage chunk with jserve's timing fields;
+    ``metrics``: also a /metrics page whose totals (TTFT count, speculative gauges) follow the requests seen."""
 
     async def handle(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
@@ -57,27 +59,43 @@ def _fake_app(seen: list[dict]) -> web.Application:
     app.router.add_post("/v1/completions", lambda r: handle(r, chat=False))
     app.router.add_post("/v1/chat/completions", lambda r: handle(r, chat=True))
     app.router.add_get("/v1/models", lambda r: web.json_response({"object": "list", "data": [{"id": "fake-model"}]}))
+
+    async def metrics_page(request: web.Request) -> web.Response:
+        n = len(seen)  # each request: 8 drafts proposed, 6 accepted, over 3 verified rows
+        return web.Response(text=(
+            "# TYPE jserve_time_to_first_token_seconds histogram\n"
+            f'jserve_time_to_first_token_seconds_bucket{{le="+Inf"}} {n}\n'
+            f"jserve_time_to_first_token_seconds_sum {n * TTFT_S}\njserve_time_to_first_token_seconds_count {n}\n"
+            f"# TYPE jserve_spec_proposed_tokens gauge\njserve_spec_proposed_tokens {8 * n}\n"
+            f"# TYPE jserve_spec_accepted_tokens gauge\njserve_spec_accepted_tokens {6 * n}\n"
+            f"# TYPE jserve_spec_verify_rows gauge\njserve_spec_verify_rows {3 * n}\n"
+            "# TYPE jserve_other gauge\njserve_other 1.0\n"), content_type="text/plain")
+
+    if metrics:
+        app.router.add_get("/metrics", metrics_page)
     return app
 
 
-async def _with_server(argv: list[str], model: str | None) -> tuple[dict, list[dict]]:
+async def _with_server(argv: list[str], model: str | None, metrics: bool = False,
+                       quiet: bool = True) -> tuple[dict, list[dict]]:
     seen: list[dict] = []
-    runner = web.AppRunner(_fake_app(seen))
+    runner = web.AppRunner(_fake_app(seen, metrics))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
         model_args = ["--model", model] if model else []  # None: the script asks /v1/models
-        args = bench.parse_args(["--base-url", f"http://127.0.0.1:{port}", *model_args, "--quiet", *argv])
+        args = bench.parse_args(["--base-url", f"http://127.0.0.1:{port}", *model_args, *(["--quiet"] * quiet),
+                                 *argv])
         result = await bench.run_benchmark(args)
     finally:
         await runner.cleanup()
     return result, seen
 
 
-def run(argv: list[str], model: str | None = "fake") -> tuple[dict, list[dict]]:
-    return asyncio.run(_with_server(argv, model))
+def run(argv: list[str], model: str | None = "fake", **kw) -> tuple[dict, list[dict]]:
+    return asyncio.run(_with_server(argv, model, **kw))
 
 
 def _has_matplotlib() -> bool:
@@ -219,6 +237,74 @@ def test_workloads_are_seeded_and_scaled():
     assert chat[0].prompt is None and chat[0].messages[0]["role"] == "user"
     assert bench.endpoint_url("http://h:1/v1/", "chat") == "http://h:1/v1/chat/completions"
     assert bench.endpoint_url("http://h:1", "completions") == "http://h:1/v1/completions"
+
+
+def _sentences_of(text: str) -> list[str]:
+    """``text`` as the workload sentences it is made of (StopIteration: it is not)."""
+    out = []
+    while text:
+        out.append(next(s for s in workloads._SENTENCES if text.startswith(s)))
+        text = text[len(out[-1]):].removeprefix(" ")
+    return out
+
+
+def _copied_text(spec: bench.RequestSpec) -> str:
+    """The passage a copy-workload request asks to repeat (or to fix), checking the instruction around it."""
+    if spec.messages is not None:
+        assert spec.prompt is None and [m["role"] for m in spec.messages] == ["user"]
+        instruction, text = spec.messages[0]["content"].split("\n\n", 1)
+        assert instruction == {"copy": "Repeat the following text exactly:", "edit": "Fix the typos in the "
+                               "following text and return the full corrected text:"}[spec.kind]
+        return text
+    label, rest = spec.prompt.split("\n", 1)
+    text, tail = rest.split("\n\n", 1)
+    assert (label, tail.split("\n")[0]) == {"copy": ("Original:", "Exact copy:"),
+                                             "edit": ("Draft (with typos):", "Final version (typos fixed):")}[spec.kind]
+    head = tail.split("\n", 1)[1]  # the copy has begun: the passage's first words
+    assert len(head.split()) == 4 and text.startswith(head + " ")
+    return text
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_copy_workload_asks_to_repeat_its_passage(endpoint):
+    a = bench.build_workload("copy", 8, endpoint, 1.0, seed=1)
+    assert a == bench.build_workload("copy", 8, endpoint, 1.0, seed=1)
+    assert [_copied_text(s) for s in a] != [_copied_text(s) for s in bench.build_workload("copy", 8, endpoint, 1.0, 2)]
+    assert sorted(s.kind for s in a) == ["copy"] * 4 + ["edit"] * 4
+    vocabulary = {w for s in workloads._SENTENCES for w in s.split()}
+    for s in a:
+        text = _copied_text(s)
+        assert s.max_tokens == workloads.COPY_OUT == 192
+        # about as long as the output: the model copies until max_tokens (SmolLM2: ~1.1 tokens a word)
+        assert s.max_tokens + 16 <= 1.1 * len(text.split()) <= s.max_tokens + 16 + 25
+        assert s.input_len == len((s.prompt or s.messages[0]["content"]).split())
+        if s.kind == "copy":
+            assert len(_sentences_of(text)) >= 8
+        else:  # a few words with two letters swapped, the rest as written
+            typos = [w for w in text.split() if w not in vocabulary]
+            assert len(typos) == 3  # one per 64 output tokens
+            assert all(any(sorted(t) == sorted(w) for w in vocabulary if len(w) == len(t)) for t in typos)
+    # --scale and --num-requests
+    assert len(bench.build_workload("copy", None, endpoint, 1.0, 0)) == 64
+    for scale in (0.25, 3.0):  # 3.0: longer than all the sentences, which then repeat in a new order
+        (s,) = bench.build_workload("copy", 1, endpoint, scale, seed=0)
+        assert s.max_tokens == round(192 * scale)
+        assert s.max_tokens + 16 <= 1.1 * len(_copied_text(s).split()) <= s.max_tokens + 16 + 25
+
+
+def test_copy_workload_run_reports_speculation(capsys):
+    """`--workload copy` against a server with jserve's speculative gauges: the run's acceptance figures."""
+    result, seen = run(["--workload", "copy", "--endpoint", "chat", "--scale", "0.05", "--num-requests", "4",
+                        "--concurrency", "2"], metrics=True, quiet=False)
+    assert len(seen) == 4 and all(s["path"] == "/v1/chat/completions" for s in seen)
+    assert sorted(s["body"]["max_tokens"] for s in seen) == [10] * 4
+    a = result["runs"][0]["metrics"]["server_metrics"]
+    assert a["requests"]["server"] == 4
+    assert (a["spec_proposed_tokens"], a["spec_accepted_tokens"], a["spec_verify_rows"]) == (32.0, 24.0, 12.0)
+    assert a["spec_acceptance_rate"] == pytest.approx(0.75) and a["spec_mean_accepted_length"] == pytest.approx(3.0)
+    assert a["spec_verify_steps"] is None  # not exported by this server
+    out = capsys.readouterr().out
+    assert "speculative decoding: 32 draft tokens proposed, 24 accepted (75.0%), mean accepted length 3.00" in out
 
 
 def test_percentile_matches_linear_interpolation():

@@ -15,7 +15,7 @@ from jserve.bench import server_metrics
 from jserve.bench.client import fetch_model, run_load
 from jserve.bench.plots import write_plots
 from jserve.bench.report import compute_metrics, finite_json, format_table
-from jserve.bench.workloads import LONG_IN, LONG_OUT, NAMED_WORKLOADS, SHORT_IN, SHORT_OUT, build_workload
+from jserve.bench.workloads import COPY_OUT, LONG_IN, LONG_OUT, NAMED_WORKLOADS, SHORT_IN, SHORT_OUT, build_workload
 
 DESCRIPTION = "Online serving benchmark for any OpenAI-compatible server (jserve, llama.cpp, vLLM, ...)."
 EPILOG = """\
@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--workload", default="mix",
-                   help=f"one of {', '.join(NAMED_WORKLOADS)}, or a JSONL file of "
+                   help=f"one of {', '.join(NAMED_WORKLOADS)} (copy: repeat or fix the typos of a given passage, "
+                        f"{COPY_OUT} output tokens, so the output repeats the prompt), or a JSONL file of "
                         '{"prompt", "max_tokens"} or {"input_len", "output_len"} records')
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per run (default 64, or the file's record count; a file is cycled)")

@@ -18,8 +18,13 @@ TTFT = "jserve_time_to_first_token_seconds"
 PROMPT_TOKENS = "jserve_prompt_tokens_total"
 GENERATION_TOKENS = "jserve_generation_tokens_total"
 COMPILATIONS = "jserve_compilations_after_warmup"
+# Speculative decoding's totals since start (gauges; 0 on a jserve without it, absent elsewhere).
+SPEC_PROPOSED = "jserve_spec_proposed_tokens"
+SPEC_ACCEPTED = "jserve_spec_accepted_tokens"
+SPEC_VERIFY_ROWS = "jserve_spec_verify_rows"
+_SPEC = (SPEC_PROPOSED, SPEC_ACCEPTED, SPEC_VERIFY_ROWS, "jserve_spec_verify_steps", "jserve_spec_turned_down_steps")
 _KEEP = (f"{TTFT}_sum", f"{TTFT}_count", PROMPT_TOKENS, GENERATION_TOKENS, COMPILATIONS,
-         "jserve_num_preemptions", "jserve_num_steps", "jserve_padded_token_fraction")
+         "jserve_num_preemptions", "jserve_num_steps", "jserve_padded_token_fraction", *_SPEC)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -70,7 +75,10 @@ def compare(before: dict[str, float] | None, after: dict[str, float] | None, met
     """The server's deltas over a run next to the client's ``metrics`` (from `report.compute_metrics`).
 
     Returns None when either scrape is missing. Token counts are the server's finished requests;
-    the client counts only the requests it completed (failures make them differ).
+    the client counts only the requests it completed (failures make them differ). The ``spec_*``
+    entries are speculative decoding's deltas over the run (None without the gauges) and
+    ``spec_acceptance_rate`` = accepted / proposed, ``spec_mean_accepted_length`` = 1 + accepted /
+    verified rows (None when nothing was proposed or verified).
     """
     if before is None or after is None:
         return None
@@ -85,6 +93,7 @@ def compare(before: dict[str, float] | None, after: dict[str, float] | None, met
     prompt, generated = delta(PROMPT_TOKENS), delta(GENERATION_TOKENS)
     client_in = metrics["total_input_tokens"] if metrics.get("input_tokens_exact") else None
     client_out = metrics["total_output_tokens"]
+    proposed, accepted, rows = delta(SPEC_PROPOSED), delta(SPEC_ACCEPTED), delta(SPEC_VERIFY_ROWS)
     return {
         "requests": {"server": n, "client": metrics["completed"]},
         "ttft_mean_ms": {"server": server_ttft_ms, "client": client_ttft_ms,
@@ -95,6 +104,9 @@ def compare(before: dict[str, float] | None, after: dict[str, float] | None, met
         "compilations_during_run": delta(COMPILATIONS),
         "steps_during_run": delta("jserve_num_steps"),
         "preemptions_during_run": delta("jserve_num_preemptions"),
+        **{key.removeprefix("jserve_"): delta(key) for key in _SPEC},
+        "spec_acceptance_rate": accepted / proposed if proposed and accepted is not None else None,
+        "spec_mean_accepted_length": 1 + accepted / rows if rows and accepted is not None else None,
     }
 
 
@@ -111,4 +123,12 @@ def format_agreement(a: dict[str, Any]) -> str:
     lines.append(f"  requests finished {num(a['requests']['server'], '.0f')}, completed "
                  f"{a['requests']['client']}; compilations after warm-up {num(a['compilations_after_warmup'], '.0f')}"
                  f" (this run: {num(a['compilations_during_run'], '.0f')})")
+    if a.get("spec_proposed_tokens") or a.get("spec_turned_down_steps"):  # speculation ran or was turned down
+        rate = a["spec_acceptance_rate"]
+        lines.append(f"  speculative decoding: {num(a['spec_proposed_tokens'], '.0f')} draft tokens proposed, "
+                     f"{num(a['spec_accepted_tokens'], '.0f')} accepted"
+                     + ("" if rate is None else f" ({100 * rate:.1f}%)")
+                     + f", mean accepted length {num(a['spec_mean_accepted_length'], '.2f')} over "
+                     f"{num(a['spec_verify_rows'], '.0f')} verified rows; "
+                     f"{num(a.get('spec_turned_down_steps'), '.0f')} steps turned down")
     return "\n".join(lines)

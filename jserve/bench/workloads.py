@@ -127,11 +127,13 @@ def _passage(rng: random.Random, n_tokens: int) -> str:
 
 
 def _with_typos(rng: random.Random, text: str, n: int) -> str:
-    """``text`` with two inner letters swapped in ``n`` words of six letters or more (not the first ones)."""
+    """``text`` with two inner letters swapped in ``n`` words of six letters or more, past the first
+    ``_HEAD_WORDS`` (the completions prompt repeats those)."""
     words = text.split(" ")
     long = [i for i, w in enumerate(words) if i >= _HEAD_WORDS and w.isalpha() and len(w) >= 6]
     for i in rng.sample(long, min(n, len(long))):
-        w, j = words[i], rng.randrange(1, len(words[i]) - 2)
+        w = words[i]
+        j = rng.choice([k for k in range(1, len(w) - 2) if w[k] != w[k + 1]])
         words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
     return " ".join(words)
 
