@@ -162,19 +162,25 @@ def _load_draft(settings, tokenizer, dtype: str | None):
     None. Any checkpoint `resolve_model` takes (a quantized one too: a draft's quality changes
     the acceptance rate, never the output, so no quality gate applies); its tokenizer must be the
     target's. ValueError naming the draft otherwise."""
+    from jserve.model import quant
     from jserve.model.checkpoint import load_checkpoint, resolve_model
     from jserve.text.tokenizer import Tokenizer
 
     spec = settings.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    path = resolve_model(spec.model, dtype=dtype or "float32")
+    path = resolve_model(spec.model, dtype=dtype or "float32", keep_quantized=spec.quantization == "gguf")
     draft_tokenizer = Tokenizer.load(path)
     probe = "Speculative decoding: 12 drafts, 3 accepted; café, naïve, 東京 {\"key\": [1, 2]}"
     if draft_tokenizer.encode(probe) != tokenizer.encode(probe) or draft_tokenizer.vocab_size != tokenizer.vocab_size:
         raise ValueError(f"speculative_config.model {spec.model!r}: its tokenizer differs from the target model's "
                          f"(a draft must share the vocabulary)")
     config, params, _ = load_checkpoint(path, dtype=dtype)
+    if spec.quantization in quant.SCHEMES:
+        import numpy as np
+
+        host = {k: v if quant.is_quantized(v) else np.asarray(v) for k, v in params.items()}
+        params = quant.quantize_params(config, host, quant.QuantSpec.parse(spec.quantization, None))
     return config, params
 
 

@@ -90,6 +90,26 @@ def test_cli_generate_takes_a_speculative_config(smollm2_checkpoint, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"].startswith("The quick brown fox")
+    # The README's draft-model command: the default model's 4-bit GGUF weights draft for it.
+    draft = {"method": "draft_model", "model": "smollm2-135m-instruct", "quantization": "gguf",
+             "num_speculative_tokens": 3}
+    rc = cli.main(["generate", "--model", str(smollm2_checkpoint), "--prompt", "The capital of France is",
+                   "--max-tokens", "12", "--max-model-len", "256", "--json", "--speculative-config", json.dumps(draft)])
+    assert rc == 0 and "Paris" in json.loads(capsys.readouterr().out)["text"]
     rc = cli.main(["generate", "--model", str(smollm2_checkpoint), "--prompt", "x", "--max-model-len", "256",
                    "--speculative-config", '{"method": "ngram", "k": 3}'])
     assert rc == 2 and "unknown speculative_config key 'k'" in capsys.readouterr().err
+
+
+def test_readme_python_example_works_as_written(spec_llm):
+    """The README's speculative-decoding Python block, run as written (its `LLM(...)` is this module's)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "speculative_config" in b)
+    printed = []
+    code = block.replace("from jserve import LLM,", "from jserve import")
+    exec(compile(code, "README.md", "exec"), {"print": printed.append, "LLM": lambda *a, **k: spec_llm,
+                                              "__name__": "x"})
+    assert printed[0].startswith("Sphinx of black quartz, judge my vow.")
+    assert printed[1] > 0.5

@@ -21,6 +21,7 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+DRAFT_QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,9 @@ class SpeculativeConfig:
       num_speculative_tokens: k, drafts per sequence and step (1 .. 16).
       prompt_lookup_min, prompt_lookup_max: the n-gram sizes tried, longest first (ngram).
       model: the draft model (a checkpoint folder, Hugging Face folder, .gguf or converted name).
+      quantization: quantize the draft's weights at load, "int8", "int4", "fp8", or "gguf" (a
+        .gguf file's own weights); a draft's quality moves the acceptance rate, never the output,
+        so no quality gate applies.
       disable_by_batch_size: no speculation in a step with more decoding sequences than this
         (the verify step stops being bandwidth-bound; None: the engine's measured default).
       min_acceptance: a sequence whose acceptance rate, after `acceptance_window` proposed
@@ -44,6 +48,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None
+    quantization: str | None = None
     disable_by_batch_size: int | None = None
     min_acceptance: float = 0.2
     acceptance_window: int = 16
@@ -69,8 +74,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft checkpoint)")
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
+        if self.method == "ngram" and (self.model is not None or self.quantization is not None):
+            raise ValueError("speculative_config: 'model' and 'quantization' are for method 'draft_model', not 'ngram'")
+        if self.quantization not in (None, *DRAFT_QUANTIZATIONS):
+            raise ValueError(f"speculative_config.quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | Mapping[str, Any] | str | None") -> "SpeculativeConfig | None":
