@@ -132,7 +132,8 @@ def server_part(args) -> dict:
     jserve = str(Path(sys.executable).with_name("jserve"))
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
     servers = {"plain": _start(jserve, args, []), "ngram": _start(jserve, args, ["--speculative-config", spec])}
-    loads = {"copy c=1": ("copy", args.copy_requests, 1, 1.0), "mix c=16": ("mix", args.mix_requests, 16, args.mix_scale)}
+    loads = {"copy c=1": ("copy", args.copy_requests, 1, 1.0),
+             "mix c=16": ("mix", args.mix_requests, 16, args.mix_scale)}
     rows = []
     try:
         for proc, url in servers.values():

@@ -322,8 +322,9 @@ def test_draft_model_proposer(tiny, greedy_case):
     rng = np.random.default_rng(0)
     noisy = {k: v + 0.03 * jnp.asarray(rng.standard_normal(v.shape), v.dtype) for k, v in weights.items()}
     settings = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, page_size=4, num_pages=200,
-                    backend="cpu", speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3,
-                                                       "disable_by_batch_size": 64, "min_acceptance": 0})
+                    backend="cpu", speculative_config={"method": "draft_model", "model": "tiny",
+                                                       "num_speculative_tokens": 3, "disable_by_batch_size": 64,
+                                                       "min_acceptance": 0})
     rates = []
     for draft in (weights, noisy):
         engine = build_engine(config, weights, tokenizer, [], EngineConfig(**settings), draft=(config, draft))
@@ -369,7 +370,8 @@ def test_verify_step_samples_what_single_steps_sample(tiny):
     runner = engine.runner
     prompt = list(range(3, 21))
     base = make_engine(tiny)
-    out = run_outputs(base, [prompt], [SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)])[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    out = run_outputs(base, [prompt], [greedy])[0]
     pages = list(range(1, 10))
     # Prefill the prompt but its last token, then verify [last, greedy continuation].
     runner.execute([StepRow(0, prompt[:-1], pages)])
@@ -380,7 +382,7 @@ def test_verify_step_samples_what_single_steps_sample(tiny):
     for j in range(5):
         assert abs(float(got.logprob[j, 0]) - out.logprobs[j][cont[j]].logprob) < 1e-4
     wrong = [cont[0], (cont[1] + 1) % 256, cont[2]]
-    got = runner.execute_verify([StepRow(len(prompt) - 1, prompt[-1:], pages, SamplingParams(temperature=0), draft_ids=wrong)])
+    got = runner.execute_verify([StepRow(len(prompt) - 1, prompt[-1:], pages, greedy, draft_ids=wrong)])
     assert int(got.num_valid[0]) == 2 and got.tokens[:2, 0].tolist() == cont[:2]
     with pytest.raises(ValueError, match="at most 4 drafts"):
         runner.execute_verify([StepRow(0, [1], pages, draft_ids=[1] * 5)])

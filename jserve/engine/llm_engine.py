@@ -27,10 +27,10 @@ from jserve.core.request import CompletionOutput, Logprob, RequestOutput, Sampli
 from jserve.core.scheduler import Scheduler
 from jserve.core.stop import Stop, StopPolicy
 from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from jserve.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from jserve.model import quant
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepOutput, StepRow
-from jserve.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from jserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from jserve.text.tokenizer import Tokenizer
 
@@ -399,7 +399,8 @@ class LLMEngine:
             "compilations": self.runner.num_compilations,
             # The prompt-logprob step compiles on first use (not warmed up): counted here.
             "compilations_after_warmup": self.runner.num_compilations_after_warmup + (
-                self.runner.num_score_compilations) + sum(r.num_compilations_after_warmup for r in self._draft_runners()),
+                self.runner.num_score_compilations) + sum(
+                r.num_compilations_after_warmup for r in self._draft_runners()),
             "pages_in_use": sum(p.num_used_pages for p in pools),
             "pages_cached": sum(p.num_cached_pages for p in pools),
             "pages_free": sum(p.num_free_pages for p in pools),

@@ -293,8 +293,9 @@ class Runner:
                 raise ValueError(f"a verify row takes one token and at most {K} drafts (no prompt logprobs), got "
                                  f"{r.num_tokens} tokens and {len(r.draft_ids)} drafts")
             if r.start + 1 + len(r.draft_ids) > len(r.page_ids) * self.page_size:
+                need = -(-(r.start + 1 + len(r.draft_ids)) // self.page_size)
                 raise ValueError(f"a row at position {r.start} with {len(r.draft_ids)} drafts needs "
-                                 f"{-(-(r.start + 1 + len(r.draft_ids)) // self.page_size)} pages, got {len(r.page_ids)}")
+                                 f"{need} pages, got {len(r.page_ids)}")
         B, T = buckets.pick(self.batch_buckets, len(rows)), K + 1
         placed = [dataclasses.replace(r, token_ids=[*r.token_ids, *r.draft_ids]) for r in rows]
         placed += [None] * (B - len(rows))
