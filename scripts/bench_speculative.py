@@ -50,11 +50,12 @@ def step_part(args) -> list[dict]:
     from jserve import LLM
     from jserve.runtime.steps import StepRow
 
-    llm = LLM(args.model, max_model_len=2048, speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
+    llm = LLM(args.model, max_model_len=2048, speculative_config={"method": "ngram", "num_speculative_tokens": args.k,
+                                                                      "disable_by_batch_size": 1024})
     runner = llm.engine.runner
     pages = list(range(1, 1 + 512 // runner.page_size))
     rows = []
-    for B in runner.batch_buckets:
+    for B in runner.verify_buckets:  # every decode bucket: the cap above is past them all
         decode = [StepRow(400, [7], pages)] * B
         verify = [StepRow(400, [7], pages, draft_ids=[7] * args.k)] * B
 

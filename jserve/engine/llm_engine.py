@@ -27,7 +27,7 @@ from jserve.core.request import CompletionOutput, Logprob, RequestOutput, Sampli
 from jserve.core.scheduler import Scheduler
 from jserve.core.stop import Stop, StopPolicy
 from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from jserve.engine.speculative import DraftModelProposer, NgramProposer, Speculator
+from jserve.engine.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, DraftModelProposer, NgramProposer, Speculator
 from jserve.model import quant
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepOutput, StepRow
@@ -228,12 +228,14 @@ class LLMEngine:
             return False
         draft_model = isinstance(spec.proposer, DraftModelProposer)
         if not draft_model:  # n-gram drafts first: no pages are taken for a step that finds none
-            drafts = [spec.valid_drafts(d, m) for d, m in
-                      zip(spec.proposer.propose([c.request for c in chunks], wanted), matchers)]
+            drafts = [spec.valid_drafts(d[:n], m) for d, n, m in
+                      zip(spec.proposer.propose([c.request for c in chunks], wanted), wanted, matchers)]
             if not any(drafts):
                 return False
             wanted = [len(d) for d in drafts]
         wanted = [n if self.scheduler.reserve_drafts(c, n) else 0 for c, n in zip(chunks, wanted)]
+        if not draft_model and not any(wanted):  # every reservation failed: a plain step
+            return False
         rows = self._step_rows(plan)  # after the reservations: the chunks' pages cover the drafts
         if draft_model:
             proposed = spec.proposer.propose_rows([rows[i] for i in decode], wanted)
@@ -448,7 +450,11 @@ def _speculator(config: EngineConfig, runner: Runner, draft_runner: Runner | Non
         proposer: Any = DraftModelProposer(spec, draft_runner)
     else:
         proposer = NgramProposer(spec)
-    return Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len, proposer)
+    speculator = Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len,
+                            proposer)
+    # No more rows than the runner compiled a verify step for.
+    speculator.disable_by_batch_size = min(speculator.disable_by_batch_size, runner.verify_buckets[-1])
+    return speculator
 
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
@@ -517,7 +523,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
                     mesh=mesh, decode_steps=config.num_scheduler_steps,
-                    num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+                    num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                    max_verify_rows=spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE if spec else None)
     draft_runner = None
     if spec is not None and spec.method == "draft_model":
         if draft is None:
@@ -526,8 +533,10 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         if draft_config.vocab_size != model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the "
                              f"target's ({model_config.vocab_size}): a draft needs the same tokenizer")
+        # A backend of its own: a backend keeps what it learnt preparing its model's weights.
         draft_runner = Runner(draft_config, draft_params, num_pages=num_pages, page_size=page_size,
-                              max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
+                              max_model_len=config.max_model_len, kv_dtype=kv_dtype,
+                              backend=backends.create(config.backend),
                               batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens,
                               decode_steps=spec.num_speculative_tokens + 1)
         if config.warmup:

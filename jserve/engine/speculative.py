@@ -132,7 +132,7 @@ def _greedy(row: StepRow, num_steps: int = 1) -> StepRow:
 
 @dataclasses.dataclass
 class _Acceptance:
-    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
+    recent: collections.deque  # the outcomes (1 accepted, 0 rejected) of the last proposed tokens
     resting: int = 0  # steps left without proposals
 
 
@@ -148,7 +148,7 @@ class Speculator:
         self._acceptance: dict[str, _Acceptance] = {}
         self.num_proposed = 0  # draft tokens verified
         self.num_accepted = 0  # of those, accepted
-        self.num_verify_rows = 0  # rows verified (one per sequence and verify step)
+        self.num_verify_rows = 0  # rows verified with drafts (one per sequence and verify step)
         self.num_verify_steps = 0
         self.num_turned_down = 0  # steps that could have speculated but ran plain (batch size)
 
@@ -161,7 +161,10 @@ class Speculator:
         out = []
         for chunk in chunks:
             req = chunk.request
-            state = self._acceptance.setdefault(req.request_id, _Acceptance())
+            state = self._acceptance.get(req.request_id)
+            if state is None:
+                state = self._acceptance[req.request_id] = _Acceptance(
+                    collections.deque(maxlen=self.config.acceptance_window))
             if state.resting:
                 state.resting -= 1
                 out.append(0)
@@ -178,16 +181,19 @@ class Speculator:
         return drafts if matcher is None or not drafts else drafts[:matcher.valid_prefix(drafts)]
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        """A verified row: `proposed` drafts, `accepted` of them confirmed."""
+        """A verified row: `proposed` drafts, `accepted` of them confirmed (a row without drafts
+        is not counted: the mean accepted length is over rows that proposed, as vLLM's)."""
+        if not proposed:
+            return
         self.num_verify_rows += 1
         self.num_proposed += proposed
         self.num_accepted += accepted
         c = self.config
         state = self._acceptance.get(request_id)
-        if state is None or not proposed:
+        if state is None:
             return
         state.recent.extend([1] * accepted + [0] * (proposed - accepted))
-        window = list(state.recent)[-c.acceptance_window:]
+        window = state.recent
         if c.min_acceptance and len(window) >= c.acceptance_window and sum(window) < c.min_acceptance * len(window):
             state.resting = c.backoff_steps
             state.recent.clear()

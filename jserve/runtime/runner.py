@@ -53,7 +53,8 @@ class Runner:
                  batch_buckets: Sequence[int] = buckets.DEFAULT_BATCH_BUCKETS,
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
-                 huge_pages: bool = True, decode_steps: int = 1, num_speculative_tokens: int = 0):
+                 huge_pages: bool = True, decode_steps: int = 1, num_speculative_tokens: int = 0,
+                 max_verify_rows: int | None = None):
         """`backend`: a `jserve.runtime.backends.Backend`, or its name for `backends.create` (with
         `native_matmuls` and `huge_pages`, see there); it decides the page size (when None), the
         params' and pages' layout and every operation. `params`: checkpoint weights (stacked) or a
@@ -62,7 +63,8 @@ class Runner:
         `max_num_batched_tokens` and page ids are then per data-parallel group, and `num_pages`
         counts all groups' pages. `decode_steps` > 1 compiles `execute_decode_steps` for every
         decode batch bucket too (one device mesh group, one process only); so does
-        `num_speculative_tokens` k > 0 with `execute_verify`, at k + 1 tokens per row."""
+        `num_speculative_tokens` k > 0 with `execute_verify`, at k + 1 tokens per row, for the
+        batch buckets up to the one holding `max_verify_rows` (None: all)."""
         self.config = config
         self.mesh = mesh
         self.backend = backends.create(backend, mesh=mesh, native_matmuls=native_matmuls, huge_pages=huge_pages)
@@ -131,6 +133,9 @@ class Runner:
             raise ValueError(f"speculative decoding runs on one data-parallel group in one process; this "
                              f"runner has dp={self.dp} over {jax.process_count()} processes")
         self.num_speculative_tokens = num_speculative_tokens
+        cap = self.batch_buckets[-1] if max_verify_rows is None else buckets.pick(
+            self.batch_buckets, min(max_verify_rows, self.batch_buckets[-1]))
+        self.verify_buckets = tuple(b for b in self.batch_buckets if b <= cap)
         self._verify_fns: dict[tuple, Any] = {}  # compiler options -> the jitted verify step
         self._decode_steps = jax.jit(functools.partial(
             device_steps.decode_steps, self.graphdef, self.ops, self.page_size, config.vocab_size, decode_steps),
@@ -286,8 +291,8 @@ class Runner:
             raise ValueError("this runner has no verify step (num_speculative_tokens=0)")
         if not rows:
             raise ValueError("no rows")
-        if len(rows) > self.batch_buckets[-1]:
-            raise ValueError(f"{len(rows)} rows exceed the largest decode bucket {self.batch_buckets[-1]}")
+        if len(rows) > self.verify_buckets[-1]:
+            raise ValueError(f"{len(rows)} rows exceed the largest verify bucket {self.verify_buckets[-1]}")
         for r in rows:
             if r.num_tokens != 1 or len(r.draft_ids) > K or r.next_ids is not None:
                 raise ValueError(f"a verify row takes one token and at most {K} drafts (no prompt logprobs), got "
@@ -296,7 +301,7 @@ class Runner:
                 need = -(-(r.start + 1 + len(r.draft_ids)) // self.page_size)
                 raise ValueError(f"a row at position {r.start} with {len(r.draft_ids)} drafts needs "
                                  f"{need} pages, got {len(r.page_ids)}")
-        B, T = buckets.pick(self.batch_buckets, len(rows)), K + 1
+        B, T = buckets.pick(self.verify_buckets, len(rows)), K + 1
         placed = [dataclasses.replace(r, token_ids=[*r.token_ids, *r.draft_ids]) for r in rows]
         placed += [None] * (B - len(rows))
         (tokens, positions, meta, _), drafts = self._pack(placed, B, T), np.full((B, K), -1, np.int32)
@@ -520,7 +525,7 @@ class Runner:
                 self.execute_decode_steps([StepRow(0, [0], [0] * self.max_pages, num_steps=self.decode_steps)] * B)
         if self.num_speculative_tokens:
             drafts = [0] * self.num_speculative_tokens
-            for B in tqdm(self.batch_buckets, desc="warm-up (speculative verify)", unit="shape",
+            for B in tqdm(self.verify_buckets, desc="warm-up (speculative verify)", unit="shape",
                           disable=not progress):
                 self.execute_verify([StepRow(0, [0], [0] * self.max_pages, draft_ids=drafts)] * B)
         self.records.clear()
