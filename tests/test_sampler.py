@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jserve.core.request import SamplingParams
-from jserve.runtime.sampler import SamplingArrays, _counts, apply_penalties, argmax, penalty_history, sample
+from jserve.runtime.sampler import SamplingArrays, apply_penalties, argmax, penalty_history, sample, token_counts
 
 V = 8
 
@@ -77,7 +77,7 @@ def test_penalties_match_vllm_arithmetic():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(2, V)).astype(np.float32)
     history, num_prompt = penalty_history([([1, 2], [2, 3, 3]), None], 2, 10, V)
-    counts, in_prompt = (np.asarray(a) for a in _counts(jnp.asarray(history), jnp.asarray(num_prompt), V))
+    counts, in_prompt = (np.asarray(a) for a in token_counts(jnp.asarray(history), jnp.asarray(num_prompt), V))
     np.testing.assert_array_equal(counts[0], [0, 0, 1, 2, 0, 0, 0, 0])
     np.testing.assert_array_equal(in_prompt[0], [0, 1, 1, 0, 0, 0, 0, 0])
     assert counts[1].sum() == 0 and in_prompt[1].sum() == 0

@@ -222,8 +222,7 @@ class LLMEngine:
             return False
         chunks = [plan.chunks[i] for i in decode]
         matchers = [getattr(self._sequences.get(c.request.request_id), "matcher", None) for c in chunks]
-        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
-        wanted = spec.wanted(chunks, matchers, budget)
+        wanted = spec.wanted(chunks)
         if wanted is None:
             return False
         draft_model = isinstance(spec.proposer, DraftModelProposer)
@@ -504,6 +503,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
             None if device is not None else DEFAULT_CPU_KV_BYTES)
         weight_bytes = quant.param_bytes(params) if mesh is None else (
             params_per_device(model_config, tp) * weight_dtype.itemsize)
+        if draft is not None:
+            weight_bytes += quant.param_bytes(draft[1])  # the draft model's weights share the device
         # The budget (explicit, or the device's memory) is per device; each dp group has its own.
         plan = plan_memory(plan_config, weight_dtype_bytes=weight_dtype.itemsize, kv_dtype=kv_dtype.name,
                            page_size=page_size, context=config.max_model_len, device_bytes=device,

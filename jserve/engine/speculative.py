@@ -152,8 +152,10 @@ class Speculator:
         self.num_verify_steps = 0
         self.num_turned_down = 0  # steps that could have speculated but ran plain (batch size)
 
-    def wanted(self, chunks: Sequence[ScheduledChunk], matchers: Sequence[Any], budget: int) -> list[int] | None:
-        """Drafts to ask for per decode chunk, or None: this step runs without speculation."""
+    def wanted(self, chunks: Sequence[ScheduledChunk]) -> list[int] | None:
+        """Drafts to ask for per decode chunk, or None: this step runs without speculation. The
+        drafts are not taken out of the step's token budget (which chunked prefill fills): the
+        verify call is a shape of its own, at most `disable_by_batch_size` x (k + 1) tokens."""
         if len(chunks) > self.disable_by_batch_size:
             self.num_turned_down += 1
             return None
@@ -171,9 +173,7 @@ class Speculator:
                 continue
             # The step keeps up to drafts + 1 tokens: all must fit max_tokens and the context.
             left = tokens_left(req.params, len(req.output_token_ids), req.num_tokens, self.max_len)
-            n = max(0, min(k, left - 1, budget))
-            budget -= n
-            out.append(n)
+            out.append(max(0, min(k, left - 1)))
         return out if any(out) else None
 
     def valid_drafts(self, drafts: list[int], matcher: Any) -> list[int]:

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jserve.core.request import MAX_LOGPROBS
 from jserve.runtime.paged_attention import PagedMeta
-from jserve.runtime.sampler import prompt_logprobs, sample
+from jserve.runtime.sampler import prompt_logprobs, sample, token_counts
 
 
 def forward(graphdef, ops, params, kv, tokens, positions, meta, last):
@@ -95,7 +95,7 @@ def verify(graphdef, ops, params, kv, tokens, positions, meta, drafts, sampling,
     """A speculative step (see `jserve.core.speculative`): each row's last known token and its
     drafts, tokens [batch, k + 1] (a row of q_lens 1 + m holds m drafts; `drafts` int32 [batch, k],
     -1 past them), computed in one call; the sampler runs at every position j as plain decoding
-    would sample there (seed step `sampling.step + j`, penalty history grown by the drafts before
+    would sample there (seed step `sampling.step + j`, penalty counts grown by the drafts before
     j, `bitmask` [batch * (k + 1), words]: row b's grammar after its first j drafts).
 
     Returns the sampler's outputs with a leading axis of positions ([k + 1, batch, ...]), with
@@ -109,14 +109,16 @@ def verify(graphdef, ops, params, kv, tokens, positions, meta, drafts, sampling,
     flat = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), sampling)
     flat = dataclasses.replace(flat, step=flat.step + jnp.tile(j, B))
     ids, num_prompt = history
-    filled = jnp.sum(ids != V, axis=1)  # where each row's next token goes in its history
-    L = ids.shape[1]
-    offset = jnp.arange(L)[None, None, :] - filled[:, None, None]  # [batch, 1, L]
-    grown = (offset >= 0) & (offset < j[None, :, None])  # [batch, k + 1, L]: drafts before position j
-    draft_at = jnp.take_along_axis(drafts, jnp.clip(offset, 0, T - 2)[:, 0], axis=1)[:, None, :]
-    ids = jnp.where(grown, jnp.where(draft_at >= 0, draft_at, V), ids[:, None, :]).reshape(B * T, L)
-    out = sample(logits.reshape(B * T, V), flat, penalties=(ids, jnp.repeat(num_prompt, T)), bitmask=bitmask,
-                 num_logprobs=MAX_LOGPROBS)
+
+    def penalties(vocab):
+        """Position j's counts: the row's history plus its drafts before j (only a step with a
+        penalised row computes them: [batch * (k + 1), vocab], the logits' size)."""
+        seen, in_prompt = token_counts(ids, num_prompt, vocab)
+        drafted = jax.nn.one_hot(jnp.where(drafts >= 0, drafts, vocab), vocab, dtype=seen.dtype)  # [B, k, V]
+        before = jnp.concatenate([jnp.zeros_like(drafted[:, :1]), jnp.cumsum(drafted, axis=1)], axis=1)
+        return (seen[:, None] + before).reshape(B * T, vocab), jnp.repeat(in_prompt, T, axis=0)
+
+    out = sample(logits.reshape(B * T, V), flat, penalties=penalties, bitmask=bitmask, num_logprobs=MAX_LOGPROBS)
     out = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B, T, *x.shape[1:]), 0, 1), out)
     num_drafts = meta.q_lens - 1  # -1 for a padding row
     match = (drafts == out["tokens"][:T - 1].T) & (j[None, :T - 1] < num_drafts[:, None])

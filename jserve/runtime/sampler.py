@@ -86,7 +86,7 @@ def penalty_history(rows: Sequence[tuple[Sequence[int], Sequence[int]] | None], 
     return history, num_prompt
 
 
-def _counts(history: jax.Array, num_prompt: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+def token_counts(history: jax.Array, num_prompt: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
     """[batch, vocab] output-token counts and prompt-token presence from a padded history."""
     is_output = jnp.arange(history.shape[1])[None, :] >= num_prompt[:, None]
     rows = jnp.arange(history.shape[0])[:, None]
@@ -182,9 +182,11 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
       bitmask: int32 [batch, ceil(vocab / 32)], the tokens each row may sample (`apply_bitmask`;
         -1, every bit set, for a free row), or None: no row is constrained.
       sampling: the rows' settings; its penalties apply when `penalties` (history, num_prompt:
-        see `penalty_history`) is given. Where no row wants logprobs (`sampling.logprobs`), the
-        logprob outputs are zeros and cost nothing (the log-softmax and top-k over the
-        vocabulary are most of this function's time).
+        see `penalty_history`; or a function of the vocabulary size giving the [batch, vocab]
+        output-token counts and prompt presence, called only in a step with a penalised row) is
+        given. Where no row wants logprobs (`sampling.logprobs`), the logprob outputs are zeros
+        and cost nothing (the log-softmax and top-k over the vocabulary are most of this
+        function's time).
       num_logprobs: static; how many top logprobs to return per row (0: none).
     Returns:
       dict with `tokens` int32 [batch], `logprob` float32 [batch] (of the chosen token),
@@ -220,8 +222,8 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
     # a constrained row for unpacking the bitmask. The tokens, not the processed logits, leave the
     # conditional: a [batch, vocab] result would be copied out of it on every step.
     def penalised(l):
-        counts, in_prompt = _counts(*penalties, l.shape[-1])
-        return pick(apply_penalties(l, counts, in_prompt, repetition, presence, frequency))
+        seen, in_prompt = penalties(l.shape[-1]) if callable(penalties) else token_counts(*penalties, l.shape[-1])
+        return pick(apply_penalties(l, seen, in_prompt, repetition, presence, frequency))
 
     branches = [pick]
     if penalties is not None:
