@@ -443,3 +443,22 @@ def test_draft_masks_are_the_masks_after_each_draft(tokenizer):
             assert reference.consume(drafts[j])
     assert not got[0].any()  # rows outside 1 .. 1 + len(drafts) are left alone
     assert matcher.valid_prefix(drafts) == len(drafts)  # the matcher is where it began
+
+
+def test_quantized_target(tiny, greedy_case):
+    """An int4-quantized target verifies as its plain decoding samples."""
+    from jserve.model import quant
+
+    config, weights, tokenizer = tiny
+    host = {k: np.asarray(v) for k, v in weights.items()}
+    q = quant.quantize_params(config, host, quant.QuantSpec.parse("int4", None))
+    prompts, params, _ = greedy_case
+    prompts, params = prompts[:8], params[:8]
+    settings = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, page_size=4, num_pages=200,
+                    backend="cpu")
+    base = checked_run(build_engine(config, q, tokenizer, [], EngineConfig(**settings)), prompts, params)
+    engine = build_engine(config, q, tokenizer, [], EngineConfig(**settings, speculative_config=NGRAM))
+    engine.speculator.proposer = OracleProposer(reference_of(prompts, base), seed=9)
+    spec = checked_run(engine, prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    assert engine.stats()["spec_accepted_tokens"] > 0
