@@ -27,7 +27,7 @@ from jserve.core.request import CompletionOutput, Logprob, RequestOutput, Sampli
 from jserve.core.scheduler import Scheduler
 from jserve.core.stop import Stop, StopPolicy
 from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from jserve.engine.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, DraftModelProposer, NgramProposer, Speculator
+from jserve.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from jserve.model import quant
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepOutput, StepRow
@@ -449,11 +449,10 @@ def _speculator(config: EngineConfig, runner: Runner, draft_runner: Runner | Non
         proposer: Any = DraftModelProposer(spec, draft_runner)
     else:
         proposer = NgramProposer(spec)
-    speculator = Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len,
-                            proposer)
+    limit = spec.disable_by_batch_size or runner.backend.speculative_batch_limit or runner.verify_buckets[-1]
     # No more rows than the runner compiled a verify step for.
-    speculator.disable_by_batch_size = min(speculator.disable_by_batch_size, runner.verify_buckets[-1])
-    return speculator
+    return Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len, proposer,
+                      min(limit, runner.verify_buckets[-1]))
 
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
@@ -525,7 +524,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
                     mesh=mesh, decode_steps=config.num_scheduler_steps,
                     num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-                    max_verify_rows=spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE if spec else None)
+                    max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None)
     draft_runner = None
     if spec is not None and spec.method == "draft_model":
         if draft is None:

@@ -5,8 +5,8 @@ output exact):
 
 - Turn-down: no speculation in a step with more decoding sequences than
   `disable_by_batch_size` (past it the verify step, k + 1 tokens per row, is no longer
-  bandwidth-bound and costs more than the accepted tokens save; the default is measured, see
-  `DEFAULT_DISABLE_BY_BATCH_SIZE`), nor for a sequence whose acceptance rate over its last
+  bandwidth-bound and costs more than the accepted tokens save; the default is the backend's
+  measured `speculative_batch_limit`), nor for a sequence whose acceptance rate over its last
   `acceptance_window` proposed tokens fell below `min_acceptance` (it rests `backoff_steps` steps,
   then tries again).
 - Drafts per sequence: at most k, and fewer near `max_tokens` or the context length (the step
@@ -31,13 +31,6 @@ from jserve.core.request import GREEDY
 from jserve.core.speculative import SpeculativeConfig
 from jserve.core.stop import tokens_left
 from jserve.runtime.steps import StepRow
-
-# Decoding sequences above which a step does not speculate, when the config gives no
-# `disable_by_batch_size`: on this project's 2-core CPU the verify step of the default model (k = 4)
-# costs 1.1x a decode step at batch 1, 1.3x at 4, 2.4x at 8 and 3.7x at 16
-# (scripts/bench_speculative.py --parts step, docs/performance.md): past 4 a row must gain more
-# than two tokens a step to pay for it.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 def ngram_lookup(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
@@ -140,11 +133,13 @@ class Speculator:
     """Per step: which decode chunks get how many drafts; per request: its acceptance; in all:
     the counters behind `/metrics` and `llm.stats()`."""
 
-    def __init__(self, config: SpeculativeConfig, max_len: int, proposer: Any):
+    def __init__(self, config: SpeculativeConfig, max_len: int, proposer: Any, batch_limit: int):
+        """`batch_limit`: the most decoding sequences a step speculates with (the config's
+        `disable_by_batch_size`, or the backend's default, within the runner's verify buckets)."""
         self.config = config
         self.max_len = max_len
         self.proposer = proposer
-        self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        self.disable_by_batch_size = batch_limit
         self._acceptance: dict[str, _Acceptance] = {}
         self.num_proposed = 0  # draft tokens verified
         self.num_accepted = 0  # of those, accepted

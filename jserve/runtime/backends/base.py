@@ -44,6 +44,15 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kernel={self.kernel!r})"
 
+    @property
+    def speculative_batch_limit(self) -> int | None:
+        """Decoding sequences above which a step does not speculate, unless the speculative
+        config says (`disable_by_batch_size`): 4 where the steps run on a CPU (the verify step
+        costs 1.5x a decode step at batch 4, 2.2x at 8: scripts/bench_speculative.py,
+        docs/performance.md); None (no limit, as vLLM) on TPU and GPU, where a step stays
+        bandwidth-bound to far larger batches (not measured here yet)."""
+        return None if self.kernel in ("tpu", "gpu") else 4
+
     # ---------------------------------------------------------------------------- set-up
 
     def check(self, config: ModelConfig, kv_dtype: Any, page_size: int) -> None:
