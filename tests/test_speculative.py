@@ -334,6 +334,12 @@ def test_draft_model_proposer(tiny, greedy_case):
         assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
         rates.append(engine.stats()["spec_acceptance_rate"])
     assert rates[0] == 1.0 and rates[1] < 1.0
+    short = dataclasses.replace(config, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="draft model's context"):
+        build_engine(config, weights, tokenizer, [], EngineConfig(**settings), draft=(short, weights))
+    wide = dataclasses.replace(config, vocab_size=512)
+    with pytest.raises(ValueError, match="vocabulary"):
+        build_engine(config, weights, tokenizer, [], EngineConfig(**settings), draft=(wide, weights))
 
 
 def test_large_batches_turn_speculation_down(tiny, greedy_case):

@@ -530,6 +530,9 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         if draft is None:
             raise ValueError("speculative_config method 'draft_model': the draft model was not loaded")
         draft_config, draft_params = draft
+        if draft_config.max_position_embeddings < config.max_model_len:
+            raise ValueError(f"the draft model's context ({draft_config.max_position_embeddings}) is shorter than "
+                             f"max_model_len ({config.max_model_len}): give a shorter max_model_len or another draft")
         if draft_config.vocab_size != model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the "
                              f"target's ({model_config.vocab_size}): a draft needs the same tokenizer")
