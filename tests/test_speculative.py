@@ -50,8 +50,9 @@ def test_config_parses_dicts_and_json_and_names_bad_values():
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
     assert EngineConfig(speculative_config='{"method": "ngram"}').speculative_config.method == "ngram"
-    with pytest.raises(ValueError, match="draft model runs on one device"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "x"}, mesh="tp=2")
+    for method in ({"method": "draft_model", "model": "x"}, {"method": "ngram"}):
+        with pytest.raises(ValueError, match="runs on one device"):
+            EngineConfig(speculative_config=method, mesh="tp=2")
     with pytest.raises(ValueError, match="multi-step decode"):
         EngineConfig(speculative_config={"method": "ngram"}, num_scheduler_steps=4)
 

@@ -115,10 +115,9 @@ class EngineConfig:
                              f"got {self.quantization_group_size!r} with quantization={self.quantization!r}")
         # Parsed once here (a dict or JSON text in, a SpeculativeConfig kept), naming a bad key or value.
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None and self.speculative_config.method == "draft_model" and (
-                self.mesh is not None):
-            raise ValueError("speculative decoding with a draft model runs on one device: give no mesh "
-                             "(or use method 'ngram')")
+        if self.speculative_config is not None and self.mesh is not None:
+            raise ValueError("speculative decoding runs on one device for now: give no mesh, or no "
+                             "speculative_config")
         if self.speculative_config is not None and self.num_scheduler_steps != 1:
             raise ValueError(f"speculative decoding and multi-step decode (num_scheduler_steps="
                              f"{self.num_scheduler_steps}) do not combine: give one of them")
