@@ -162,6 +162,32 @@ def test_large_tokenization_runs_off_the_event_loop(server):
     assert pool.num_jobs == 0
 
 
+def test_tokenizer_workers_end_with_a_server_that_exits_at_once(smollm2_checkpoint):
+    """A server that `os._exit`s (after a fatal engine fault) leaves no time to stop its pool: its
+    worker must still go, or the worker holds the server's stderr open and a reader of the log
+    waits forever (test_serve_process's fault test hung so once in CI)."""
+    import sys
+
+    code = (f"import asyncio, os\n"
+            f"from jserve.server.tokenizer_pool import TokenizerPool, encode\n"
+            f"from jserve.text.tokenizer import Tokenizer\n"
+            f"pool = TokenizerPool(Tokenizer.load({str(smollm2_checkpoint)!r}))\n"
+            f"print(asyncio.run(pool.run(10 ** 6, encode, 'hello world', False)), flush=True)\n"
+            f"os._exit(1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(out=proc.stdout.read(), err=proc.stderr.read()),
+                              daemon=True)
+    reader.start()
+    reader.join(60)  # EOF comes once every holder of the pipes, the worker too, is gone
+    try:
+        assert not reader.is_alive(), "the tokenizer worker outlived its server"
+        assert proc.wait(10) == 1 and result["out"].strip().startswith("[")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 # ------------------------------------------------------------------------------ connections
 
 def _connect(server) -> socket.socket:

@@ -18,7 +18,10 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
 import pickle
+import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
@@ -60,6 +63,16 @@ def decode(tok: Any, ids: list[int]) -> str:
 def _init_worker(payload: bytes) -> None:
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = pickle.loads(payload)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int, interval: float = 0.5) -> None:
+    """End the worker once its server is gone. A server that exits at once after a fatal engine
+    fault (`os._exit`) leaves no time to send the pool's stop sentinel, and an orphaned worker
+    kept its inherited stderr open: whoever read the server's log to its end waited forever."""
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os._exit(0)
 
 
 def _in_worker(fn: Callable, *args: Any) -> Any:
