@@ -62,8 +62,9 @@ class LLM:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
         if dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
-        self.path = resolve_model(model, dtype=dtype or "float32",
-                                  keep_quantized=engine_config.quantization == "gguf")
+        dummy = engine_config.load_format == "dummy"
+        self.path = _model_folder(model) if dummy else resolve_model(
+            model, dtype=dtype or "float32", keep_quantized=engine_config.quantization == "gguf")
         mesh = engine_config.mesh
         if mesh is not None:
             from jserve.model.checkpoint import read_model_config
@@ -76,12 +77,16 @@ class LLM:
             shardings = lambda name, shape: restore_sharding(mesh, name, shape, layout)  # noqa: E731
             engine_config = dataclasses.replace(engine_config, mesh=mesh)
         self.mesh = mesh
-        # Cast while restoring: a float32 checkpoint served in bfloat16 never holds both copies.
-        self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings,
-                                                                      dtype=dtype)
-        params, self.quantization = _quantization(self.path, self.config, params, self.generation_config,
-                                                  engine_config)
-        self.tokenizer = Tokenizer.load(self.path)
+        if dummy:  # random weights of the config's shapes (build_engine lays them out for a mesh)
+            self.config, params, self.generation_config, self.tokenizer = _dummy_model(self.path, dtype)
+            self.quantization = None
+        else:
+            # Cast while restoring: a float32 checkpoint served in bfloat16 never holds both copies.
+            self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings,
+                                                                          dtype=dtype)
+            params, self.quantization = _quantization(self.path, self.config, params, self.generation_config,
+                                                      engine_config)
+            self.tokenizer = Tokenizer.load(self.path)
         engine_config = resolve_max_model_len(engine_config, self.config)
         self.max_model_len = engine_config.max_model_len
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
@@ -155,6 +160,46 @@ class LLM:
                 return item["prompt"], self.tokenizer.encode(item["prompt"])
             raise ValueError(f"a prompt dict needs 'prompt' (str) or 'prompt_token_ids', got keys {list(item)}")
         return None, _check_ids(item)
+
+
+def _model_folder(model: str | os.PathLike | None) -> Path:
+    """Where a dummy model's config comes from: a checkpoint, Hugging Face folder (config.json is
+    enough) or .gguf, found as `read_model_config` finds it; the default model's for None."""
+    from jserve.model.checkpoint import default_checkpoint_root, is_checkpoint, resolve_model
+
+    if model is None:
+        return resolve_model(None)
+    p = Path(model)
+    if not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
+        return default_checkpoint_root() / str(model)
+    if p.is_file() and p.name == "config.json":
+        return p.parent
+    return p
+
+
+def _dummy_model(path: Path, dtype: str | None):
+    """(config, random params, generation dict, tokenizer) for `load_format="dummy"`: the config's
+    shapes in `dtype` (default bfloat16, as vLLM's), its own tokenizer when the folder has one,
+    else the default model's (with a warning: ids past the config's vocabulary are refused)."""
+    import json
+    import logging
+
+    from jserve.model.checkpoint import read_model_config, resolve_model
+    from jserve.model.dummy import dummy_params
+    from jserve.text.tokenizer import Tokenizer
+
+    config, _ = read_model_config(path)
+    params = dummy_params(config, dtype or "bfloat16")
+    try:
+        tokenizer = Tokenizer.load(path)
+    except (ValueError, OSError):
+        logging.getLogger(__name__).warning("%s has no tokenizer: using the default model's", path)
+        tokenizer = Tokenizer.load(resolve_model(None))
+    eos = []
+    if (path / "config.json").is_file():
+        raw = json.loads((path / "config.json").read_text()).get("eos_token_id")
+        eos = [raw] if isinstance(raw, int) else list(raw or [])
+    return config, params, {"eos_token_ids": [t for t in eos if 0 <= t < config.vocab_size]}, tokenizer
 
 
 def _load_draft(settings, tokenizer, dtype: str | None):

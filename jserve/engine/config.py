@@ -19,6 +19,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")  # vLLM's --kv-
 BACKEND_NAMES = ("cpu", "tpu", "gpu", "reference", "cpu_pallas")  # jserve.runtime.backends.NAMES
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")  # at load; "gguf": a GGUF file's own quantized weights
 QUALITY_GATES = ("enforce", "warn", "off")
+LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own context length when none is given
 
 
@@ -75,6 +76,9 @@ class EngineConfig:
     mesh: Any = _setting(None, "device mesh, e.g. tp=4 or dp=2,tp=4, a dict or a jax.sharding.Mesh "
                                "(default: one device)")
     warmup: bool = _setting(True, "compile every bucket before serving (instead of on first use)", flag=None)
+    load_format: str = _setting("auto", "auto: the model's weights; dummy: random weights of its config's shapes "
+                                        "(vLLM's name: speed and memory without the weights; the text is "
+                                        "meaningless)", choices=LOAD_FORMATS)
     quantization: str | None = _setting(
         None, "quantize a float checkpoint's weights at load: int8 (per channel), int4 (groups, see "
               "--quantization-group-size), fp8 (e4m3, per channel); gguf: serve a .gguf file's own "
@@ -121,6 +125,10 @@ class EngineConfig:
         if self.speculative_config is not None and self.num_scheduler_steps != 1:
             raise ValueError(f"speculative decoding and multi-step decode (num_scheduler_steps="
                              f"{self.num_scheduler_steps}) do not combine: give one of them")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.quantization is not None:
+            raise ValueError("load_format 'dummy' makes float weights: give no quantization with it")
         if self.quality_gate not in QUALITY_GATES:
             raise ValueError(f"quality_gate must be one of {QUALITY_GATES}, got {self.quality_gate!r}")
         for name in ("quality_max_kl", "quality_min_top1"):
