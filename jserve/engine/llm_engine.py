@@ -204,6 +204,8 @@ class LLMEngine:
                 self._groups.pop(rid, None)
                 for seq in group.sequences:
                     self._forget(seq.request.request_id)
+        if not self._groups:
+            self.runner.mark_idle()  # the wait for the next request is no gap between steps
         return outputs
 
     def _forget(self, request_id: str) -> None:
@@ -411,9 +413,19 @@ class LLMEngine:
             "padded_token_fraction": (padded - real) / padded if padded else 0.0,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            **self._idle_stats(),
             **self._structured_stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
         }
+
+    def _idle_stats(self, recent: int = 64) -> dict[str, float]:
+        """The host time between consecutive device calls (the device idles), over the last
+        `recent` calls: its mean, and its share of the calls' time plus it."""
+        records = list(self.runner.records)[-recent:]
+        idle = sum(r.idle_before for r in records)
+        busy = sum(r.seconds for r in records)
+        return {"step_idle_seconds": idle / len(records) if records else 0.0,
+                "step_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0}
 
     def _draft_runners(self) -> list[Runner]:
         proposer = self.speculator.proposer if self.speculator is not None else None

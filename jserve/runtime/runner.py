@@ -146,6 +146,7 @@ class Runner:
         self.num_compilations_after_warmup = 0
         self.warmed_up = False
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=4096)  # recent steps
+        self._last_end: float | None = None  # when the last call returned (None: idle, see mark_idle)
         self.total_real_tokens = 0  # since warm-up, for the padding-waste metric
         self.total_padded_tokens = 0
         # Multi-host (jax.distributed): process 0 schedules and broadcasts each step's inputs;
@@ -387,9 +388,17 @@ class Runner:
             results[i] = {key: value[slot] for key, value in out.items()}
 
     def _record(self, record: StepRecord) -> None:
+        end = time.perf_counter()  # the call just returned: it started `record.seconds` ago
+        if self._last_end is not None:
+            record = dataclasses.replace(record, idle_before=max(0.0, end - record.seconds - self._last_end))
+        self._last_end = end
         self.records.append(record)
         self.total_real_tokens += record.real_tokens
         self.total_padded_tokens += record.padded_tokens
+
+    def mark_idle(self) -> None:
+        """Nothing left to run: the wait until the next call is not a gap between steps."""
+        self._last_end = None
 
     def _call(self, kind: str, B: int, T: int, inputs, constraints):
         """Run the compiled step on host inputs (on every process, when there are several)."""
@@ -530,6 +539,7 @@ class Runner:
                 self.execute_verify([StepRow(0, [0], [0] * self.max_pages, draft_ids=drafts)] * B)
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
+        self.mark_idle()
         self.warmed_up = True
 
 

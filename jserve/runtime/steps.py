@@ -115,3 +115,6 @@ class StepRecord:
     bytes_needed: int  # weights once + K/V read and written for the real tokens
     flops_needed: int  # matmuls and attention for the real tokens (padding excluded)
     steps: int = 1  # model steps the call ran (> 1: a multi-step decode; `seconds` covers them all)
+    # Host time between the previous call's end and this call's start (scheduling, packing,
+    # detokenizing: the device idles), 0 for the first call of a busy period.
+    idle_before: float = 0.0

@@ -62,6 +62,10 @@ class ServerMetrics:
         self.flops_per_s = gauge("jserve_achieved_flops_per_second", "useful FLOPs per second of step time, "
                                                                      f"last {RECENT_STEPS} steps")
         self.ready = gauge("jserve_ready", "1 once warmed up and serving, else 0")
+        self.idle = {key: gauge("jserve_" + key, doc) for key, doc in (
+            ("step_idle_seconds", "host time between consecutive device steps (the device idles), mean of "
+                                  "the last 64 steps"),
+            ("step_idle_fraction", "that idle time's share of step time plus it, last 64 steps"))}
         # Structured outputs: LLMEngine.stats() key -> its gauge.
         self.structured = {key: gauge(name, doc) for key, name, doc in (
             ("structured_requests", "jserve_structured_requests", "requests with structured outputs since start"),
@@ -131,7 +135,7 @@ class ServerMetrics:
         self.compilations.set(stats.get("compilations_after_warmup", 0))
         self.padding.set(stats.get("padded_token_fraction", 0.0))
         self.steps.set(stats.get("num_steps", 0))
-        for key, gauge_ in (*self.structured.items(), *self.speculative.items()):
+        for key, gauge_ in (*self.structured.items(), *self.speculative.items(), *self.idle.items()):
             gauge_.set(stats.get(key, 0))
         recent = list(records)[-RECENT_STEPS:]
         seconds = sum(r.seconds for r in recent)
