@@ -69,3 +69,23 @@ def test_cli_generate_with_dummy_weights(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 4
+
+
+def test_step_floor_script_on_a_config_only_model(tmp_path):
+    """scripts/bench_step_floor.py (the device check's `step` part) on dummy weights of a bare
+    config.json: a row per (batch, context), the pages that do not fit reported as such."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "floor.json"
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_step_floor.py"), "--model",
+                           str(ARCH / "qwen3" / "config.json"), "--load-format", "dummy", "--batches", "1,2",
+                           "--contexts", "32,120", "--reps", "2", "--kv-bytes", "64KiB", "--copy-bytes", "8MiB",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (2, 32), (1, 120), (2, 120)]
+    fitting = [r for r in rows if r["fits"]]
+    assert fitting and all(r["step_ms"] > 0 and r["floor_bytes"] > 0 for r in fitting)
+    assert not all(r["fits"] for r in rows)  # 64 KiB of pages cannot hold two rows of 120 tokens
