@@ -126,6 +126,27 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    """Compile every bucket the server would, into `--out`'s compilation cache, and write the
+    manifest that `serve --compile-cache` checks (`jserve.engine.compile_cache`)."""
+    import time
+
+    from jserve.engine import compile_cache
+    from jserve.llm import LLM
+
+    settings = engine_kwargs(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    key = compile_cache.artifact_key(args.model, args.dtype, settings)  # bad settings fail before compiling
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, warmup=True, compilation_cache=compile_cache.cache_dir(out), **settings)
+    compile_cache.write_manifest(out, key)
+    files = sum(1 for _ in compile_cache.cache_dir(out).iterdir())
+    print(f"compiled {llm.runner.num_compilations} steps in {time.perf_counter() - t0:.1f} s into {out} "
+          f"({files} cache entries)")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from jserve.engine.config import EngineConfig
     from jserve.engine.llm_engine import resolve_max_model_len
@@ -262,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget", dest="kv_cache_bytes", type=parse_bytes, default=argparse.SUPPRESS,
                    help="the same as --kv-cache-bytes")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("warmup", help="compile every bucket into a portable compile artifact "
+                                      "(serve it with jserve serve --compile-cache DIR)")
+    p.add_argument("--model", default=None, help="as serve's --model")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--out", required=True, help="the artifact's folder (created)")
+    add_engine_args(p, exclude=("seed",))
+    p.set_defaults(func=_warmup)
 
     from jserve.server.cli import add_serve_parser
     add_serve_parser(sub)

@@ -20,7 +20,10 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path
                 or Path.home() / ".cache" / "jserve" / "jax")
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    # Entries faster to compile than this are not kept; a compile artifact keeps all
+    # (`jserve.engine.compile_cache` sets JSERVE_CACHE_MIN_COMPILE_SECONDS=0).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ.get("JSERVE_CACHE_MIN_COMPILE_SECONDS", 0.2)))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
 

@@ -59,6 +59,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may pass as `model`, the first in responses (default: the model "
                    "folder's name; for the default model smollm2-135m-instruct and SmolLM2-135M-Instruct)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="start from a compile artifact made by `jserve warmup --out DIR` (a mismatch "
+                   "is named in the log, then the steps compile as usual)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable); "
@@ -149,10 +152,13 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _load(args: argparse.Namespace) -> Any:
+    from jserve.engine import compile_cache
     from jserve.engine.config import engine_kwargs
     from jserve.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, warmup=True, **engine_kwargs(args))
+    settings = engine_kwargs(args)
+    cache = compile_cache.resolve(getattr(args, "compile_cache", None), args.model, args.dtype, settings)
+    return LLM(args.model, dtype=args.dtype, warmup=True, compilation_cache=cache, **settings)
 
 
 def freeze_startup_heap() -> int:

@@ -1,0 +1,54 @@
+"""The portable compile artifact: `jserve warmup --out DIR` compiles every bucket into DIR with
+a manifest of what it was compiled for; `serve --compile-cache DIR` uses it when the key matches
+and names the fields that differ otherwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jserve.engine import compile_cache
+
+SMALL = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
+
+
+def test_the_key_names_what_differs(tmp_path, smollm2_checkpoint):
+    key = compile_cache.artifact_key(str(smollm2_checkpoint), None, SMALL)
+    assert key["engine"]["max_model_len"] == 128 and key["dtype"] == "float32" and key["jax"]
+    with pytest.raises(ValueError, match="holds no compile artifact"):
+        compile_cache.mismatches(tmp_path, key)
+    compile_cache.write_manifest(tmp_path, key)
+    assert compile_cache.mismatches(tmp_path, key) == []
+    other = compile_cache.artifact_key(str(smollm2_checkpoint), "bfloat16", {**SMALL, "max_num_seqs": 4})
+    assert compile_cache.mismatches(tmp_path, other) == ["dtype: 'float32' there, 'bfloat16' here",
+                                                         "engine.max_num_seqs: 2 there, 4 here"]
+    stored = json.loads((tmp_path / "manifest.json").read_text())
+    stored["device_kind"] = "tpu:TPU v5 lite"
+    (tmp_path / "manifest.json").write_text(json.dumps(stored))
+    assert compile_cache.mismatches(tmp_path, key) == ["device_kind: 'tpu:TPU v5 lite' there, 'cpu:cpu' here"]
+    assert compile_cache.resolve(tmp_path, str(smollm2_checkpoint), None, SMALL) is None  # compiles as usual
+
+
+def test_warmup_then_serve_from_the_artifact(tmp_path, smollm2_checkpoint, capsys, monkeypatch):
+    import jax
+
+    from jserve import cli
+    from jserve.llm import LLM, enable_compilation_cache
+
+    monkeypatch.setenv("JSERVE_CACHE_MIN_COMPILE_SECONDS", "0.2")  # restored after the test
+    before = jax.config.jax_compilation_cache_dir  # the suite's cache, put back at the end
+    out = tmp_path / "artifact"
+    flags = ["--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+    try:
+        assert cli.main(["warmup", "--model", str(smollm2_checkpoint), "--out", str(out), *flags]) == 0
+        assert "compiled" in capsys.readouterr().out
+        entries = sorted(p.name for p in compile_cache.cache_dir(out).iterdir())
+        assert entries and (out / "manifest.json").is_file()
+        cache = compile_cache.resolve(out, str(smollm2_checkpoint), None, SMALL)
+        assert cache == out / "xla"
+        llm = LLM(str(smollm2_checkpoint), compilation_cache=cache, **SMALL)  # warms up from the artifact
+        assert sorted(p.name for p in cache.iterdir()) == entries  # every step was found there: nothing new
+        assert llm.engine.stats()["compilations_after_warmup"] == 0
+    finally:
+        enable_compilation_cache(before)
