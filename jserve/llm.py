@@ -19,6 +19,15 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path
     path = Path(directory or os.environ.get("JSERVE_COMPILATION_CACHE")
                 or Path.home() / ".cache" / "jserve" / "jax")
     path.mkdir(parents=True, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir not in (None, str(path)):
+        # JAX opens its cache once, at the first compilation: another folder needs it reopened
+        # (a private function; without it the first folder stays in use).
+        try:
+            from jax._src import compilation_cache
+
+            compilation_cache.reset_cache()
+        except (ImportError, AttributeError):
+            pass
     jax.config.update("jax_compilation_cache_dir", str(path))
     # Entries faster to compile than this are not kept; a compile artifact keeps all
     # (`jserve.engine.compile_cache` sets JSERVE_CACHE_MIN_COMPILE_SECONDS=0).

@@ -30,25 +30,28 @@ def test_the_key_names_what_differs(tmp_path, smollm2_checkpoint):
     assert compile_cache.resolve(tmp_path, str(smollm2_checkpoint), None, SMALL) is None  # compiles as usual
 
 
-def test_warmup_then_serve_from_the_artifact(tmp_path, smollm2_checkpoint, capsys, monkeypatch):
-    import jax
+def test_warmup_then_serve_from_the_artifact(tmp_path, smollm2_checkpoint):
+    """As a user runs them: `jserve warmup` in one process, a server's engine in another, which
+    finds every step in the artifact (no new cache entry) and compiles nothing after warm-up."""
+    import os
+    import subprocess
+    import sys
 
-    from jserve import cli
-    from jserve.llm import LLM, enable_compilation_cache
-
-    monkeypatch.setenv("JSERVE_CACHE_MIN_COMPILE_SECONDS", "0.2")  # restored after the test
-    before = jax.config.jax_compilation_cache_dir  # the suite's cache, put back at the end
     out = tmp_path / "artifact"
     flags = ["--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
-    try:
-        assert cli.main(["warmup", "--model", str(smollm2_checkpoint), "--out", str(out), *flags]) == 0
-        assert "compiled" in capsys.readouterr().out
-        entries = sorted(p.name for p in compile_cache.cache_dir(out).iterdir())
-        assert entries and (out / "manifest.json").is_file()
-        cache = compile_cache.resolve(out, str(smollm2_checkpoint), None, SMALL)
-        assert cache == out / "xla"
-        llm = LLM(str(smollm2_checkpoint), compilation_cache=cache, **SMALL)  # warms up from the artifact
-        assert sorted(p.name for p in cache.iterdir()) == entries  # every step was found there: nothing new
-        assert llm.engine.stats()["compilations_after_warmup"] == 0
-    finally:
-        enable_compilation_cache(before)
+    env = {**os.environ, "JSERVE_COMPILATION_CACHE": str(tmp_path / "own-cache")}
+    done = subprocess.run([sys.executable, "-m", "jserve.cli", "warmup", "--model", str(smollm2_checkpoint),
+                           "--out", str(out), *flags], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
+    entries = sorted(p.name for p in compile_cache.cache_dir(out).iterdir())
+    assert entries and (out / "manifest.json").is_file()
+    code = (f"from jserve.engine import compile_cache\n"
+            f"from jserve.llm import LLM\n"
+            f"settings = {SMALL!r}\n"
+            f"cache = compile_cache.resolve({str(out)!r}, {str(smollm2_checkpoint)!r}, None, settings)\n"
+            f"assert cache is not None\n"
+            f"llm = LLM({str(smollm2_checkpoint)!r}, compilation_cache=cache, **settings)\n"
+            f"print(llm.engine.stats()['compilations_after_warmup'])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "0", done.stderr[-2000:]
+    assert sorted(p.name for p in compile_cache.cache_dir(out).iterdir()) == entries  # every step was there
