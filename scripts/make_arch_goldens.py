@@ -19,16 +19,21 @@ All runs use ``attn_implementation="eager"`` and one CPU thread. Every
 RMSNorm weight (incl. Qwen3 q_norm/k_norm) is drawn from U(0.5, 1.5) and
 every bias from N(0, 0.2), so norm/bias bugs change the logits.
 
-Cases: llama2, llama3, llama_bias, mistral, qwen2, qwen3, smollm2 (see
-``CASES`` below and tests/data/arch/README.md). Self-checks run each time:
+Cases: llama2, llama3, llama_bias, mistral, qwen2, qwen3, smollm2, gemma2,
+gemma3 (see ``CASES`` below and tests/data/arch/README.md). Self-checks run each time:
 the saved folder reloads to bit-identical logits, the greedy ids equal a
 no-cache argmax loop, logits std > 1e-2, biases/norms are not trivial,
 llama3's rope scaling changes the logits versus an unscaled copy (with
 head_dim 16, rope_theta 500000 and original_max_position_embeddings 64 the
 8 rotary frequencies fall into all three llama3 bands: 1 unchanged
 high-frequency, 1 smoothed, 6 divided by ``factor``; the script asserts
-this), and mistral's sliding_window 8 changes the logits versus
-sliding_window None.
+this), mistral's sliding_window 8 changes the logits versus
+sliding_window None, and for Gemma: the sliding layers' window 8 changes the
+logits at positions >= 8 only (vs a 4096 window), query_pre_attn_scalar
+differs from head_dim and matters, Gemma 2's attention and final logit
+soft-capping each change the logits, and Gemma 3's local rotary base and its
+global layers' linear scaling each do. Gemma's RMSNorm scales by (1 + w), so
+its norm weights are drawn from U(-0.5, 0.5) instead.
 
 The test suite never needs torch; only this generator does. Set up its own
 virtualenv (Python 3.11, CPU torch wheel that lies on the dev machine's disk;
@@ -65,6 +70,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import (  # noqa: E402
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -83,6 +92,8 @@ BATCH, SEQ, VOCAB = 2, 24, 256
 PROMPT_LEN, NEW_TOKENS = 10, 8
 INPUT_SEED = 1234
 NORM_RANGE = (0.5, 1.5)
+# Gemma's RMSNorm scales by (1 + weight): U(-0.5, 0.5) gives the same (0.5, 1.5) scales.
+GEMMA_NORM_RANGE = (-0.5, 0.5)
 BIAS_STD = 0.2
 
 COMMON = dict(
@@ -157,14 +168,51 @@ CASES = {
              rms_norm_eps=1e-5, tie_word_embeddings=True),
         107, "Llama (SmolLM2-style), GQA 4/2, rope_theta 1e5, rms_norm_eps 1e-5, tied",
     ),
+    "gemma2": (
+        Gemma2ForCausalLM, Gemma2Config,
+        dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=32, sliding_window=8,
+             attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+             tie_word_embeddings=False),
+        108, "Gemma 2, 3 layers (sliding, full, sliding: the default alternation), GQA 4/2, "
+             "sliding_window 8, attn / final logit soft-capping 2 / 3, query_pre_attn_scalar 32 "
+             "(!= head_dim 16), (1 + w) norms incl. post-attention / post-MLP, GeGLU, untied (tied, "
+             "the sqrt(hidden)-scaled embedding dominates and greedy repeats one token)",
+    ),
+    "gemma3": (
+        Gemma3ForCausalLM, Gemma3TextConfig,
+        dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=8,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+             tie_word_embeddings=True),
+        109, "Gemma 3 text, 4 layers (sliding, sliding, full, sliding), GQA 4/2, head_dim 32, "
+             "sliding_window 8, local rope_theta 1e4 vs global 1e6 + linear scaling 8, random "
+             "(1 + w) q/k norms, query_pre_attn_scalar 24, tied",
+    ),
 }
 
 
-def build(name: str):
-    model_cls, config_cls, overrides, seed, _ = CASES[name]
+def config_kwargs(name: str, **changes) -> dict:
+    """COMMON, the case's overrides, then `changes` (Gemma names its activation
+    `hidden_activation` and takes no `hidden_act`)."""
     kw = dict(COMMON)
-    kw.update(overrides)
-    config = config_cls(**kw)
+    kw.update(CASES[name][2])
+    kw.update(changes)
+    if "hidden_activation" in kw:
+        kw.pop("hidden_act")
+    return kw
+
+
+def is_gemma(name: str) -> bool:
+    return name.startswith("gemma")
+
+
+def build(name: str):
+    model_cls, config_cls, _, seed, _ = CASES[name]
+    config = config_cls(**config_kwargs(name))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
@@ -173,7 +221,7 @@ def build(name: str):
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
-                lo, hi = NORM_RANGE
+                lo, hi = GEMMA_NORM_RANGE if is_gemma(name) else NORM_RANGE
                 p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
             elif pname.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
@@ -233,11 +281,8 @@ def llama3_band_counts(config) -> tuple[int, int, int]:
 
 def variant_logits(name: str, model, ids: np.ndarray, **cfg_changes) -> np.ndarray:
     """Logits of the same weights under a modified config."""
-    model_cls, config_cls, overrides, _, _ = CASES[name]
-    kw = dict(COMMON)
-    kw.update(overrides)
-    kw.update(cfg_changes)
-    config = config_cls(**kw)
+    model_cls, config_cls, _, _, _ = CASES[name]
+    config = config_cls(**config_kwargs(name, **cfg_changes))
     config._attn_implementation = "eager"
     other = model_cls(config).to(torch.float32).eval()
     other.load_state_dict(model.state_dict())
@@ -274,6 +319,38 @@ def checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[str]:
     if name == "qwen3":
         assert model.config.head_dim == 32
         assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
+    if is_gemma(name):
+        cfg = model.config
+        W = cfg.sliding_window
+        assert "sliding_attention" in cfg.layer_types and "full_attention" in cfg.layer_types, cfg.layer_types
+        assert cfg.query_pre_attn_scalar != cfg.head_dim
+        # A window wider than the input keeps the local layers' own rotary base (Gemma 3).
+        wide = variant_logits(name, model, ids, sliding_window=4096)
+        diff = np.abs(wide - logits).max(axis=(0, 2))
+        assert diff[:W].max() < 1e-5, diff[:W]
+        assert diff[W:].max() > 1e-2, diff[W:]
+        notes.append(f"layer_types {cfg.layer_types}; max|dlogit| vs sliding_window=4096: "
+                     f"pos<{W} {diff[:W].max():.1e}, pos>={W} {diff[W:].max():.3f}")
+        d = float(np.abs(variant_logits(name, model, ids, query_pre_attn_scalar=cfg.head_dim) - logits).max())
+        assert d > 1e-2, d
+        notes.append(f"max|dlogit| vs query_pre_attn_scalar=head_dim: {d:.3f}")
+    if name == "gemma2":
+        cfg = model.config
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            d = float(np.abs(variant_logits(name, model, ids, **{key: None}) - logits).max())
+            assert d > 1e-2, (key, d)
+            notes.append(f"max|dlogit| vs {key}=None: {d:.3f}")
+        assert np.abs(logits).max() < cfg.final_logit_softcapping
+    if name == "gemma3":
+        rope = model.config.rope_parameters
+        for kind, change in (("sliding_attention", {"rope_type": "default", "rope_theta": 1000000.0}),
+                             ("full_attention", {"rope_type": "default", "rope_theta": 1000000.0})):
+            d = float(np.abs(variant_logits(name, model, ids, rope_parameters={**rope, kind: change})
+                             - logits).max())
+            assert d > 1e-2, (kind, d)
+            notes.append(f"max|dlogit| vs {kind} rope {change}: {d:.3f}")
+        q_norm = model.model.layers[0].self_attn.q_norm.weight
+        assert q_norm.shape == (32,) and q_norm.abs().min() > 0
     return notes
 
 
@@ -318,7 +395,8 @@ def write_readme(out_dir: Path, rows: list[dict]) -> None:
         "Generated by `scripts/make_arch_goldens.py` with "
         f"torch {torch.__version__} and transformers {transformers.__version__} "
         "(float32, CPU, eager attention, 1 thread). Random weights, fixed seeds; "
-        "every RMSNorm weight ~ U(0.5, 1.5) and every bias ~ N(0, 0.2).",
+        "every RMSNorm weight ~ U(0.5, 1.5) (Gemma's, which scale by 1 + w, ~ U(-0.5, 0.5)) "
+        "and every bias ~ N(0, 0.2).",
         "",
         "Each folder holds `config.json` + `model.safetensors` exactly as "
         "`save_pretrained(..., safe_serialization=True)` writes them "
@@ -331,7 +409,7 @@ def write_readme(out_dir: Path, rows: list[dict]) -> None:
         f"`generate(input_ids[:1, :{PROMPT_LEN}], max_new_tokens={NEW_TOKENS}, do_sample=False)` "
         "with eos disabled (ignore eos when reproducing them)",
         "",
-        "Common config: hidden_size 64, 2 layers, vocab_size 256, intermediate_size 128, "
+        "Common config: hidden_size 64, 2 layers (gemma2 3, gemma3 4), vocab_size 256, intermediate_size 128, "
         "max_position_embeddings 256, initializer_range 0.1, rms_norm_eps 1e-6 unless noted.",
         "",
         "Transformers 5 writes rope settings as `rope_parameters` "
@@ -357,7 +435,14 @@ def write_readme(out_dir: Path, rows: list[dict]) -> None:
         "greedy ids equal a cache-free argmax loop; llama3's scaling changes logits vs an "
         "unscaled copy (rotary frequencies land in all three llama3 bands at head_dim 16 with "
         "original_max_position_embeddings 64); mistral's sliding window (key j visible to query "
-        "i iff i-8 < j <= i) changes logits at positions >= 8 only.",
+        "i iff i-8 < j <= i) changes logits at positions >= 8 only; so does Gemma's on its "
+        "sliding layers (vs a 4096 window); Gemma 2's attention and final soft-capping, "
+        "query_pre_attn_scalar (vs head_dim), and Gemma 3's local rotary base and global "
+        "linear scaling each change the logits.",
+        "",
+        "Another CPU may give float32 logits that differ in their last bits (up to ~1.5e-6 "
+        "was seen for these folders, well inside the tests' 1e-4); a regeneration that only adds "
+        "a case can keep the other folders as committed.",
         "",
         "Regenerate (from the repo root; venv setup is in the script's docstring):",
         "",
