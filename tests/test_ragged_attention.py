@@ -15,7 +15,7 @@ import pytest
 from jax import export
 
 from pallas_kernels.paged_attention import ragged as ragged_mod
-from pallas_kernels.paged_attention import ragged_gpu, ragged_paged_attention, ragged_tpu
+from pallas_kernels.paged_attention import ragged_paged_attention, ragged_tpu
 from pallas_kernels.paged_attention.common import QUANT_MAX
 
 INT8, FP8 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)
@@ -226,7 +226,7 @@ def test_gpu_schedule_in_mosaic_gpu_interpret_mode(kv_dtype, sliding_window, sof
     rng = np.random.default_rng(4)
     args, kw, kv_rows = make_batch(rng, rows, page_size=16, groups=4, dtype=jnp.bfloat16,
                                    kv_dtype=kv_dtype, max_rows=8)
-    out = ragged_gpu.ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, soft_cap=soft_cap,
+    out = ragged_mod.ragged_paged_attention_gpu(*args, sm_scale=SM_SCALE, soft_cap=soft_cap,
                                                 sliding_window=sliding_window, interpret=True, **kw)
     assert out.dtype == jnp.bfloat16
     want = dense(args[0], rows, kv_rows, soft_cap=soft_cap, sliding_window=sliding_window)

@@ -184,6 +184,19 @@ def ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_
                      v_scales=v_scales)
 
 
+def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_rows, *,
+                               sm_scale, soft_cap=None, sliding_window=None, k_scales=None,
+                               v_scales=None, interpret: bool = False, **tuning):
+    """The "gpu" path (no validation; `ragged_gpu.supports` must hold): `ragged_gpu.attend_items`
+    on the work list of `ragged_gpu.tile_tokens(groups)`-token items. `interpret` runs the
+    kernel in the Mosaic GPU interpreter; `tuning`: pages_per_block, splits."""
+    groups = q.shape[1] // k_pages.shape[0]
+    attend = functools.partial(ragged_gpu.attend_items, interpret=interpret, **tuning)
+    return _per_item(attend, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_rows,
+                     ragged_gpu.tile_tokens(groups), sm_scale=sm_scale, soft_cap=soft_cap,
+                     sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+
+
 @functools.partial(jax.jit, static_argnames=("backend", "sm_scale", "soft_cap", "sliding_window"))
 def ragged_paged_attention(
     q: jax.Array,             # [num_tokens, num_q_heads, head_dim]: every row's new tokens
@@ -217,7 +230,7 @@ def ragged_paged_attention(
     if backend in ("tpu", "cpu_pallas"):
         return ragged_tpu.ragged_paged_attention_tpu(*args, interpret=backend == "cpu_pallas", **kw)
     if backend == "gpu" and ragged_gpu.supports(k_pages.dtype, head_dim, page_size):
-        return ragged_gpu.ragged_paged_attention_gpu(*args, **kw)
+        return ragged_paged_attention_gpu(*args, **kw)
     if backend == "cpu":
         cpu = functools.partial(paged_prefill_attention, backend="cpu")
         return _per_item(cpu, *args, max(1, 64 // groups), **kw)

@@ -38,28 +38,25 @@ def tile_tokens(groups: int) -> int:
     return max(1, gpu.BLOCK_ROWS // groups)
 
 
-def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_rows, *,
-                               sm_scale: float, soft_cap: float | None, sliding_window: int | None,
-                               k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
-                               pages_per_block: int | None = None, splits: int | None = None,
-                               interpret: bool = False) -> jax.Array:
-    """`ragged.ragged_paged_attention`'s contract on the Mosaic GPU kernel (inputs validated,
-    `supports(k_pages.dtype, head_dim, page_size)` true). Returns q's shape and dtype."""
-    from pallas_kernels.paged_attention.ragged import tile_rows, untile
-
+def attend_items(q_items, k_pages, v_pages, q_start, q_lens, table, *, sm_scale: float,
+                 soft_cap: float | None, sliding_window: int | None,
+                 k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                 pages_per_block: int | None = None, splits: int | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """The Mosaic GPU kernel on work items: q_items [items, tile_tokens(groups), heads, head_dim],
+    each a row's tokens from position q_start (q_lens real ones) over its page-table row `table`
+    (`supports(k_pages.dtype, head_dim, page_size)` must hold). Returns q_items' shape, in
+    `gpu.compute_dtype`; `ragged.ragged_paged_attention_gpu` builds the items and reorders."""
     num_kv_heads, _, page_size, head_dim = k_pages.shape
-    groups = q.shape[1] // num_kv_heads
-    tiles = tile_rows(kv_lens, cu_q_lens, num_rows, q.shape[0], tile_tokens(groups))
-    table = page_indices[tiles.rows]
+    groups = q_items.shape[2] // num_kv_heads
     if pages_per_block is None:
         pages_per_block = max(1, gpu.DEFAULT_BLOCK_KEYS // page_size)
     pages_per_block = gpu.fit_pages_per_block(pages_per_block, page_size, head_dim, table.shape[1],
                                               k_pages.dtype)
     scales = {} if k_scales is None else dict(k_scales=k_scales, v_scales=v_scales)
-    q_items = q[tiles.tokens]  # [items, tile, heads, head_dim]
-    out = gpu.paged_attention_rows(pack_rows(q_items, num_kv_heads), k_pages, v_pages,
-                                   tiles.q_start, tiles.q_lens, table, sm_scale=float(sm_scale),
-                                   soft_cap=soft_cap, sliding_window=sliding_window, groups=groups,
+    out = gpu.paged_attention_rows(pack_rows(q_items, num_kv_heads), k_pages, v_pages, q_start,
+                                   q_lens, table, sm_scale=float(sm_scale), soft_cap=soft_cap,
+                                   sliding_window=sliding_window, groups=groups,
                                    pages_per_block=pages_per_block, splits=splits,
                                    interpret=interpret, **scales)
-    return untile(unpack_rows(out, q_items.shape[1]), tiles).astype(q.dtype)
+    return unpack_rows(out, q_items.shape[1])
