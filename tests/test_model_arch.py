@@ -12,7 +12,7 @@ from conftest import DATA
 from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
 from jserve.model.checkpoint import read_params
 
-ARCHS = ["llama2", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "smollm2"]
+ARCHS = ["llama2", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "smollm2", "gemma2", "gemma3"]
 
 
 def _forward(config, params, ids: np.ndarray, layout: str = "list") -> np.ndarray:
@@ -39,7 +39,7 @@ def test_logits_match_transformers(arch, layout):
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen3", "gemma2", "gemma3"])
 def test_cached_greedy_decode_matches_transformers(arch):
     """Prefill + step-by-step decode over the KV cache reproduces HF's greedy tokens."""
     folder = DATA / "arch" / arch
@@ -74,6 +74,7 @@ def test_config_parses_rope_and_features():
     assert cfgs["llama_bias"].o_bias and cfgs["llama_bias"].mlp_bias
     assert cfgs["mistral"].sliding_window == 8
     assert cfgs["smollm2"].tie_word_embeddings
+    assert cfgs["gemma2"].attn_logit_softcap == 2.0 and cfgs["gemma3"].rope_local_theta == 1e4  # tests/test_gemma.py
 
 
 def test_unsupported_architecture_is_named():

@@ -17,9 +17,34 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model (`text_config`) only
 }
-_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                       "gemma2": "gemma2", "gemma3": "gemma3"}
 SUPPORTED_ARCHITECTURES = tuple(sorted(_HF_ARCHITECTURES))
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+
+# `ModelConfig.layer_types` entries (Hugging Face's names).
+SLIDING, FULL = "sliding_attention", "full_attention"
+# Hugging Face's defaults for keys a Gemma config.json may leave out (Gemma2Config,
+# Gemma3TextConfig): a Gemma 3 multimodal checkpoint's `text_config` gives little more than its sizes.
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
+                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True,
+                   hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1),
+    "gemma3": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                   rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                   query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+                   final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True,
+                   hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1),
+}
+# The GELU's tanh approximation (what Gemma's `gelu_pytorch_tanh` computes).
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
 # A decoder layer's matmul weights, in the order the model and the fused native layers take them.
@@ -46,7 +71,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder."""
 
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -66,6 +91,18 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral v0.1: attend to the last `sliding_window` keys
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2 / 3 (defaults: the Llama layer).
+    layer_types: tuple[str, ...] | None = None  # per layer SLIDING or FULL; None: every layer
+    #   windowed iff sliding_window is set
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1 for Gemma (HF's weights)
+    post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs before each residual add
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
+    hidden_act: str = "silu"  # the MLP's gate: silu (SwiGLU) | gelu_tanh (GeGLU)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    attn_logit_softcap: float | None = None  # attention logits -> cap * tanh(logits / cap)
+    final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # sliding layers' rotary base, unscaled (Gemma 3);
+    #   None: rope_theta and rope_scaling on every layer
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -80,10 +117,63 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.architecture not in _GGUF_ARCHITECTURES.values():
             raise ValueError(f"unsupported architecture {self.architecture!r}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (supported: silu, gelu_tanh)")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {SLIDING, FULL}:
+                raise ValueError(f"layer_types must give {SLIDING!r} or {FULL!r} for each of the "
+                                 f"{self.num_layers} layers, got {self.layer_types!r}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding layers but sliding_window is not set")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"model config {name} must be positive or None, got {value!r}")
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention logits' scale: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window (and, with rope_local_theta,
+        rotates by the local base)."""
+        if self.layer_types is None:
+            return self.sliding_window is not None
+        return self.layer_types[layer] == SLIDING
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_is_sliding(layer) else None
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether the layers are of two kinds (sliding and full attention, Gemma 2 / 3): a layer's
+        window (and rotary base) is then its own, not one for the whole stack."""
+        return len({self.layer_is_sliding(i) for i in range(self.num_layers)}) > 1
+
+    def layer_period(self) -> int:
+        """The smallest p such that layer i's kind is layer (i mod p)'s for every i below
+        (num_layers // p) * p: a scanned stack runs groups of p layers, each of a fixed kind, and
+        the num_layers % p left after the last whole group on their own. 1 for one kind of layer;
+        2 for Gemma 2; 6 for Gemma 3 (5 sliding, then a full one)."""
+        kinds = [self.layer_is_sliding(i) for i in range(self.num_layers)]
+        for p in range(1, self.num_layers + 1):
+            whole = self.num_layers // p * p
+            if all(kinds[i] == kinds[i % p] for i in range(whole)):
+                return p
+        return self.num_layers
+
+    @property
+    def llama_layer(self) -> bool:
+        """Whether a layer is the plain Llama layer (pre-norms x * w, SwiGLU, head_dim ** -0.5,
+        no soft-capping, one window and rotary base for all layers), as fused kernels implement it."""
+        return (not self.norm_offset and not self.post_norms and self.hidden_act == "silu"
+                and self.query_pre_attn_scalar is None and self.attn_logit_softcap is None
+                and not self.mixed_layers and self.rope_local_theta is None)
 
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
@@ -96,7 +186,7 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * hd
         mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * d
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
@@ -112,9 +202,13 @@ class ModelConfig:
         """Build from a Hugging Face `config.json` dict; unsupported models raise ValueError."""
         archs = cfg.get("architectures") or []
         family = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
+        if family is None and not archs and cfg.get("model_type") in ("gemma2", "gemma3_text"):
+            family = "gemma3" if cfg["model_type"] == "gemma3_text" else "gemma2"  # e.g. a text_config
         if family is None:
             raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if family in GEMMA_FAMILIES:
+            return cls._from_hf_gemma(family, cfg)
         try:
             hidden = int(cfg["hidden_size"])
             num_heads = int(cfg["num_attention_heads"])
@@ -157,6 +251,79 @@ class ModelConfig:
         )
 
     @classmethod
+    def _from_hf_gemma(cls, family: str, cfg: Mapping[str, Any]) -> "ModelConfig":
+        """Gemma 2 (`gemma2`) or Gemma 3's text model (`gemma3_text`, alone or as a multimodal
+        checkpoint's `text_config`), with transformers' defaults for the keys a config leaves out."""
+        if "text_config" in cfg:  # Gemma3ForConditionalGeneration: the language model's config
+            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+            if cfg.get("model_type", "gemma3_text") != "gemma3_text":
+                raise ValueError(f"unsupported Gemma 3 text_config model_type {cfg['model_type']!r}")
+        c = {**_GEMMA_DEFAULTS[family], **{k: v for k, v in cfg.items() if k in _GEMMA_DEFAULTS[family]
+                                           and (v is not None or k.endswith("softcapping"))}}
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("unsupported Gemma variant: use_bidirectional_attention (an embedding "
+                             "model, e.g. EmbeddingGemma) is not a causal decoder")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or c["hidden_activation"]
+        if act not in _GELU_TANH:
+            raise ValueError(f"unsupported Gemma hidden_activation {act!r} (supported: {', '.join(_GELU_TANH)})")
+        layers = int(c["num_hidden_layers"])
+        types = cfg.get("layer_types")
+        if types is None:  # older configs: Gemma 2 alternates; Gemma 3 has one full layer in `pattern`
+            pattern = 2 if family == "gemma2" else int(cfg.get("sliding_window_pattern")
+                                                       or cfg.get("_sliding_window_pattern") or 6)
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+        unknown = sorted(set(types) - {SLIDING, FULL})
+        if unknown:
+            raise ValueError(f"unsupported Gemma layer types {unknown} (supported: {SLIDING}, {FULL})")
+        # Rotary settings: transformers 5 writes `rope_parameters` (per layer type for Gemma 3);
+        # 4.x top-level rope_theta / rope_scaling / rope_local_base_freq.
+        rope = dict(cfg.get("rope_parameters") or {})
+        local_theta = None
+        if family == "gemma3":
+            full = dict(rope.get(FULL) or {})
+            local = dict(rope.get(SLIDING) or {})
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"unsupported rotary scaling on Gemma 3's sliding layers: {local!r}")
+            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq") or c["rope_local_base_freq"]))
+            rope = full
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta") or c["rope_theta"]))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = c["eos_token_id"]
+        soft = c["attn_logit_softcapping"]
+        final = c["final_logit_softcapping"]
+        return cls(
+            architecture=family,
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=int(c["hidden_size"]),
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=layers,
+            num_heads=int(c["num_attention_heads"]),
+            num_kv_heads=int(c["num_key_value_heads"]),
+            head_dim=int(c["head_dim"]),
+            rms_norm_eps=float(c["rms_norm_eps"]),
+            rope_theta=theta,
+            rope_scaling=_rope_scaling_from_dict(scaling),
+            max_position_embeddings=int(c["max_position_embeddings"]),
+            tie_word_embeddings=bool(c["tie_word_embeddings"]),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            qk_norm=family == "gemma3",
+            sliding_window=int(c["sliding_window"]) if SLIDING in types else None,
+            bos_token_id=c["bos_token_id"],
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            layer_types=tuple(types),
+            norm_offset=1.0,
+            post_norms=True,
+            embed_scale=True,
+            hidden_act="gelu_tanh",
+            query_pre_attn_scalar=float(c["query_pre_attn_scalar"]),
+            attn_logit_softcap=float(soft) if soft else None,
+            final_logit_softcap=float(final) if final else None,
+            rope_local_theta=local_theta,
+        )
+
+    @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool,
                            has_qkv_bias: bool = False) -> "ModelConfig":
         """Build from GGUF key/value metadata (already decoded to Python values)."""
@@ -182,6 +349,9 @@ class ModelConfig:
         if get("rope.scaling.type") in ("linear",):
             scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor", 1.0)))
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        if arch in GEMMA_FAMILIES:
+            return cls._from_gguf_gemma(arch, meta, get, vocab=int(vocab), scaling=scaling,
+                                        has_output_tensor=has_output_tensor)
         return cls(
             architecture=_GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
@@ -203,6 +373,63 @@ class ModelConfig:
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
 
+    @classmethod
+    def _from_gguf_gemma(cls, arch: str, meta: Mapping[str, Any], get, *, vocab: int, scaling,
+                         has_output_tensor: bool) -> "ModelConfig":
+        """Gemma 2 / 3 from llama.cpp's metadata. What its converter does not write, llama.cpp
+        derives, and so does this: the sliding layers' pattern (Gemma 2 alternates, Gemma 3 has
+        a full layer every 6th; an `attention.sliding_window_pattern` array, where given, wins),
+        Gemma 3's local rotary base (10000, or `rope.freq_base_swa`) and the query scale
+        (head_dim, except hidden / heads for the 27B models: 46 layers for Gemma 2, 62 for 3)."""
+        hidden = int(get("embedding_length", required=True))
+        num_heads = int(get("attention.head_count", required=True))
+        layers = int(get("block_count", required=True))
+        head_dim = int(get("attention.key_length", hidden // num_heads))
+        pattern = get("attention.sliding_window_pattern")
+        if pattern is not None and not isinstance(pattern, (int, float)):
+            swa = [bool(x) for x in pattern]
+            if len(swa) != layers:
+                raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern has {len(swa)} entries "
+                                 f"for {layers} layers")
+        else:
+            period = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
+            swa = [(i + 1) % period != 0 for i in range(layers)]
+        window = get("attention.sliding_window")
+        if window is None and any(swa):
+            raise ValueError(f"GGUF metadata lacks {arch}.attention.sliding_window")
+        big = layers == (46 if arch == "gemma2" else 62)
+        soft = get("attn_logit_softcapping")
+        final = get("final_logit_softcapping")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length", required=True)),
+            num_layers=layers,
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0 if arch == "gemma2" else 1000000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("context_length", 8192)),
+            tie_word_embeddings=not has_output_tensor,
+            qk_norm=arch == "gemma3",
+            sliding_window=int(window) if any(swa) else None,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+            layer_types=tuple(SLIDING if s else FULL for s in swa),
+            norm_offset=1.0,
+            post_norms=True,
+            embed_scale=True,
+            hidden_act="gelu_tanh",
+            query_pre_attn_scalar=float(hidden // num_heads if big else head_dim),
+            attn_logit_softcap=float(soft) if soft else None,
+            final_logit_softcap=float(final) if final else None,
+            rope_local_theta=float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        )
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
@@ -212,6 +439,8 @@ class ModelConfig:
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
 
@@ -231,11 +460,15 @@ def _rope_scaling_from_dict(d: Mapping[str, Any] | None) -> RopeScaling | None:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
 
 
-def rope_inv_freq(config: ModelConfig) -> list[float]:
-    """Rotary inverse frequencies (length head_dim/2), with Llama 3 / linear scaling applied."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> list[float]:
+    """Rotary inverse frequencies (length head_dim/2), with Llama 3 / linear scaling applied;
+    `local`: the sliding layers' own (`rope_local_theta`, unscaled: Gemma 3)."""
     dim = config.head_dim
-    inv = [1.0 / (config.rope_theta ** (2 * i / dim)) for i in range(dim // 2)]
-    s = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    if theta is None:
+        raise ValueError("the model has no local rotary base (rope_local_theta)")
+    inv = [1.0 / (theta ** (2 * i / dim)) for i in range(dim // 2)]
+    s = None if local else config.rope_scaling
     if s is None:
         return inv
     if s.rope_type == "linear":

@@ -3,6 +3,7 @@
 The cache is one `(k, v)` pair per layer, each `[batch, num_kv_heads, max_len, head_dim]`; a
 token at position p is written to slot p and attends to slots `0..p` (and, with a sliding
 window, only the last `window` of them). Positions >= max_len mark padding: their writes drop.
+A layer's `AttentionSpec` (scale, window, soft cap) overrides the attention's own window.
 """
 
 from __future__ import annotations
@@ -25,20 +26,27 @@ class DenseAttention:
     sliding_window: int | None = None
     stacked: bool = False
 
-    def __call__(self, layer, q, k, v, cache, positions):
+    def __call__(self, layer, q, k, v, cache, positions, spec=None):
         k_cache, v_cache = (cache[0][layer], cache[1][layer]) if self.stacked else cache[layer]
         write = jax.vmap(lambda c, new, pos: c.at[:, pos].set(new, mode="drop"))
         k_cache = write(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), positions)
         v_cache = write(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), positions)
-        out = dense_attention(q, k_cache, v_cache, positions, sliding_window=self.sliding_window)
+        if spec is None:
+            out = dense_attention(q, k_cache, v_cache, positions, sliding_window=self.sliding_window)
+        else:
+            out = dense_attention(q, k_cache, v_cache, positions, sliding_window=spec.sliding_window,
+                                  sm_scale=spec.sm_scale, soft_cap=spec.soft_cap)
         if self.stacked:
             return out, (cache[0].at[layer].set(k_cache), cache[1].at[layer].set(v_cache))
         return out, cache[:layer] + ((k_cache, v_cache),) + cache[layer + 1:]
 
 
 def dense_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                    *, sliding_window: int | None = None) -> jax.Array:
-    """Causal attention of queries at `positions` over a contiguous cache.
+                    *, sliding_window: int | None = None, sm_scale: float | None = None,
+                    soft_cap: float | None = None) -> jax.Array:
+    """Causal attention of queries at `positions` over a contiguous cache: logits
+    `q.k * sm_scale` (default head_dim ** -0.5), soft-capped to `soft_cap * tanh(logits / soft_cap)`
+    when given.
 
     Args:
       q: [batch, tokens, num_heads, head_dim].
@@ -51,7 +59,9 @@ def dense_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positi
     K, S = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(B, T, K, H // K, D)
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache,
-                        preferred_element_type=jnp.float32) * (D ** -0.5)
+                        preferred_element_type=jnp.float32) * (D ** -0.5 if sm_scale is None else sm_scale)
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     key_pos = jnp.arange(S)[None, None, :]
     q_pos = positions[:, :, None]
     mask = key_pos <= q_pos  # [batch, tokens, max_len]

@@ -2,7 +2,7 @@
 measured without downloading it. Text from them is garbage; shapes, bytes and step times are real.
 
 Each weight is drawn on the device, one at a time (an 8B model in bfloat16 never exists on the
-host): normal(0, 0.02) for matrices and biases, ones for the RMSNorm scales (so activations keep
+host): normal(0, 0.02) for matrices and biases, a scale of one for the RMSNorms (so activations keep
 a sane size through the layers and no step overflows).
 """
 
@@ -32,7 +32,9 @@ def dummy_params(config: ModelConfig, dtype: str = "bfloat16", *, seed: int = 0,
     out = {}
     for i, (name, shape) in enumerate(sorted(param_shapes(config).items())):
         if name.endswith("norm"):
-            fill = jax.jit(lambda s=shape: jnp.ones(s, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
+            # a scale of 1: weight 1, or 0 where the norm scales by (norm_offset + weight) (Gemma)
+            fill = jax.jit(lambda s=shape: jnp.full(s, 1.0 - config.norm_offset, dtype),
+                           out_shardings=jax.sharding.SingleDeviceSharding(device))
             out[name] = fill()
         else:
             draw = jax.jit(lambda k, s=shape: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype),

@@ -1,8 +1,15 @@
-"""Flax NNX decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+"""Flax NNX decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and Gemma 2 / 3.
 
 `DecoderLayer` is the one definition of a layer; `LlamaModel` embeds, runs the layer stack and
-the head. How each operation runs (XLA dots or native kernels, the stack unrolled, scanned or
-fused) is the caller's `ModelOps` (`jserve.runtime.backends`); attention over the KV cache is its
+the head. Gemma's differences are config-driven branches of the same layer (`ModelConfig`'s
+norm_offset, post_norms, embed_scale, hidden_act, query_pre_attn_scalar, the soft caps,
+layer_types and rope_local_theta): (1 + w) RMSNorms, norms on the attention's and the MLP's
+outputs, GeGLU, embeddings times sqrt(hidden), its own query scale, tanh soft-capping of the
+attention and output logits, and sliding-window layers interleaved with full ones, each with its
+own window and (Gemma 3) rotary base.
+
+How each operation runs (XLA dots or native kernels, the stack unrolled, scanned or fused) is the
+caller's `ModelOps` (`jserve.runtime.backends`); attention over the KV cache is its
 `Attention`, so the same model runs over a contiguous cache (offline generation, `XlaOps`) or a
 paged one (the engine). Checkpoints stack per-layer weights along a leading `num_layers` axis.
 """
@@ -10,7 +17,7 @@ paged one (the engine). Checkpoints stack per-layer weights along a leading `num
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +28,25 @@ from jserve.model import quant
 from jserve.model.config import LAYER_MATMULS, ModelConfig, rope_inv_freq
 
 
+class AttentionSpec(NamedTuple):
+    """One layer's attention settings, static (Python values: the kernels compile them in):
+    logits `q.k * sm_scale`, then `soft_cap * tanh(logits / soft_cap)` when set, over the last
+    `sliding_window` keys when set."""
+
+    sm_scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+
 class Attention(Protocol):
     """Writes a layer's new K/V into its cache and attends the queries over it."""
 
     def __call__(self, layer: Any, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any,
-                 meta: Any) -> tuple[jax.Array, Any]:
+                 meta: Any, spec: AttentionSpec | None = None) -> tuple[jax.Array, Any]:
         """q [batch, tokens, num_heads, head_dim]; k, v [batch, tokens, num_kv_heads, head_dim];
-        `layer` the layer's index (a Python int, or a traced int32 inside a scanned stack).
+        `layer` the layer's index (a Python int, or a traced int32 inside a scanned stack);
+        `spec` the layer's settings (`DecoderLayer` always gives them; None: head_dim ** -0.5,
+        the attention's own sliding window, no soft cap).
 
         Returns the attention output [batch, tokens, num_heads, head_dim] and the updated cache.
         """
@@ -57,10 +76,11 @@ class ModelOps(Protocol):
         embedding (tied, as the params hold it) or `lm_head` [hidden, vocab]."""
         ...
 
-    def run_layers(self, layers: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Any,
+    def run_layers(self, layers: Any, x: jax.Array, cos: Any, sin: Any, cache: Any,
                    meta: Any) -> tuple[jax.Array, Any]:
         """Apply every decoder layer in turn (`unrolled_layers`, `scanned_layers` or a fused
-        implementation of the same contract)."""
+        implementation of the same contract). `cos`, `sin`: `rotary_tables`' arrays, or for a
+        model whose sliding layers rotate by their own base (Gemma 3) a pair (full, sliding)."""
         ...
 
     def with_attention(self, attention: Attention) -> "ModelOps":
@@ -68,11 +88,19 @@ class ModelOps(Protocol):
         ...
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32 and cast back, as Hugging Face does."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32 and cast back, as Hugging Face does: `weight * x` after the
+    cast (Llama), or with `offset` (Gemma: 1) `x * (offset + weight)` in float32 before it."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping); x itself without a cap."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def rotary_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -124,9 +152,10 @@ class DecoderLayer(nnx.Module):
         D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
         qd, kvd = c.num_heads * hd, c.num_kv_heads * hd
         lead = () if stack is None else (stack,)
+        norm = None if not c.norm_offset else 0.0  # a norm's weight scales by norm_offset + weight
 
         def param(shape, scale: float | None = 0.02):
-            return _param(rngs, lead + shape, dtype, scale)
+            return _param(rngs, lead + shape, dtype, norm if scale is None else scale)
 
         self.config = c
         self.attn_norm = param((D,), None)
@@ -138,6 +167,8 @@ class DecoderLayer(nnx.Module):
         if c.qk_norm:
             self.q_norm, self.k_norm = param((hd,), None), param((hd,), None)
         self.mlp_norm = param((D,), None)
+        if c.post_norms:
+            self.attn_post_norm, self.mlp_post_norm = param((D,), None), param((D,), None)
         self.w_gate, self.w_up, self.w_down = param((D, F)), param((D, F)), param((F, D))
         if c.mlp_bias:
             self.b_gate, self.b_up, self.b_down = param((F,), 0.0), param((F,), 0.0), param((D,), 0.0)
@@ -146,18 +177,35 @@ class DecoderLayer(nnx.Module):
         """The layer's matmul weights in `LAYER_MATMULS` order, as the params hold them."""
         return tuple(_w(getattr(self, name)) for name in LAYER_MATMULS)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Any, layer: Any, meta: Any,
-                 ops: ModelOps) -> tuple[jax.Array, Any]:
+    def __call__(self, x: jax.Array, cos: Any, sin: Any, cache: Any, layer: Any, meta: Any,
+                 ops: ModelOps, sliding: bool | None = None) -> tuple[jax.Array, Any]:
         """x [batch, tokens, hidden] -> the layer's output and the cache with its K/V written.
 
         `layer` is the layer's index for `ops.attention` (an int, or traced inside a scan).
+        `sliding`: whether this is a sliding-window layer, static; None reads it from the config
+        by `layer`, which must then be an int where the layers are of two kinds
+        (`ModelConfig.mixed_layers`: a scanned stack passes each layer's kind, `scanned_layers`).
+        `cos`, `sin`: a table each, or pairs (full layers', sliding layers') for a model whose
+        sliding layers have their own rotary base.
         """
         c = self.config
+        if sliding is None:
+            if c.mixed_layers and not isinstance(layer, int):
+                raise ValueError("a layer of a stack with sliding and full layers needs its kind "
+                                 "(sliding=...) when its index is traced")
+            sliding = c.layer_is_sliding(layer if isinstance(layer, int) else 0)
+        if isinstance(cos, tuple):
+            cos, sin = cos[int(sliding)], sin[int(sliding)]
+        spec = AttentionSpec(c.attention_scale, c.sliding_window if sliding else None, c.attn_logit_softcap)
         B, T, _ = x.shape
         D, F, qd, kvd = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
                          c.num_kv_heads * c.head_dim)
         lin = ops.linear
-        h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
+
+        def norm(h, weight):
+            return rms_norm(h, weight[...], c.rms_norm_eps, c.norm_offset)
+
+        h = norm(x, self.attn_norm)
         q, k, v = lin(h, (_w(self.wq), _w(self.wk), _w(self.wv)), (qd, kvd, kvd))
         if c.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
@@ -165,22 +213,27 @@ class DecoderLayer(nnx.Module):
         k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = rms_norm(q, self.q_norm[...], c.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], c.rms_norm_eps)
+            q = norm(q, self.q_norm)
+            k = norm(k, self.k_norm)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        attn, cache = ops.attention(layer, q, k, v, cache, meta)
+        attn, cache = ops.attention(layer, q, k, v, cache, meta, spec)
         out = lin(attn.reshape(B, T, qd), _w(self.wo), D)
         if c.o_bias:
             out = out + self.bo[...]
+        if c.post_norms:
+            out = norm(out, self.attn_post_norm)
         x = x + out
-        h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps)
+        h = norm(x, self.mlp_norm)
         gate, up = lin(h, (_w(self.w_gate), _w(self.w_up)), (F, F))
         if c.mlp_bias:
             gate, up = gate + self.b_gate[...], up + self.b_up[...]
-        down = lin(jax.nn.silu(gate) * up, _w(self.w_down), D)
+        act = jax.nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        down = lin(act * up, _w(self.w_down), D)
         if c.mlp_bias:
             down = down + self.b_down[...]
+        if c.post_norms:
+            down = norm(down, self.mlp_post_norm)
         return x + down, cache
 
 
@@ -194,16 +247,43 @@ def unrolled_layers(layers: Any, x, cos, sin, cache, meta, ops: ModelOps):
 def scanned_layers(layers: DecoderLayer, x, cos, sin, cache, meta, ops: ModelOps):
     """The stack as `jax.lax.scan` over one `DecoderLayer` with stacked weights: one traced copy
     of the layer whatever the depth. The cache rides in the carry, whole; `ops.attention` must
-    address a layer's pages inside it by the traced index (see `jserve.runtime.backends.xla`)."""
+    address a layer's pages inside it by the traced index (see `jserve.runtime.backends.xla`).
+
+    Sliding and full layers interleaved (Gemma 2 / 3): a layer's window and rotary base are static
+    (the attention kernels compile the window in), so the scan runs groups of
+    `config.layer_period()` layers (2 for Gemma 2, 6 for Gemma 3), each group one traced copy of
+    each of its layers with its kind fixed; the layers after the last whole group (Gemma 3 1B's
+    26 = 4 x 6 + 2) run after the scan, one traced copy each. The compiled step grows with the
+    period, not the depth. (A traced window would need the kernels to take it at run time; two
+    attention calls per layer selected by `where` would double attention's cost.)"""
     graphdef, state = nnx.split(layers)
     num_layers = jax.tree.leaves(state)[0].shape[0]
+    config = layers.config
+    if not config.mixed_layers:
+        def body(carry, xs):
+            h, kv = carry
+            weights, i = xs
+            return nnx.merge(graphdef, weights)(h, cos, sin, kv, i, meta, ops), None
 
-    def body(carry, xs):
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (state, jnp.arange(num_layers, dtype=jnp.int32)))
+        return x, cache
+
+    period = config.layer_period()
+    groups = num_layers // period
+
+    def layer(i):  # layer i's weights (i traced or an int), sliced out of the stack
+        return nnx.merge(graphdef, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), state))
+
+    def group(carry, g):
         h, kv = carry
-        weights, i = xs
-        return nnx.merge(graphdef, weights)(h, cos, sin, kv, i, meta, ops), None
+        for j in range(period):
+            i = g * period + j
+            h, kv = layer(i)(h, cos, sin, kv, i, meta, ops, sliding=config.layer_is_sliding(j))
+        return (h, kv), None
 
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (state, jnp.arange(num_layers, dtype=jnp.int32)))
+    (x, cache), _ = jax.lax.scan(group, (x, cache), jnp.arange(groups, dtype=jnp.int32))
+    for i in range(groups * period, num_layers):
+        x, cache = layer(i)(x, cos, sin, cache, i, meta, ops)
     return x, cache
 
 
@@ -280,7 +360,7 @@ class LlamaModel(nnx.Module):
             self.layers = DecoderLayer(c, dtype, rngs, stack=c.num_layers)
         else:
             self.layers = nnx.List([DecoderLayer(c, dtype, rngs) for _ in range(c.num_layers)])
-        self.final_norm = _param(rngs, (c.hidden_size,), dtype, None)
+        self.final_norm = _param(rngs, (c.hidden_size,), dtype, 0.0 if c.norm_offset else None)
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), dtype)
 
@@ -302,14 +382,23 @@ class LlamaModel(nnx.Module):
         B = tokens.shape[0]
         # [batch, tokens, hidden], in the float weights' dtype (a quantized table's rows come as float32)
         x = ops.embed(_w(self.embed), tokens).astype(self.final_norm[...].dtype)
-        cos, sin = rotary_tables(positions, jnp.asarray(np.asarray(rope_inv_freq(c), np.float32)))
+        if c.embed_scale:  # Gemma: sqrt(hidden) in the activations' dtype, as Hugging Face rounds it
+            x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
+
+        def tables(local=False):
+            return rotary_tables(positions, jnp.asarray(np.asarray(rope_inv_freq(c, local), np.float32)))
+
+        cos, sin = tables()
+        if c.rope_local_theta is not None:  # Gemma 3: the sliding layers' own base, (full, sliding)
+            local_cos, local_sin = tables(local=True)
+            cos, sin = (cos, local_cos), (sin, local_sin)
         x, cache = ops.run_layers(self.layers, x, cos, sin, cache, meta)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)
-        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_offset)
         n = x.shape[1]
         table = _w(self.embed) if c.tie_word_embeddings else _w(self.lm_head)
-        logits = ops.head(x.reshape(B * n, -1), table, c.tie_word_embeddings)
+        logits = soft_cap(ops.head(x.reshape(B * n, -1), table, c.tie_word_embeddings), c.final_logit_softcap)
         return logits.reshape(B, n, -1), cache
 
 

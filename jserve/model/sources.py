@@ -2,7 +2,9 @@
 
 `read_params(source)` gives (ModelConfig, {name: array}): our weight names, per-layer weights
 stacked on a leading layer axis, linears as [in, out]. HF and GGUF names map through one table
-(GGUF names to HF names, HF names to ours); llama.cpp's Q/K rotary permutation is undone. Float
+(GGUF names to HF names, HF names to ours, with Gemma's own names for its four norms); llama.cpp's
+Q/K rotary permutation is undone, and the 1 its converter adds to Gemma's norm weights is taken
+off again (the model keeps Hugging Face's convention: `ModelConfig.norm_offset`). Float
 tensors come as numpy arrays in the requested dtype; pre-quantized ones (a GGUF's quantized
 tensors with `keep_quantized`, an AWQ / GPTQ folder's linears) as `QuantizedWeight`s repacked
 by `jserve.model.quant_import`, never through a float copy.
@@ -19,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from jserve.model import quant
-from jserve.model.config import ModelConfig
+from jserve.model.config import GEMMA_FAMILIES, ModelConfig
 from jserve.model.llama import param_shapes
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,18 @@ _HF_LAYER = {
     "mlp.up_proj.bias": ("b_up", False),
     "mlp.down_proj.bias": ("b_down", False),
 }
+# Gemma 2 / 3 name their norms otherwise: HF's post_attention_layernorm is the attention output's
+# norm there (Llama's pre-MLP norm), pre_feedforward_layernorm the pre-MLP one.
+_HF_LAYER_GEMMA = {
+    **_HF_LAYER,
+    "post_attention_layernorm.weight": ("attn_post_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("mlp_post_norm", False),
+}
+# A Gemma 3 multimodal checkpoint's language model (transformers 4.5x, 5.x) and its other parts.
+_HF_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                     "language_model.lm_head.": "lm_head."}
+_HF_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _GLOBAL_NAMES = ("embed", "final_norm", "lm_head")
 _HF_GLOBAL = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False),
               "lm_head.weight": ("lm_head", True)}
@@ -58,6 +72,12 @@ _GGUF_LAYER = {
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_LAYER_GEMMA = {
+    **_GGUF_LAYER,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -102,10 +122,12 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict[int | None, quant.QuantizedWeight]] = {}
     for hf_name, load in tqdm(tensors, total=count, desc=desc, unit="tensor", disable=not progress):
-        name, layer, transpose = _map_hf_name(hf_name)
+        name, layer, transpose = _map_hf_name(hf_name, config.architecture)
         if name is None or name not in params:
             if name == "lm_head" and config.tie_word_embeddings:
                 continue  # tied models sometimes store a copy of the embedding
+            if config.architecture == "gemma3" and hf_name.startswith(_HF_NOT_TEXT):
+                continue  # a multimodal checkpoint's vision tower: the text model alone is served
             if name is None and (hf_name.endswith("rotary_emb.inv_freq") or "rope_freqs" in hf_name):
                 continue
             raise ValueError(f"unexpected tensor {hf_name!r} for a {config.architecture} model")
@@ -152,13 +174,19 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
     return params
 
 
-def _map_hf_name(hf_name: str) -> tuple[str | None, int | None, bool]:
+def _map_hf_name(hf_name: str, family: str = "llama") -> tuple[str | None, int | None, bool]:
+    gemma = family in GEMMA_FAMILIES
+    if gemma:
+        for prefix, to in _HF_TEXT_PREFIXES.items():
+            if hf_name.startswith(prefix):
+                hf_name = to + hf_name[len(prefix):]
+                break
     if hf_name in _HF_GLOBAL:
         name, t = _HF_GLOBAL[hf_name]
         return name, None, t
     parts = hf_name.split(".", 3)
     if len(parts) == 4 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
-        entry = _HF_LAYER.get(parts[3])
+        entry = (_HF_LAYER_GEMMA if gemma else _HF_LAYER).get(parts[3])
         if entry:
             return entry[0], int(parts[2]), entry[1]
     return None, None, False
@@ -239,8 +267,12 @@ def read_gguf(path: Path, keep_quantized: bool = False):
     config = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in names,
                                             has_qkv_bias="blk.0.attn_q.bias" in names)
     # llama.cpp stores Q/K of "llama" models permuted for interleaved rotary pairs; undo it so
-    # the rotate-half formulation applies (Qwen GGUFs use NEOX rotary and are not permuted).
+    # the rotate-half formulation applies (Qwen and Gemma GGUFs use NEOX rotary and are not permuted).
     permuted = meta["general.architecture"] in ("llama", "mistral")
+    # llama.cpp's converter adds 1 to every Gemma "*norm.weight" (Gemma2Model / Gemma3Model
+    # modify_tensors: llama.cpp's RMSNorm multiplies by the weight alone); the model keeps
+    # Hugging Face's weights (`ModelConfig.norm_offset` 1), so it comes off here, in float32.
+    gemma = config.architecture in GEMMA_FAMILIES
 
     def loader(tensor, hf_name):
         def load():
@@ -252,6 +284,8 @@ def read_gguf(path: Path, keep_quantized: bool = False):
                     w = quant_import.permute_output_channels(w, order)
                 return w
             a = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            if gemma and tensor.name.endswith("norm.weight"):
+                a = a - np.float32(1.0)
             if permuted and ("q_proj" in hf_name or "k_proj" in hf_name):
                 heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
                 a = unpermute_rotary(a, heads)
@@ -260,17 +294,17 @@ def read_gguf(path: Path, keep_quantized: bool = False):
 
     entries = []
     for t in reader.tensors:
-        hf_name = _gguf_to_hf(t.name)
+        hf_name = _gguf_to_hf(t.name, _GGUF_LAYER_GEMMA if gemma else _GGUF_LAYER)
         entries.append((hf_name, loader(t, hf_name)))
     return config, entries, len(entries), reader
 
 
-def _gguf_to_hf(name: str) -> str:
+def _gguf_to_hf(name: str, layer_names: Mapping[str, str] = _GGUF_LAYER) -> str:
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return name  # unknown: _assemble reports it by its GGUF name
 
 

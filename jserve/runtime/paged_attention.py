@@ -58,9 +58,11 @@ class PagedAttention:
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
 
-    def __call__(self, layer, q, k, v, cache, meta: PagedMeta):
+    def __call__(self, layer, q, k, v, cache, meta: PagedMeta, spec=None):
+        """`spec` (`jserve.model.llama.AttentionSpec`): the layer's scale, window and soft cap,
+        static; None: head_dim ** -0.5, this attention's `sliding_window`, no cap."""
         entry = cache if self.kv_layout == "folded" else cache[layer]  # (k, v[, k_scales, v_scales])
-        local = functools.partial(self._local, layer)
+        local = functools.partial(self._local, layer, spec)
         if self.mesh is None:
             out, *entry = local(q, k, v, meta, *entry)
         else:
@@ -81,7 +83,7 @@ class PagedAttention:
             return out, entry
         return out, cache[:layer] + (entry,) + cache[layer + 1:]
 
-    def _local(self, layer, q, k, v, meta: PagedMeta, k_pages, v_pages, *scales):
+    def _local(self, layer, spec, q, k, v, meta: PagedMeta, k_pages, v_pages, *scales):
         B, T, H, D = q.shape
         if self.kv_layout == "folded":  # this layer's block of pages (and of their scales)
             offset = layer * (k_pages.shape[1] // self.num_layers)
@@ -90,7 +92,11 @@ class PagedAttention:
         K = k.shape[2]
         entry = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D), meta.slots, *scales)
         k_pages, v_pages, *scales = entry
-        kw = dict(backend=self.kernel, sm_scale=D ** -0.5, sliding_window=self.sliding_window)
+        if spec is None:
+            kw = dict(backend=self.kernel, sm_scale=D ** -0.5, sliding_window=self.sliding_window)
+        else:
+            kw = dict(backend=self.kernel, sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
+                      soft_cap=spec.soft_cap)
         if scales:
             kw.update(k_scales=scales[0], v_scales=scales[1])
         if T == 1:  # decode: the query sits at the last cached position

@@ -13,8 +13,10 @@
 - The layer stack: unrolled over per-layer weights and per-layer KV pages; a decode step (one
   token per row) runs all the layers as one fused native call
   (`pallas_kernels.native.decoder_layer`), an implementation of `jserve.model.llama.DecoderLayer`'s
-  contract for layers without biases or q/k norms (tests/test_decoder_layer.py checks it
-  against the model's own layers); other steps run the model's layers.
+  contract for plain Llama layers without biases or q/k norms (tests/test_decoder_layer.py checks
+  it against the model's own layers); other steps, and every step of another layer (Gemma 2 / 3:
+  `ModelConfig.llama_layer` is False), run the model's own layers unrolled, on the native
+  matmuls and the native attention (which takes each layer's window and soft cap).
 - Pages: 64 tokens each by default; without the packed matmuls some step shapes compile with
   XLA's Eigen dots instead of YNNPACK's (docs/performance.md has the measurements).
 """
@@ -129,7 +131,7 @@ def fused_layers_supported(config: ModelConfig) -> bool:
     """Whether the fused native decoder layers compute this model's layers."""
     c = config
     return (native_layer.available() and native_layer.supports(c.num_heads, c.num_kv_heads, c.head_dim)
-            and not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm))
+            and c.llama_layer and not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm))
 
 
 def _weight_kind(w) -> str:
