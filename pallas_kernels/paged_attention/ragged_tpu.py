@@ -1,6 +1,11 @@
 """Ragged paged attention on TPU (Mosaic): blocks of the flattened token axis, each walking the
 rows that intersect it, with double-buffered page DMAs across rows.
 
+NOT RUN ON A TPU: checked on CPU in Pallas' TPU interpret mode (DMAs, semaphores, SMEM, NaN-filled
+uninitialised VMEM) and by lowering for TPU with `jax.export`, which runs Pallas' lowering to
+Mosaic but not Mosaic's own layout passes (those run in libtpu); `scripts/bench_ragged_attention.py
+--backend tpu` is the check to run on a TPU VM.
+
 Layout: the queries of KV head h, packed token-major as in `common.pack_rows` but over the
 flattened token axis (packed row `t * groups + i` is token t, query head `h * groups + i`),
 padded to whole blocks of `block_rows` packed rows. Grid `(num_kv_heads, row_blocks)`, both
@@ -23,6 +28,8 @@ One grid step (one KV head, one block of packed rows):
   the current block is waited for, into the other half of a two-slot VMEM buffer, so within a
   grid step only its first copy is exposed (each grid step still pays that one latency: there is
   no prefetch across grid steps);
+- key slots of a block that were not copied hold stale or uninitialised VMEM: their scores are
+  masked, and V is zeroed there (a select over the block; 0 * NaN would reach P.V);
 - online softmax (float32, m and l replicated over 128 lanes as in `tpu.py`) in VMEM scratch,
   reinitialised per row over the rows it computes; at the row's end its normalised output is
   merged into the output block on its own rows only.
