@@ -25,8 +25,8 @@ def test_dummy_params_have_the_configs_shapes(arch):
     for name, value in params.items():
         assert str(value.dtype) == "bfloat16", name
         x = np.asarray(value, np.float32)
-        if name.endswith("norm"):
-            assert (x == 1).all(), name
+        if name.endswith("norm"):  # a scale of 1: Gemma's norms scale by (1 + weight)
+            assert (x == 1 - config.norm_offset).all(), name
         else:
             assert abs(x.std() - 0.02) < 0.005 and abs(x.mean()) < 0.005, (name, x.std(), x.mean())
     again = dummy_params(config, "bfloat16", seed=1)
