@@ -134,7 +134,7 @@ def _warmup(args: argparse.Namespace) -> int:
     from jserve.engine import compile_cache
     from jserve.llm import LLM
 
-    settings = engine_kwargs(args)
+    settings = {**engine_kwargs(args), "lazy_buckets": False}  # the artifact holds every bucket
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     key = compile_cache.artifact_key(args.model, args.dtype, settings)  # bad settings fail before compiling

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 CACHE = "xla"
+# Settings that do not change what is compiled: the artifact holds every bucket, lazy or not.
+_UNKEYED = ("seed", "warmup", "lazy_buckets")
 
 
 def artifact_key(model: str | None, dtype: str | None, settings: dict[str, Any]) -> dict[str, Any]:
@@ -30,13 +32,13 @@ def artifact_key(model: str | None, dtype: str | None, settings: dict[str, Any])
     from jserve.model.checkpoint import read_model_config
 
     config, stored_dtype = read_model_config(model)
-    engine = EngineConfig.from_settings(**{k: v for k, v in settings.items() if k != "warmup"})
+    engine = EngineConfig.from_settings(**{k: v for k, v in settings.items() if k not in _UNKEYED})
     device = jax.devices()[0]
     return {
         "model": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
         "dtype": dtype or stored_dtype,
         "engine": {f.name: json.loads(json.dumps(getattr(engine, f.name), default=str))
-                   for f in dataclasses.fields(engine) if f.name not in ("seed", "warmup")},
+                   for f in dataclasses.fields(engine) if f.name not in _UNKEYED},
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "device_kind": f"{device.platform}:{device.device_kind}",

@@ -76,6 +76,11 @@ class EngineConfig:
     mesh: Any = _setting(None, "device mesh, e.g. tp=4 or dp=2,tp=4, a dict or a jax.sharding.Mesh "
                                "(default: one device)")
     warmup: bool = _setting(True, "compile every bucket before serving (instead of on first use)", flag=None)
+    lazy_buckets: bool = _setting(True, "at warm-up compile only the largest shape of each step, which serves "
+                                        "any request, and the other buckets on a background thread; until one "
+                                        "is ready, its calls run in the next larger compiled bucket (counted as "
+                                        "jserve_bucket_fallbacks in /metrics); --no-lazy-buckets compiles "
+                                        "every bucket before serving")
     load_format: str = _setting("auto", "auto: the model's weights; dummy: random weights of its config's shapes "
                                         "(vLLM's name: speed and memory without the weights; the text is "
                                         "meaningless)", choices=LOAD_FORMATS)

@@ -414,6 +414,7 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             **self._idle_stats(),
+            **self._bucket_stats(),
             **self._structured_stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
         }
@@ -426,6 +427,14 @@ class LLMEngine:
         busy = sum(r.seconds for r in records)
         return {"step_idle_seconds": idle / len(records) if records else 0.0,
                 "step_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0}
+
+    def _bucket_stats(self) -> dict[str, int]:
+        """Lazy buckets (`jserve.runtime.lazy_buckets`): calls run in a larger compiled shape than
+        their own while it compiled in the background, and the shapes still compiling."""
+        lazy = self.runner.lazy
+        return {"bucket_fallbacks": lazy.fallbacks if lazy else 0,
+                "buckets_pending": len(lazy.pending) if lazy else 0,
+                "buckets_failed": len(lazy.failed) if lazy else 0}
 
     def _draft_runners(self) -> list[Runner]:
         proposer = self.speculator.proposer if self.speculator is not None else None
@@ -563,5 +572,5 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
             runner.warmup()  # the other processes compile the same shapes in Runner.follow()
         return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
     if config.warmup:
-        runner.warmup()
+        runner.warmup(lazy=config.lazy_buckets)
     return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)

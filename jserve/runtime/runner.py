@@ -35,6 +35,7 @@ from jserve.model.config import ModelConfig
 from jserve.runtime import backends, device_steps, step_rows
 from jserve.runtime.backends import Backend
 from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
+from jserve.runtime.lazy_buckets import BucketCompiler
 from jserve.runtime.sampler import SamplingArrays, penalty_history
 from jserve.runtime.step_masks import StepMasks
 from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRecord, StepRow
@@ -141,6 +142,8 @@ class Runner:
             device_steps.decode_steps, self.graphdef, self.ops, self.page_size, config.vocab_size, decode_steps),
             donate_argnames=("kv",))
         self._seen: set[tuple] = set()
+        # Lazy buckets (`warmup(lazy=True)`): the shapes compiled so far; None: any shape may run.
+        self.lazy: BucketCompiler | None = None
         self.masks = StepMasks(config.vocab_size, self._put)  # the sampler's grammar bitmasks
         self.num_compilations = 0
         self.num_compilations_after_warmup = 0
@@ -250,19 +253,8 @@ class Runner:
             if r.start + r.num_steps > len(r.page_ids) * self.page_size:
                 raise ValueError(f"a row at position {r.start} running {r.num_steps} steps needs "
                                  f"{-(-(r.start + r.num_steps) // self.page_size)} pages, got {len(r.page_ids)}")
-        B = buckets.pick(self.batch_buckets, len(rows))
-        placed = list(rows) + [None] * (B - len(rows))
-        tokens, positions, meta, _ = self._pack(placed, B, 1)
-        steps = np.zeros((B,), np.int32)
-        steps[:len(rows)] = [r.num_steps for r in rows]
-        stop_ids = np.full((B, MAX_DEVICE_STOP_IDS), -1, np.int32)
-        min_new = np.zeros((B,), np.int32)
-        for i, r in enumerate(rows):
-            ids = list(r.stop_ids)[:MAX_DEVICE_STOP_IDS]
-            stop_ids[i, :len(ids)] = ids
-            min_new[i] = r.min_new
-        sampling, history = self._sampling(placed, B)
-        inputs = (tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new, sampling, history)
+        B = self._shape("decode_steps", len(rows), K)[0]
+        inputs = self._decode_steps_inputs(rows, B)
         cached = _cache_size(self._decode_steps)
         t0 = time.perf_counter()
         out, self.kv = self._decode_steps(self.params, self.kv, *inputs)
@@ -278,6 +270,21 @@ class Runner:
                                 sum(c[1] for c in cost), steps=ran))
         return StepOutput.from_arrays({**{key: value[:, :len(rows)] for key, value in out.items()},
                                        "num_valid": valid})
+
+    def _decode_steps_inputs(self, rows: Sequence[StepRow], B: int) -> tuple:
+        """`device_steps.decode_steps`' inputs after the params and pages, for `rows` padded to B."""
+        placed = list(rows) + [None] * (B - len(rows))
+        tokens, positions, meta, _ = self._pack(placed, B, 1)
+        steps = np.zeros((B,), np.int32)
+        steps[:len(rows)] = [r.num_steps for r in rows]
+        stop_ids = np.full((B, MAX_DEVICE_STOP_IDS), -1, np.int32)
+        min_new = np.zeros((B,), np.int32)
+        for i, r in enumerate(rows):
+            ids = list(r.stop_ids)[:MAX_DEVICE_STOP_IDS]
+            stop_ids[i, :len(ids)] = ids
+            min_new[i] = r.min_new
+        sampling, history = self._sampling(placed, B)
+        return tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new, sampling, history
 
     def execute_verify(self, rows: Sequence[StepRow]) -> StepOutput:
         """A speculative step: each decode row's token and its `draft_ids` (at most
@@ -302,7 +309,26 @@ class Runner:
                 need = -(-(r.start + 1 + len(r.draft_ids)) // self.page_size)
                 raise ValueError(f"a row at position {r.start} with {len(r.draft_ids)} drafts needs "
                                  f"{need} pages, got {len(r.page_ids)}")
-        B, T = buckets.pick(self.verify_buckets, len(rows)), K + 1
+        B, T = self._shape("verify", len(rows), K + 1)
+        verify = self._verify_fn(B, T)
+        inputs = self._verify_inputs(rows, B)
+        cached = _cache_size(verify)
+        t0 = time.perf_counter()
+        out, self.kv = verify(self.params, self.kv, *inputs)
+        out = jax.device_get(out)
+        seconds = time.perf_counter() - t0
+        self._count(("verify", B, T), None if cached is None else _cache_size(verify) > cached)
+        real = sum(1 + len(r.draft_ids) for r in rows)
+        self._record(StepRecord("verify", (B, T), real, B * T, seconds, *self._cost(
+            [dataclasses.replace(r, token_ids=[*r.token_ids, *r.draft_ids]) for r in rows])))
+        valid = out.pop("num_valid")[:len(rows)]
+        return StepOutput.from_arrays({**{key: value[:, :len(rows)] for key, value in out.items()},
+                                       "num_valid": valid})
+
+    def _verify_inputs(self, rows: Sequence[StepRow], B: int) -> tuple:
+        """`device_steps.verify`'s inputs after the params and pages, for `rows` padded to B."""
+        K = self.num_speculative_tokens
+        T = K + 1
         placed = [dataclasses.replace(r, token_ids=[*r.token_ids, *r.draft_ids]) for r in rows]
         placed += [None] * (B - len(rows))
         (tokens, positions, meta, _), drafts = self._pack(placed, B, T), np.full((B, K), -1, np.int32)
@@ -310,19 +336,7 @@ class Runner:
             drafts[i, :len(r.draft_ids)] = r.draft_ids
         sampling, history = self._sampling(placed, B)
         constraints = [(r.constraint, i * T, list(r.draft_ids)) for i, r in enumerate(rows) if r.constraint is not None]
-        verify = self._verify_fn(B, T)
-        cached = _cache_size(verify)
-        t0 = time.perf_counter()
-        out, self.kv = verify(self.params, self.kv, tokens, positions, meta, drafts, sampling, history,
-                                    self.masks.device_drafts(B * T, constraints))
-        out = jax.device_get(out)
-        seconds = time.perf_counter() - t0
-        self._count(("verify", B, T), None if cached is None else _cache_size(verify) > cached)
-        real = sum(1 + len(r.draft_ids) for r in rows)
-        self._record(StepRecord("verify", (B, T), real, B * T, seconds, *self._cost(placed[:len(rows)])))
-        valid = out.pop("num_valid")[:len(rows)]
-        return StepOutput.from_arrays({**{key: value[:, :len(rows)] for key, value in out.items()},
-                                       "num_valid": valid})
+        return tokens, positions, meta, drafts, sampling, history, self.masks.device_drafts(B * T, constraints)
 
     def _sampling(self, rows: Sequence[StepRow | None], B: int):
         """The rows' `SamplingArrays` and penalty history, padded to B rows."""
@@ -341,9 +355,39 @@ class Runner:
         live = [p for p in parts if p]
         if len(live) <= 1:
             return True
-        b = buckets.pick(PREFILL_BATCH_BUCKETS, max(len(p) for p in live))
-        t = buckets.pick(self.token_buckets, max(rows[i].num_tokens for p in live for i in p))
-        return b * t <= self.token_buckets[-1]
+        longest = max(rows[i].num_tokens for p in live for i in p)
+        return self._prefill_shape(max(len(p) for p in live), longest) is not None
+
+    def _prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
+        """The (rows per group, tokens) of a prefill call of `rows` chunks, the longest `longest`
+        tokens (see `_shape`); None if no shape within the largest token bucket holds them."""
+        return self._shape("prefill", rows, longest, count=False)
+
+    def _shape(self, kind: str, rows: int, tokens: int, *, count: bool = True) -> tuple[int, int] | None:
+        """(rows per group, tokens per row) of a call of `kind` holding `rows` rows of up to `tokens`
+        tokens: their buckets, or with lazy buckets, until that shape is compiled, the smallest
+        compiled one holding them (a fallback, counted when `count`); None if none can."""
+        if kind == "prefill":
+            if rows > PREFILL_BATCH_BUCKETS[-1] or tokens > self.token_buckets[-1]:
+                return None
+            shapes = self.prefill_shapes()
+            exact = (buckets.pick(PREFILL_BATCH_BUCKETS, rows), buckets.pick(self.token_buckets, tokens))
+            if exact not in shapes and self.lazy is None:
+                return None
+        else:
+            sizes = self.verify_buckets if kind == "verify" else self.batch_buckets
+            if rows > sizes[-1]:
+                return None
+            shapes = [(b, tokens) for b in sizes]
+            exact = (buckets.pick(sizes, rows), tokens)
+        if self.lazy is None or self.lazy.is_ready((kind, exact[0] * self.dp, exact[1])):
+            return exact
+        shape = self.lazy.cover(kind, rows * self.dp, tokens, [(b * self.dp, t) for b, t in shapes])
+        if shape is None:
+            return None
+        if count:
+            self.lazy.fallbacks += 1
+        return shape[0] // self.dp, shape[1]
 
     def _pack_prefill(self, lengths: list[int]) -> list[list[int]]:
         """Group chunks (longest first) into calls whose padded shape stays within the largest bucket."""
@@ -353,25 +397,21 @@ class Runner:
             if n > cap:
                 raise ValueError(f"a chunk of {n} tokens exceeds the largest token bucket {cap}: "
                                  f"the scheduler must split it")
-            if groups:
-                g = groups[-1]
-                rows = len(g) + 1
-                longest = lengths[g[0]]
-                if (rows <= PREFILL_BATCH_BUCKETS[-1] and
-                        buckets.pick(PREFILL_BATCH_BUCKETS, rows) * buckets.pick(self.token_buckets, longest) <= cap):
-                    g.append(j)
-                    continue
+            if groups and self._prefill_shape(len(groups[-1]) + 1, lengths[groups[-1][0]]) is not None:
+                groups[-1].append(j)
+                continue
             groups.append([j])
         return groups
 
     def _run(self, all_rows: Sequence[StepRow], parts, results, kind):
         """One call; `parts[g]` are the row indices of group g, placed in the g-th block of rows."""
-        Bg = buckets.pick(self.batch_buckets if kind == "decode" else PREFILL_BATCH_BUCKETS,
-                          max(1, max(len(p) for p in parts)))
+        rows = [all_rows[i] for part in parts for i in part]
+        shape = self._shape(kind, max(1, max(len(p) for p in parts)), max(r.num_tokens for r in rows))
+        if shape is None:  # the packing (`_pack_prefill`, `_fits`) keeps calls within the shapes
+            raise ValueError(f"no {kind} shape holds parts of {[len(p) for p in parts]} rows")
+        Bg, T = shape
         B = Bg * self.dp
         slot_of = {i: g * Bg + j for g, part in enumerate(parts) for j, i in enumerate(part)}
-        rows = [all_rows[i] for i in slot_of]
-        T = 1 if kind == "decode" else buckets.pick(self.token_buckets, max(r.num_tokens for r in rows))
         placed: list[StepRow | None] = [None] * B
         for i, slot in slot_of.items():
             placed[slot] = all_rows[i]
@@ -511,36 +551,108 @@ class Runner:
         return compiled
 
     def _count(self, key: tuple, compiled: bool | None) -> None:
-        """Count a step's compilation (after warm-up too: none should happen while serving)."""
+        """Count a step's compilation (after warm-up too: none should happen while serving). A
+        shape compiled ahead by the lazy buckets' thread grows its function's cache on its first
+        call without compiling."""
+        if self.lazy is not None and key in self.lazy.ahead:
+            compiled = False
         if self._is_new(key, compiled):
             self.num_compilations += 1
             if self.warmed_up:
                 self.num_compilations_after_warmup += 1
                 logger.warning("compiled %s after warm-up", key)
 
-    def warmup(self, *, progress: bool = True) -> None:
-        """Compile every bucket now (the steps write only into the null page)."""
+    def warmup(self, *, progress: bool = True, lazy: bool = False) -> None:
+        """Compile every bucket now (the steps write only into the null page). With `lazy`, only
+        the largest shape of each kind of step, which serves any call, and the others on a
+        background thread (`jserve.runtime.lazy_buckets`; one process only: in a multi-process
+        run the others compile what process 0 runs, so every shape is compiled now)."""
         from tqdm import tqdm
 
+        lazy = lazy and not self.multiprocess
         shapes = [("decode", b, 1) for b in self.batch_buckets]
         shapes += [("prefill", b, t) for b, t in self.prefill_shapes()]
-        for kind, B, T in tqdm(shapes, desc="warm-up", unit="shape", disable=not progress):
-            rows = [StepRow(0, [0] * T, [0] * self.max_pages)] * (B * self.dp)
-            parts = [list(range(g * B, (g + 1) * B)) for g in range(self.dp)]
-            self._run(rows, parts, {}, kind)
         if self.decode_steps > 1:
-            for B in tqdm(self.batch_buckets, desc="warm-up (multi-step decode)", unit="shape",
-                          disable=not progress):
-                self.execute_decode_steps([StepRow(0, [0], [0] * self.max_pages, num_steps=self.decode_steps)] * B)
+            shapes += [("decode_steps", b, self.decode_steps) for b in self.batch_buckets]
         if self.num_speculative_tokens:
-            drafts = [0] * self.num_speculative_tokens
-            for B in tqdm(self.verify_buckets, desc="warm-up (speculative verify)", unit="shape",
-                          disable=not progress):
-                self.execute_verify([StepRow(0, [0], [0] * self.max_pages, draft_ids=drafts)] * B)
+            shapes += [("verify", b, self.num_speculative_tokens + 1) for b in self.verify_buckets]
+        now = shapes
+        if lazy:  # per kind its largest shape: the largest batch, or the one-row prefill of the largest chunk
+            largest = {kind: max((s for s in shapes if s[0] == kind),
+                                 key=lambda s: (s[2], s[1]) if kind == "prefill" else s[1])
+                       for kind in dict.fromkeys(s[0] for s in shapes)}
+            now = list(largest.values())
+        for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
+            self._warm(kind, B, T)
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
         self.mark_idle()
         self.warmed_up = True
+        if lazy:
+            self._start_lazy([s for s in shapes if s not in now], now)
+
+    def _warm(self, kind: str, B: int, T: int) -> None:
+        """Run one shape (B rows per group) on padding rows: it compiles, writing only the null page."""
+        if kind == "decode_steps":
+            self.execute_decode_steps([StepRow(0, [0], [0] * self.max_pages, num_steps=T)] * B)
+        elif kind == "verify":
+            self.execute_verify([StepRow(0, [0], [0] * self.max_pages, draft_ids=[0] * (T - 1))] * B)
+        else:
+            rows = [StepRow(0, [0] * T, [0] * self.max_pages)] * (B * self.dp)
+            self._run(rows, [list(range(g * B, (g + 1) * B)) for g in range(self.dp)], {}, kind)
+
+    def _start_lazy(self, later: list[tuple], now: list[tuple]) -> None:
+        """Serve from the shapes `now` (compiled), compile those `later` ahead on a thread, the
+        smallest first (fewest padded tokens: the shapes a lightly loaded server runs most, and
+        those whose fallback pads the most)."""
+        later.sort(key=lambda s: (s[1] * s[2], s))
+        kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv)
+        for kind, B, T in later:  # the jitted functions exist before the thread starts
+            if kind in ("decode", "prefill"):
+                self.step_fn(B * self.dp, T)
+            elif kind == "verify":
+                self._verify_fn(B, T)
+
+        def job(kind: str, B: int, T: int):
+            return lambda: self._compile_ahead(kind, B, T, kv_spec)
+
+        self.lazy = BucketCompiler(ready=[(kind, B * (self.dp if kind in ("decode", "prefill") else 1), T)
+                                          for kind, B, T in now])
+        self.lazy.start([((kind, B * (self.dp if kind in ("decode", "prefill") else 1), T), job(kind, B, T))
+                         for kind, B, T in later])
+
+    def _compile_ahead(self, kind: str, B: int, T: int, kv_spec) -> None:
+        """Lower and compile one shape (B rows per group) with the inputs a call of it passes, so
+        that its first call finds the executable in JAX's caches (on the lazy buckets' thread)."""
+        if kind == "decode_steps":
+            rows = [StepRow(0, [0], [0] * self.max_pages, num_steps=T)] * B
+            self._decode_steps.lower(self.params, kv_spec, *self._decode_steps_inputs(rows, B)).compile()
+            return
+        if kind == "verify":
+            rows = [StepRow(0, [0], [0] * self.max_pages, draft_ids=[0] * (T - 1))] * B
+            self._verify_fn(B, T).lower(self.params, kv_spec, *self._verify_inputs(rows, B)).compile()
+            return
+        B *= self.dp
+        placed = [StepRow(0, [0] * T, [0] * self.max_pages)] * B
+        (tokens, positions, meta, last), sampling, history = self._place(
+            (self._pack(placed, B, T), *self._sampling(placed, B)))
+        forward = self.step_fn(B, T).lower(self.params, kv_spec, tokens, positions, meta, last)
+        forward.compile()
+        logits = forward.out_info[0]
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            sharding = NamedSharding(self.mesh, P())
+        else:
+            sharding = jax.sharding.SingleDeviceSharding(_device_of(self.params))
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
+        self._sample.lower(logits, sampling, history, self.masks.device(B, [])).compile()
+
+    def close(self) -> None:
+        """Stop the lazy buckets' thread (after the shape it is compiling)."""
+        if self.lazy is not None:
+            self.lazy.stop()
 
 
 def _cache_size(fn) -> int | None:

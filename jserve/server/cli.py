@@ -228,5 +228,6 @@ async def serve(args: argparse.Namespace) -> int:
     await state.drain(args.grace_period)
     if loaded.done() and loaded.exception() is None and state.fatal != HUNG:
         loaded.result().engine.runner.stop_followers()  # the engine thread has stopped: no step in flight
+        loaded.result().engine.runner.close()  # the lazy buckets' thread, after the shape it compiles
     await runner.cleanup()
     return 1 if state.fatal is not None else 0

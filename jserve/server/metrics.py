@@ -66,6 +66,11 @@ class ServerMetrics:
             ("step_idle_seconds", "host time between consecutive device steps (the device idles), mean of "
                                   "the last 64 steps"),
             ("step_idle_fraction", "that idle time's share of step time plus it, last 64 steps"))}
+        self.buckets = {key: gauge("jserve_" + key, doc) for key, doc in (
+            ("bucket_fallbacks", "calls run in a larger compiled bucket than their own while it compiled in "
+                                 "the background (lazy buckets)"),
+            ("buckets_pending", "buckets still compiling in the background"),
+            ("buckets_failed", "buckets whose background compilation failed (their calls keep falling back)"))}
         # Structured outputs: LLMEngine.stats() key -> its gauge.
         self.structured = {key: gauge(name, doc) for key, name, doc in (
             ("structured_requests", "jserve_structured_requests", "requests with structured outputs since start"),
@@ -135,7 +140,8 @@ class ServerMetrics:
         self.compilations.set(stats.get("compilations_after_warmup", 0))
         self.padding.set(stats.get("padded_token_fraction", 0.0))
         self.steps.set(stats.get("num_steps", 0))
-        for key, gauge_ in (*self.structured.items(), *self.speculative.items(), *self.idle.items()):
+        for key, gauge_ in (*self.structured.items(), *self.speculative.items(), *self.idle.items(),
+                            *self.buckets.items()):
             gauge_.set(stats.get(key, 0))
         recent = list(records)[-RECENT_STEPS:]
         seconds = sum(r.seconds for r in recent)

@@ -1,0 +1,96 @@
+"""Lazy buckets: which compiled step shapes a runner may use now, and a thread compiling the rest.
+
+`Runner.warmup(lazy=True)` compiles, by running them as a full warm-up does, only the shapes that
+serve any step on their own: the largest decode batch, the one-row prefill at the largest token
+bucket (and the largest multi-step decode and verify batches when those steps exist). The other
+shapes go to `BucketCompiler.start`: one daemon thread lowers and compiles each ahead of time
+(`jax.jit(f).lower(...).compile()`: JAX keeps the executable, so the first call of that shape
+compiles nothing; tests/test_lazy_buckets.py checks this with JAX's compile events). Until a shape
+is ready, `cover` picks the smallest ready one that holds the call, padding it further, and the
+runner counts the fallback. Nothing compiles on the serving path.
+
+Pure bookkeeping plus the thread: the runner supplies each shape's compile job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Sequence
+
+logger = logging.getLogger(__name__)
+
+Key = tuple  # (kind, global batch, tokens per row), as Runner._count names a shape
+
+
+class BucketCompiler:
+    """The shapes ready to run, and the background thread that makes the others ready."""
+
+    def __init__(self, ready: Iterable[Key] = ()):
+        self._ready: set[Key] = set(ready)
+        self.ahead: set[Key] = set()  # compiled by the thread (their first call compiles nothing)
+        self.failed: dict[Key, str] = {}
+        self.pending: list[Key] = []
+        self.fallbacks = 0  # calls run in a larger shape than their own because it was not ready
+        self.compile_seconds = 0.0  # spent by the thread
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def mark_ready(self, key: Key) -> None:
+        self._ready.add(key)
+
+    def is_ready(self, key: Key) -> bool:
+        return key in self._ready
+
+    def cover(self, kind: str, batch: int, tokens: int, shapes: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+        """The smallest ready (batch, tokens) of `kind` among `shapes` holding `batch` rows of
+        `tokens` tokens (fewest padded tokens, then fewest rows); None if none is ready."""
+        fits = [(b * t, b, t) for b, t in shapes if b >= batch and t >= tokens and (kind, b, t) in self._ready]
+        return min(fits)[1:] if fits else None
+
+    def start(self, jobs: Sequence[tuple[Key, Callable[[], None]]]) -> None:
+        """Compile `jobs` (key, job) in order on a daemon thread; each key is ready once its job returns."""
+        self.pending = [key for key, _ in jobs]
+        if not jobs:
+            return
+        self._thread = threading.Thread(target=self._work, args=(list(jobs),), name="jserve-bucket-compiler",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # before JAX's own exit handlers (they run in reverse order)
+
+    def _work(self, jobs: list[tuple[Key, Callable[[], None]]]) -> None:
+        t0 = time.perf_counter()
+        for key, job in jobs:
+            if self._stop.is_set():
+                return
+            start = time.perf_counter()
+            try:
+                job()
+            except Exception as e:  # a shape that fails to compile stays missing: its calls keep falling back
+                logger.exception("compiling bucket %s in the background failed", key)
+                self.failed[key] = f"{type(e).__name__}: {e}"
+            else:
+                self.ahead.add(key)
+                self._ready.add(key)
+            finally:
+                self.pending.remove(key)
+                self.compile_seconds += time.perf_counter() - start
+        logger.info("lazy buckets: %d shapes compiled in the background in %.1f s", len(self.ahead),
+                    time.perf_counter() - t0)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every job has run; whether they all have."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.running
+
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """Start no further job; wait for the one compiling (JAX must not be torn down under it)."""
+        self._stop.set()
+        self.wait(timeout)

@@ -1,0 +1,120 @@
+"""Lazy buckets: warm-up compiles the shapes that serve any call, a thread compiles the others ahead,
+and nothing compiles on the serving path (JAX's own compile events say so)."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import DATA
+from jserve.core.request import GREEDY
+from jserve.model.checkpoint import read_params
+from jserve.runtime.lazy_buckets import BucketCompiler
+from jserve.runtime.runner import Runner
+from jserve.runtime.steps import StepRow
+
+_compiles: list[tuple[str, int]] = []  # (event, thread ident) of every backend compilation
+
+
+def _listen(name, seconds, **kwargs):
+    if name == "/jax/core/compile/backend_compile_duration":
+        _compiles.append((name, threading.get_ident()))
+
+
+jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+def _compiles_here() -> int:
+    me = threading.get_ident()
+    return sum(1 for _, t in _compiles if t == me)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config, params = read_params(DATA / "arch" / "llama3")
+    return config, {k: jnp.asarray(v) for k, v in params.items()}
+
+
+def _runner(model, backend, **kw):
+    config, params = model
+    return Runner(config, params, num_pages=64, page_size=4, max_model_len=64, backend=backend,
+                  batch_buckets=(1, 2, 4), max_num_batched_tokens=32, **kw)
+
+
+def _greedy(runner, prompts, steps=4):
+    """Prefill `prompts` (one call), then decode them together; the tokens per prompt."""
+    page = iter(range(1, 64))
+    pages = [[next(page) for _ in range(-(-(len(p) + steps) // 4))] for p in prompts]
+    out = runner.execute([StepRow(0, p, pg, sampling=GREEDY) for p, pg in zip(prompts, pages)])
+    tokens = [[int(t)] for t in out.tokens]
+    for _ in range(steps - 1):
+        out = runner.execute([StepRow(len(p) + len(t) - 1, [t[-1]], pg, sampling=GREEDY)
+                              for p, t, pg in zip(prompts, tokens, pages)])
+        for t, x in zip(tokens, out.tokens):
+            t.append(int(x))
+    return tokens
+
+
+def test_cover_picks_the_smallest_ready_shape():
+    lazy = BucketCompiler(ready=[("decode", 8, 1), ("prefill", 1, 64), ("prefill", 2, 16), ("prefill", 4, 16)])
+    shapes = [(b, t) for b in (1, 2, 4) for t in (16, 32, 64)]
+    assert lazy.cover("prefill", 1, 10, shapes) == (2, 16)  # 32 padded tokens, fewer than (1, 64)
+    assert lazy.cover("prefill", 1, 20, shapes) == (1, 64)
+    assert lazy.cover("prefill", 2, 40, shapes) is None
+    assert lazy.cover("decode", 3, 1, [(1, 1), (2, 1), (4, 1), (8, 1)]) == (8, 1)
+    assert lazy.cover("verify", 1, 3, [(8, 3)]) is None  # another kind's shapes do not count
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_lazy_warmup_serves_from_larger_shapes_then_compiles_nothing_on_the_serving_path(model, backend):
+    eager = _runner(model, backend)
+    eager.warmup(progress=False)
+    prompts = [[5, 9, 3], [7, 1, 2, 8, 4, 6, 11]]
+    expected = _greedy(eager, prompts)
+
+    runner = _runner(model, backend)
+    gate = threading.Event()
+    start = BucketCompiler.start
+
+    def held(self, jobs):  # the thread waits until the first calls have run from the largest shapes
+        start(self, [(jobs[0][0], lambda job=jobs[0][1]: (gate.wait(), job()))] + list(jobs[1:]))
+
+    BucketCompiler.start = held
+    try:
+        runner.warmup(progress=False, lazy=True)
+    finally:
+        BucketCompiler.start = start
+    assert runner.lazy.is_ready(("decode", 4, 1)) and runner.lazy.is_ready(("prefill", 1, 32))
+    assert not runner.lazy.is_ready(("decode", 1, 1))
+    before = _compiles_here()
+    assert _greedy(runner, prompts) == expected  # from the largest shapes: the same tokens
+    assert runner.lazy.fallbacks > 0
+    assert {r.bucket for r in runner.records} <= {(4, 1), (1, 32)}
+    gate.set()
+    assert runner.lazy.wait(300) and not runner.lazy.failed
+    assert runner.lazy.ahead and not runner.lazy.pending
+    fallbacks = runner.lazy.fallbacks
+    runner.records.clear()
+    assert _greedy(runner, prompts) == expected
+    assert runner.lazy.fallbacks == fallbacks  # every shape is ready now
+    assert (2, 1) in {r.bucket for r in runner.records}  # the exact bucket, compiled ahead
+    assert _compiles_here() == before  # the serving thread compiled nothing, before or after
+    assert runner.num_compilations_after_warmup == 0
+
+
+def test_lazy_warmup_of_multi_step_and_verify_steps(model):
+    for kw, call in (
+            (dict(decode_steps=3), lambda r: r.execute_decode_steps([StepRow(2, [4], [1, 2], num_steps=3)])),
+            (dict(num_speculative_tokens=2), lambda r: r.execute_verify([StepRow(2, [4], [1, 2], draft_ids=[1, 2])]))):
+        runner = _runner(model, "reference", **kw)
+        runner.warmup(progress=False, lazy=True)
+        assert runner.lazy.wait(300) and not runner.lazy.failed
+        before = _compiles_here()
+        out = call(runner)
+        assert np.all(out.num_valid >= 1)
+        assert _compiles_here() == before and runner.num_compilations_after_warmup == 0
+        runner.close()
