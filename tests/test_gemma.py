@@ -309,3 +309,15 @@ def test_scanned_gemma_stack_grows_with_the_period_not_the_depth():
         out[layout] = np.asarray(model(jnp.asarray(ids), jnp.asarray(pos), cache, jnp.asarray(pos),
                                        XlaOps(DenseAttention(deep.sliding_window, stacked=stacked), scan=stacked))[0])
     np.testing.assert_allclose(out["stacked"], out["list"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices")
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_gemma_greedy_on_a_mesh(arch):
+    """Tensor and data parallel (the extra norms replicated, heads split) give transformers' tokens."""
+    config, params = _load(arch)
+    ref = np.load(DATA / "arch" / arch / "reference.npz")
+    engine = _engine(config, params, ("reference", {}), mesh="dp=2,tp=2")
+    engine.add_request("a", [int(t) for t in ref["input_ids"][0, :10]],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert list(_finish(engine)["a"].outputs[0].token_ids) == ref["greedy_ids"][0].tolist()

@@ -52,7 +52,7 @@ PARTITION_RULES: dict[str, tuple] = {
     "embed": (None, "tp"),
     "lm_head": (None, "tp"),
     "final_norm": (),
-    "attn_norm": (), "mlp_norm": (), "q_norm": (), "k_norm": (),
+    "attn_norm": (), "mlp_norm": (), "q_norm": (), "k_norm": (), "attn_post_norm": (), "mlp_post_norm": (),
     "wq": (None, "tp"), "wk": (None, "tp"), "wv": (None, "tp"),
     "bq": ("tp",), "bk": ("tp",), "bv": ("tp",),
     "wo": ("tp", None), "bo": (),
