@@ -58,7 +58,6 @@ from jserve.runtime.backends.native_cpu import EIGEN_DOTS, NativeCpuOps  # noqa:
 from jserve.runtime.device_steps import forward as device_step  # noqa: E402
 from jserve.runtime.kv_cache import write_kv  # noqa: E402
 from jserve.runtime.paged_attention import PagedAttention  # noqa: E402
-from jserve.runtime.runner import PREFILL_BATCH_BUCKETS  # noqa: E402
 from jserve.runtime.steps import StepRow  # noqa: E402
 from pallas_kernels.native import matmul as native_matmul  # noqa: E402
 
@@ -140,7 +139,7 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, fu
     if new == 1:
         batch, width = buckets.pick(runner.batch_buckets, len(rows)), 1
     else:
-        batch = buckets.pick(PREFILL_BATCH_BUCKETS, len(rows))
+        batch = buckets.pick((1, 2, 4, 8), len(rows))  # rows padded to `new` tokens each (a padded prefill)
         width = buckets.pick(runner.token_buckets, new)
     rows = [StepRow(*r) for r in rows] + [None] * (batch - len(rows))
     tokens, positions, meta, last = runner._pack(rows, batch, width)

@@ -1,6 +1,7 @@
-"""The whole step lowers for TPU and GPU on this CPU-only machine: the decode, prefill and
-speculative verify steps and the sampler of the default model and of Llama-3.1-8B's shapes,
-exported with `jax.export` for each platform with the real Mosaic kernels."""
+"""The whole step lowers for TPU and GPU on this CPU-only machine: the decode, prefill, mixed
+(decode rows and a chunk, the ragged kernel) and speculative verify steps and the sampler of the
+default model and of Llama-3.1-8B's shapes, exported with `jax.export` for each platform with the
+real Mosaic kernels."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_every_step_exports_with_the_real_kernels(smollm2_checkpoint, platform):
     for name, config in _configs(smollm2_checkpoint).items():
         steps = [step for step, _ in export_steps(config, platform, batch_buckets=(8, 64), token_buckets=(512,))]
         assert [(s.kind, s.bucket) for s in steps] == [
-            ("decode", (8, 1)), ("decode", (64, 1)), ("prefill", (1, 512)), ("verify", (8, 5)),
+            ("decode", (8, 1)), ("decode", (64, 1)), ("prefill", (1, 512)), ("mixed", (64, 512)), ("verify", (8, 5)),
             ("sample", (8,)), ("sample", (64,))], name
         for s in steps:
             # the scanned layer stack: one kernel call whatever the depth; the sampler has none
@@ -51,5 +52,5 @@ def test_export_script(tmp_path):
                            "--token-buckets", "256"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
-    assert lines[-1] == "exported 4 steps for cuda"
+    assert lines[-1] == "exported 5 steps for cuda"
     assert lines[0].split()[:2] == ["decode", "16x1"]

@@ -164,7 +164,7 @@ def test_step_records_count_real_tokens_bytes_and_flops():
     runner.execute(rows([(0, [1, 2, 3, 4, 5], [1, 2])]))
     runner.execute(rows([(5, [6], [1, 2])]))
     prefill, decode = runner.records
-    assert (prefill.kind, prefill.bucket, prefill.real_tokens, prefill.padded_tokens) == ("prefill", (1, 8), 5, 8)
+    assert (prefill.kind, prefill.bucket, prefill.real_tokens, prefill.padded_tokens) == ("mixed", (2, 8), 5, 8)
     assert (decode.kind, decode.bucket, decode.real_tokens, decode.padded_tokens) == ("decode", (2, 1), 1, 2)
     weights = sum(v.size * 4 for v in jax.tree.leaves(params))
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
@@ -279,3 +279,31 @@ def test_step_records_count_an_int8_caches_scales():
     weights = sum(v.size * 4 for v in jax.tree.leaves(params))
     kv_token = 2 * config.num_layers * config.num_kv_heads * (config.head_dim * 1 + 4)
     assert runner.records[-1].bytes_needed == weights + kv_token * (6 + 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_pallas"])
+def test_a_mixed_step_is_one_call_and_gives_what_separate_steps_give(backend):
+    """Decode rows and prefill chunks of several lengths (one continuing a cached prefix) in one
+    ragged call: the samples and the pages written equal those of each row run on its own."""
+    config, params, ref = _load("llama3")
+    prompts = [[int(t) for t in ref["input_ids"][0, :n]] for n in (7, 3, 11)]
+    pages = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+
+    def runner():
+        return Runner(config, params, num_pages=16, page_size=4, max_model_len=16, backend=backend,
+                      batch_buckets=(1, 2, 4), max_num_batched_tokens=16)
+
+    alone, mixed = runner(), runner()
+    # Row 0 is decoding (its prompt cached), row 1 starts, row 2 continues after 5 cached tokens.
+    for r in (alone, mixed):
+        r.execute(rows([(0, prompts[0], pages[0])]))
+        r.execute(rows([(0, prompts[2][:5], pages[2])]))
+    step = [(7, [prompts[0][-1]], pages[0]), (0, prompts[1], pages[1]), (5, prompts[2][5:], pages[2])]
+    expected = [int(alone.execute(rows([s])).tokens[0]) for s in step]
+    calls = len(mixed.records)
+    out = mixed.execute(rows(step))
+    assert len(mixed.records) == calls + 1 and mixed.records[-1].kind == "mixed"
+    assert mixed.records[-1].bucket == (4, 16) and mixed.records[-1].real_tokens == 1 + 3 + 6
+    assert [int(t) for t in out.tokens] == expected
+    for a, b in zip(jax.tree.leaves(alone.kv), jax.tree.leaves(mixed.kv)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

@@ -21,10 +21,12 @@ from jserve.runtime.sampler import prompt_logprobs, sample, token_counts
 
 def forward(graphdef, ops, params, kv, tokens, positions, meta, last):
     """The model over each row's tokens: float32 logits [batch, vocab] at each row's `last` token,
-    and the new pages."""
+    and the new pages. A mixed step (`RaggedMeta`: tokens [groups, num_tokens], last [groups,
+    rows], indices into the group's tokens) gives [groups * rows, vocab], group-major."""
     model = nnx.merge(graphdef, params)
-    logits, kv = model(tokens, positions, kv, meta, ops, logits_index=jnp.maximum(last, 0)[:, None])
-    return logits[:, 0], kv
+    index = jnp.maximum(last, 0)
+    logits, kv = model(tokens, positions, kv, meta, ops, logits_index=index if last.ndim == 2 else index[:, None])
+    return logits.reshape(-1, logits.shape[-1]), kv
 
 
 def sample_rows(logits, sampling, history, bitmask):

@@ -72,7 +72,7 @@ def follow(llm) -> int:
 
 # What process 0 broadcasts before each step: [op, kind, batch, tokens] (`Runner._call`).
 STEP_OP, STOP_OP = 0, 1
-STEP_KINDS = ("decode", "prefill")
+STEP_KINDS = ("decode", "mixed")
 
 
 def broadcast(header, tree=None):

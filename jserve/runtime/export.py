@@ -1,8 +1,9 @@
 """The runner's compiled steps exported for an accelerator from any machine (`jax.export`): the
-decode, prefill and speculative verify steps and the sampler, with the platform's real kernels,
-over abstract weights and pages, so nothing of the model's size is allocated (an 8B model's
-steps export on a laptop). CI runs it for TPU and CUDA: a change that breaks accelerator lowering
-fails the suite (tests/test_export.py); `scripts/export_steps.py` does it by hand.
+decode, prefill and mixed steps (the ragged kernel), the speculative verify step and the sampler,
+with the platform's real kernels, over abstract weights and pages, so nothing of the model's size
+is allocated (an 8B model's steps export on a laptop). CI runs it for TPU and CUDA: a change that
+breaks accelerator lowering fails the suite (tests/test_export.py); `scripts/export_steps.py`
+does it by hand.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ PLATFORMS = {"tpu": "tpu", "cuda": "gpu"}  # jax.export platform -> the XLA back
 
 @dataclasses.dataclass(frozen=True)
 class ExportedStep:
-    kind: str  # "decode" | "prefill" | "verify" | "sample"
+    kind: str  # "decode" | "prefill" (a mixed step of one chunk) | "mixed" | "verify" | "sample"
     bucket: tuple[int, ...]  # (batch, tokens), or (rows,) for the sampler
     serialized_bytes: int
     kernel_calls: int  # the Mosaic kernels' custom calls in the module (the scanned stack calls one)
@@ -81,11 +82,18 @@ def export_steps(config: ModelConfig, platform: str, *, dtype: str = "bfloat16",
         (tokens, positions, meta, last), _, _ = inputs(B, 1)
         yield run("decode", (B, 1), lambda params, kv, *a: forward(params, kv, *a), params, kv, tokens, positions,
                   meta, last)
-    for T in token_buckets:
-        B = 1
-        (tokens, positions, meta, last), _, _ = inputs(B, T)
-        yield run("prefill", (B, T), lambda params, kv, *a: forward(params, kv, *a), params, kv, tokens, positions,
-                  meta, last)
+    def mixed(kind, rows):  # a mixed step (the ragged kernel) of these rows' tokens in a bucket of T
+        R, T = len(rows), token_buckets[-1] if kind == "mixed" else sum(r.num_tokens for r in rows)
+        tokens, positions, meta, last = step_rows.pack_ragged([rows], R, T, max_pages=max_pages, page_size=page_size)
+        return run(kind, (R, T), lambda params, kv, *a: forward(params, kv, *a), params, kv, tokens, positions,
+                   meta, last)
+
+    for T in token_buckets:  # a prefill: one chunk
+        yield mixed("prefill", [StepRow(0, [0] * T, [0] * max_pages)])
+    if token_buckets:  # decode rows and a chunk in one call
+        B, T = max(batch_buckets), token_buckets[-1]
+        yield mixed("mixed", [StepRow(0, [0], [0] * max_pages)] * (B - 1) + [StepRow(0, [0] * (T - B + 1),
+                                                                                     [0] * max_pages)])
     if num_speculative_tokens:
         verify = functools.partial(device_steps.verify, graphdef, ops)
         T = num_speculative_tokens + 1

@@ -18,7 +18,7 @@ from jserve.runtime.kv_cache import KV_LAYOUTS, write_kv
 
 # Imported here, not on first use: importing Pallas registers JAX config options, which change the
 # tracing context, so a step first traced before the import would be compiled a second time later.
-from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention
+from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention, ragged_paged_attention
 
 
 class PagedMeta(NamedTuple):
@@ -28,6 +28,20 @@ class PagedMeta(NamedTuple):
     q_start: jax.Array  # [batch]: position of the row's first new token (= tokens already cached)
     q_lens: jax.Array  # [batch]: real new tokens of the row (0 for a padded row)
     page_indices: jax.Array  # [batch, max_pages]: the row's pages; padding -> page 0
+
+
+class RaggedMeta(NamedTuple):
+    """A mixed step's arrays (all int32, `jserve.runtime.step_rows.pack_ragged`): per data-parallel
+    group g, its rows' new tokens flattened in token block g of `tokens [groups, num_tokens]`;
+    every per-row array is the groups' blocks concatenated (split by `dp` on a mesh). The kernel is
+    `pallas_kernels.paged_attention.ragged_paged_attention`: decode rows and prefill chunks of any
+    lengths in one call."""
+
+    slots: jax.Array  # [groups * num_tokens]: each token's K/V slot; padding -> the null page
+    kv_lens: jax.Array  # [groups * rows]: a row's length, its new tokens included (0: padding)
+    page_indices: jax.Array  # [groups * rows, max_pages]
+    cu_q_lens: jax.Array  # [groups * (rows + 1)]: a group's rows' bounds in its token block
+    num_rows: jax.Array  # [groups]: live rows per group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +88,10 @@ class PagedAttention:
 
             heads, rows = P("dp", None, "tp", None), P("dp")
             specs = (P(*KV_PAGES_SPEC),) * 2 + (P(*KV_PAGES_SPEC[:3]),) * (len(entry) - 2)
-            meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None))
+            if isinstance(meta, RaggedMeta):
+                meta_spec = RaggedMeta(rows, rows, P("dp", None), rows, rows)
+            else:
+                meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None))
             out, *entry = jax.shard_map(
                 local, mesh=self.mesh, in_specs=(heads, heads, heads, meta_spec, *specs),
                 out_specs=(heads, *specs), check_vma=False)(q, k, v, meta, *entry)
@@ -83,12 +100,12 @@ class PagedAttention:
             return out, entry
         return out, cache[:layer] + (entry,) + cache[layer + 1:]
 
-    def _local(self, layer, spec, q, k, v, meta: PagedMeta, k_pages, v_pages, *scales):
+    def _local(self, layer, spec, q, k, v, meta: PagedMeta | RaggedMeta, k_pages, v_pages, *scales):
         B, T, H, D = q.shape
         if self.kv_layout == "folded":  # this layer's block of pages (and of their scales)
             offset = layer * (k_pages.shape[1] // self.num_layers)
-            meta = PagedMeta(meta.slots + offset * k_pages.shape[2], meta.q_start, meta.q_lens,
-                             meta.page_indices + offset)
+            meta = meta._replace(slots=meta.slots + offset * k_pages.shape[2],
+                                 page_indices=meta.page_indices + offset)
         K = k.shape[2]
         entry = write_kv(k_pages, v_pages, k.reshape(B * T, K, D), v.reshape(B * T, K, D), meta.slots, *scales)
         k_pages, v_pages, *scales = entry
@@ -99,7 +116,12 @@ class PagedAttention:
                       soft_cap=spec.soft_cap)
         if scales:
             kw.update(k_scales=scales[0], v_scales=scales[1])
-        if T == 1:  # decode: the query sits at the last cached position
+        if isinstance(meta, RaggedMeta):  # one group's block of tokens (per device on a mesh)
+            if B != 1:
+                raise ValueError(f"a mixed step runs one data-parallel group's tokens per device, got {B}")
+            out = ragged_paged_attention(q[0], k_pages, v_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
+                                         meta.num_rows, **kw)[None]
+        elif T == 1:  # decode: the query sits at the last cached position
             lengths = (meta.q_start + meta.q_lens) * (meta.q_lens > 0)
             out = paged_attention(q[:, 0], k_pages, v_pages, lengths, meta.page_indices, **kw)[:, None]
         else:

@@ -1,7 +1,9 @@
 """The paged runner: params and KV pages on the device, one compiled step per bucket.
 
-A step takes `StepRow`s (`jserve.runtime.steps`): decode rows (one token) go to the decode step (batch
-bucket), longer chunks to the prefill step (rows x token buckets); the page table has a fixed
+A step takes `StepRow`s (`jserve.runtime.steps`): a step of decode rows (one token each) is a decode
+call (batch bucket); a step with a prefill chunk is one mixed call for all its rows, decode rows
+and chunks of any lengths, their tokens flattened (`step_rows.pack_ragged`, a rows bucket x a
+token bucket in all) and attended by the ragged paged-attention kernel; the page table has a fixed
 width. Each step runs the model's forward (its backend's operations, `jserve.runtime.backends`) in one
 jit with the pages donated, then the sampler, a jit of its own; a `StepOutput` comes back. With
 `decode_steps` K > 1, `execute_decode_steps` runs up to K
@@ -41,8 +43,6 @@ from jserve.runtime.step_masks import StepMasks
 from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRecord, StepRow
 
 logger = logging.getLogger(__name__)
-
-PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
 
 
 class Runner:
@@ -173,26 +173,18 @@ class Runner:
         for i, r in enumerate(rows):  # chunks whose prompt logprobs are wanted: a call each
             if r.next_ids is not None:
                 self._score(rows, i, results, prompt)
-        plain = [r.next_ids is None for r in rows]
-        # Per group: its decode rows, and its prefill chunks packed into calls.
-        decode = [[i for i, r in enumerate(rows) if plain[i] and r.num_tokens == 1 and r.group == g]
-                  for g in range(self.dp)]
-        cap = self.batch_buckets[-1]
-        for c in range(max(math.ceil(len(d) / cap) for d in decode)):
-            self._run(rows, [d[c * cap:(c + 1) * cap] for d in decode], results, "decode")
-        packs = []
-        for g in range(self.dp):
-            prefill = sorted((i for i, r in enumerate(rows) if plain[i] and r.num_tokens > 1 and r.group == g),
-                             key=lambda i: -rows[i].num_tokens)
-            packs.append([[prefill[j] for j in p] for p in self._pack_prefill([rows[i].num_tokens for i in prefill])])
-        for c in range(max(len(p) for p in packs)):
-            parts = [p[c] if c < len(p) else [] for p in packs]
-            if self._fits(rows, parts):
-                self._run(rows, parts, results, "prefill")
-            else:  # the groups' calls have different shapes: one call per group
-                for g, part in enumerate(parts):
-                    if part:
-                        self._run(rows, [part if h == g else [] for h in range(self.dp)], results, "prefill")
+        # Per group its rows; with a prefill chunk among any group's, every row of the step goes
+        # into mixed calls (the ragged kernel: decode rows and chunks together), else decode calls.
+        plain = [[i for i, r in enumerate(rows) if r.next_ids is None and r.group == g] for g in range(self.dp)]
+        if any(rows[i].num_tokens > 1 for p in plain for i in p):
+            packs = [self._pack_mixed([rows[i].num_tokens for i in p]) for p in plain]
+            packs = [[[p[j] for j in pack] for pack in group] for p, group in zip(plain, packs)]
+            for c in range(max(len(p) for p in packs)):
+                self._run(rows, [p[c] if c < len(p) else [] for p in packs], results, "mixed")
+        else:
+            cap = self.batch_buckets[-1]
+            for c in range(max(math.ceil(len(p) / cap) for p in plain)):
+                self._run(rows, [p[c * cap:(c + 1) * cap] for p in plain], results, "decode")
         out = StepOutput.from_arrays({key: np.stack([results[i][key] for i in range(len(rows))])
                                       for key in results[0]})
         if prompt:
@@ -225,7 +217,7 @@ class Runner:
         seconds = time.perf_counter() - t0
         if self._is_new(("score", B, T), None if cached is None else _cache_size(self._score_step) > cached):
             self.num_score_compilations += 1
-        self._record(StepRecord("prefill", (B, T), row.num_tokens, B * T, seconds, *self._cost([row])))
+        self._record(StepRecord("score", (B, T), row.num_tokens, B * T, seconds, *self._cost([row])))
         results[i] = {key: value[row.group] for key, value in out.items()}
         prompt[i] = PromptLogprobs(**{key: value[row.group, :row.num_tokens] for key, value in plp.items()})
 
@@ -345,69 +337,63 @@ class Runner:
                                   self.config.vocab_size)
         return sampling, history
 
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        """(rows per group, tokens) buckets of the prefill step: within the largest token bucket."""
-        cap = self.token_buckets[-1]
-        return [(b, t) for b in PREFILL_BATCH_BUCKETS for t in self.token_buckets if b * t <= cap]
-
-    def _fits(self, rows, parts) -> bool:
-        """Whether the groups' prefill parts share one call shape within the largest bucket."""
-        live = [p for p in parts if p]
-        if len(live) <= 1:
-            return True
-        longest = max(rows[i].num_tokens for p in live for i in p)
-        return self._prefill_shape(max(len(p) for p in live), longest) is not None
-
-    def _prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
-        """The (rows per group, tokens) of a prefill call of `rows` chunks, the longest `longest`
-        tokens (see `_shape`); None if no shape within the largest token bucket holds them."""
-        return self._shape("prefill", rows, longest, count=False)
+    def mixed_shapes(self) -> list[tuple[int, int]]:
+        """(rows per group, tokens per group) buckets of the mixed step: a batch bucket of rows
+        over a token bucket (at least a token per row)."""
+        return [(b, t) for b in self.batch_buckets for t in self.token_buckets if b <= t]
 
     def _shape(self, kind: str, rows: int, tokens: int, *, count: bool = True) -> tuple[int, int] | None:
-        """(rows per group, tokens per row) of a call of `kind` holding `rows` rows of up to `tokens`
-        tokens: their buckets, or with lazy buckets, until that shape is compiled, the smallest
-        compiled one holding them (a fallback, counted when `count`); None if none can."""
-        if kind == "prefill":
-            if rows > PREFILL_BATCH_BUCKETS[-1] or tokens > self.token_buckets[-1]:
+        """(rows, tokens) of a call of `kind` holding `rows` rows (per group) of `tokens` tokens (a
+        mixed step: in all; else per row): their buckets, or with lazy buckets, until that shape is
+        compiled, the smallest compiled one holding them (a fallback, counted when `count`);
+        None if none can."""
+        if kind == "mixed":
+            if rows > self.batch_buckets[-1] or tokens > self.token_buckets[-1]:
                 return None
-            shapes = self.prefill_shapes()
-            exact = (buckets.pick(PREFILL_BATCH_BUCKETS, rows), buckets.pick(self.token_buckets, tokens))
-            if exact not in shapes and self.lazy is None:
-                return None
+            shapes = self.mixed_shapes()
+            exact = (buckets.pick(self.batch_buckets, rows), buckets.pick(self.token_buckets, tokens))
         else:
             sizes = self.verify_buckets if kind == "verify" else self.batch_buckets
             if rows > sizes[-1]:
                 return None
             shapes = [(b, tokens) for b in sizes]
             exact = (buckets.pick(sizes, rows), tokens)
-        if self.lazy is None or self.lazy.is_ready((kind, exact[0] * self.dp, exact[1])):
+        key_batch = self.dp if kind in ("decode", "mixed") else 1  # shapes are keyed by their global batch
+        if exact in shapes and (self.lazy is None or self.lazy.is_ready((kind, exact[0] * key_batch, exact[1]))):
             return exact
-        shape = self.lazy.cover(kind, rows * self.dp, tokens, [(b * self.dp, t) for b, t in shapes])
+        if self.lazy is None:
+            return None
+        shape = self.lazy.cover(kind, rows * key_batch, tokens, [(b * key_batch, t) for b, t in shapes])
         if shape is None:
             return None
         if count:
             self.lazy.fallbacks += 1
-        return shape[0] // self.dp, shape[1]
+        return shape[0] // key_batch, shape[1]
 
-    def _pack_prefill(self, lengths: list[int]) -> list[list[int]]:
-        """Group chunks (longest first) into calls whose padded shape stays within the largest bucket."""
-        cap = self.token_buckets[-1]
-        groups: list[list[int]] = []
+    def _pack_mixed(self, lengths: list[int]) -> list[list[int]]:
+        """Rows (by their token counts) into mixed calls of at most the largest row and token
+        buckets, in order."""
+        cap, max_rows = self.token_buckets[-1], self.batch_buckets[-1]
+        packs: list[list[int]] = []
+        total = 0
         for j, n in enumerate(lengths):
             if n > cap:
                 raise ValueError(f"a chunk of {n} tokens exceeds the largest token bucket {cap}: "
                                  f"the scheduler must split it")
-            if groups and self._prefill_shape(len(groups[-1]) + 1, lengths[groups[-1][0]]) is not None:
-                groups[-1].append(j)
-                continue
-            groups.append([j])
-        return groups
+            if packs and len(packs[-1]) < max_rows and total + n <= cap:
+                packs[-1].append(j)
+                total += n
+            else:
+                packs.append([j])
+                total = n
+        return packs
 
     def _run(self, all_rows: Sequence[StepRow], parts, results, kind):
         """One call; `parts[g]` are the row indices of group g, placed in the g-th block of rows."""
         rows = [all_rows[i] for part in parts for i in part]
-        shape = self._shape(kind, max(1, max(len(p) for p in parts)), max(r.num_tokens for r in rows))
-        if shape is None:  # the packing (`_pack_prefill`, `_fits`) keeps calls within the shapes
+        tokens = max(sum(all_rows[i].num_tokens for i in p) for p in parts) if kind == "mixed" else 1
+        shape = self._shape(kind, max(1, max(len(p) for p in parts)), tokens)
+        if shape is None:  # `execute` keeps calls within the largest shapes
             raise ValueError(f"no {kind} shape holds parts of {[len(p) for p in parts]} rows")
         Bg, T = shape
         B = Bg * self.dp
@@ -415,7 +401,11 @@ class Runner:
         placed: list[StepRow | None] = [None] * B
         for i, slot in slot_of.items():
             placed[slot] = all_rows[i]
-        arrays = self._pack(placed, B, T)
+        if kind == "mixed":
+            arrays = step_rows.pack_ragged([[all_rows[i] for i in p] for p in parts], Bg, T,
+                                           max_pages=self.max_pages, page_size=self.page_size)
+        else:
+            arrays = self._pack(placed, B, T)
         sampling, history = self._sampling(placed, B)
         cached = self._compiled_count()
         t0 = time.perf_counter()
@@ -423,7 +413,8 @@ class Runner:
         seconds = time.perf_counter() - t0
         self._count((kind, B, T), None if cached is None else self._compiled_count() > cached)
         real = sum(r.num_tokens for r in rows)
-        self._record(StepRecord(kind, (B, T), real, B * T, seconds, *self._cost(rows)))
+        self._record(StepRecord(kind, (B, T), real, self.dp * T if kind == "mixed" else B * T, seconds,
+                                *self._cost(rows)))
         for i, slot in slot_of.items():
             results[i] = {key: value[slot] for key, value in out.items()}
 
@@ -458,7 +449,7 @@ class Runner:
         (filled now, unless it came with `inputs`) and the sampler."""
         (tokens, positions, meta, last), sampling, history, *mask = self._place(inputs)
         logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, positions, meta, last)
-        bitmask = mask[0] if mask else self.masks.device(tokens.shape[0], constraints)
+        bitmask = mask[0] if mask else self.masks.device(last.size, constraints)  # a row per sample
         return self._sample(logits, sampling, history, bitmask)
 
     @staticmethod
@@ -507,7 +498,12 @@ class Runner:
             op, kind, B, T, masked = (int(x) for x in broadcast(np.zeros(5, np.int32)))
             if op == STOP_OP:
                 return steps
-            template = (self._pack([None] * B, B, T), *self._sampling([], B))
+            if STEP_KINDS[kind] == "mixed":
+                packed = step_rows.pack_ragged([[]] * self.dp, B // self.dp, T, max_pages=self.max_pages,
+                                               page_size=self.page_size)
+            else:
+                packed = self._pack([None] * B, B, T)
+            template = (packed, *self._sampling([], B))
             if masked:
                 template = (*template, self.masks.ones(B))
             jax.block_until_ready(self._device_step(broadcast(None, template)))
@@ -571,17 +567,14 @@ class Runner:
 
         lazy = lazy and not self.multiprocess
         shapes = [("decode", b, 1) for b in self.batch_buckets]
-        shapes += [("prefill", b, t) for b, t in self.prefill_shapes()]
+        shapes += [("mixed", b, t) for b, t in self.mixed_shapes()]
         if self.decode_steps > 1:
             shapes += [("decode_steps", b, self.decode_steps) for b in self.batch_buckets]
         if self.num_speculative_tokens:
             shapes += [("verify", b, self.num_speculative_tokens + 1) for b in self.verify_buckets]
         now = shapes
-        if lazy:  # per kind its largest shape: the largest batch, or the one-row prefill of the largest chunk
-            largest = {kind: max((s for s in shapes if s[0] == kind),
-                                 key=lambda s: (s[2], s[1]) if kind == "prefill" else s[1])
-                       for kind in dict.fromkeys(s[0] for s in shapes)}
-            now = list(largest.values())
+        if lazy:  # per kind its largest shape (the most rows, of the most tokens)
+            now = [max(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
         for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
             self._warm(kind, B, T)
         self.records.clear()
@@ -591,14 +584,27 @@ class Runner:
         if lazy:
             self._start_lazy([s for s in shapes if s not in now], now)
 
-    def _warm(self, kind: str, B: int, T: int) -> None:
-        """Run one shape (B rows per group) on padding rows: it compiles, writing only the null page."""
+    def _padding_rows(self, kind: str, B: int, T: int) -> list[list[StepRow]]:
+        """Rows of one shape (B rows per group; a mixed step's T tokens in all) per group, writing
+        only into the null page."""
+        table = [0] * self.max_pages
         if kind == "decode_steps":
-            self.execute_decode_steps([StepRow(0, [0], [0] * self.max_pages, num_steps=T)] * B)
+            return [[StepRow(0, [0], table, num_steps=T)] * B]
+        if kind == "verify":
+            return [[StepRow(0, [0], table, draft_ids=[0] * (T - 1))] * B]
+        if kind == "mixed":  # B - 1 decode rows and a chunk of the other tokens
+            return [[StepRow(0, [0], table)] * (B - 1) + [StepRow(0, [0] * (T - B + 1), table)]] * self.dp
+        return [[StepRow(0, [0] * T, table)] * B] * self.dp
+
+    def _warm(self, kind: str, B: int, T: int) -> None:
+        """Run one shape (B rows per group) on padding rows: it compiles."""
+        groups = self._padding_rows(kind, B, T)
+        if kind == "decode_steps":
+            self.execute_decode_steps(groups[0])
         elif kind == "verify":
-            self.execute_verify([StepRow(0, [0], [0] * self.max_pages, draft_ids=[0] * (T - 1))] * B)
+            self.execute_verify(groups[0])
         else:
-            rows = [StepRow(0, [0] * T, [0] * self.max_pages)] * (B * self.dp)
+            rows = [r for g in groups for r in g]
             self._run(rows, [list(range(g * B, (g + 1) * B)) for g in range(self.dp)], {}, kind)
 
     def _start_lazy(self, later: list[tuple], now: list[tuple]) -> None:
@@ -608,35 +614,38 @@ class Runner:
         later.sort(key=lambda s: (s[1] * s[2], s))
         kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv)
         for kind, B, T in later:  # the jitted functions exist before the thread starts
-            if kind in ("decode", "prefill"):
-                self.step_fn(B * self.dp, T)
+            if kind in ("decode", "mixed"):
+                self.step_fn(self.dp * (B if kind == "decode" else 1), T)
             elif kind == "verify":
                 self._verify_fn(B, T)
 
         def job(kind: str, B: int, T: int):
             return lambda: self._compile_ahead(kind, B, T, kv_spec)
 
-        self.lazy = BucketCompiler(ready=[(kind, B * (self.dp if kind in ("decode", "prefill") else 1), T)
-                                          for kind, B, T in now])
-        self.lazy.start([((kind, B * (self.dp if kind in ("decode", "prefill") else 1), T), job(kind, B, T))
-                         for kind, B, T in later])
+        def key(kind: str, B: int, T: int) -> tuple:  # as `_count` names the shape: its global batch
+            return kind, B * (self.dp if kind in ("decode", "mixed") else 1), T
+
+        self.lazy = BucketCompiler(ready=[key(*s) for s in now])
+        self.lazy.start([(key(*s), job(*s)) for s in later])
 
     def _compile_ahead(self, kind: str, B: int, T: int, kv_spec) -> None:
         """Lower and compile one shape (B rows per group) with the inputs a call of it passes, so
         that its first call finds the executable in JAX's caches (on the lazy buckets' thread)."""
+        groups = self._padding_rows(kind, B, T)
         if kind == "decode_steps":
-            rows = [StepRow(0, [0], [0] * self.max_pages, num_steps=T)] * B
-            self._decode_steps.lower(self.params, kv_spec, *self._decode_steps_inputs(rows, B)).compile()
+            self._decode_steps.lower(self.params, kv_spec, *self._decode_steps_inputs(groups[0], B)).compile()
             return
         if kind == "verify":
-            rows = [StepRow(0, [0], [0] * self.max_pages, draft_ids=[0] * (T - 1))] * B
-            self._verify_fn(B, T).lower(self.params, kv_spec, *self._verify_inputs(rows, B)).compile()
+            self._verify_fn(B, T).lower(self.params, kv_spec, *self._verify_inputs(groups[0], B)).compile()
             return
+        placed = [r for g in groups for r in g]
+        if kind == "mixed":
+            packed = step_rows.pack_ragged(groups, B, T, max_pages=self.max_pages, page_size=self.page_size)
+        else:
+            packed = self._pack(placed, B * self.dp, T)
         B *= self.dp
-        placed = [StepRow(0, [0] * T, [0] * self.max_pages)] * B
-        (tokens, positions, meta, last), sampling, history = self._place(
-            (self._pack(placed, B, T), *self._sampling(placed, B)))
-        forward = self.step_fn(B, T).lower(self.params, kv_spec, tokens, positions, meta, last)
+        (tokens, positions, meta, last), sampling, history = self._place((packed, *self._sampling(placed, B)))
+        forward = self.step_fn(*tokens.shape).lower(self.params, kv_spec, tokens, positions, meta, last)
         forward.compile()
         logits = forward.out_info[0]
         if self.mesh is not None:

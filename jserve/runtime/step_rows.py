@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.model.config import ModelConfig
-from jserve.runtime.paged_attention import PagedMeta
+from jserve.runtime.paged_attention import PagedMeta, RaggedMeta
 
 
 def pack(rows, B: int, T: int, *, max_pages: int, page_size: int):
@@ -36,6 +36,44 @@ def pack(rows, B: int, T: int, *, max_pages: int, page_size: int):
         q_start[b], q_lens[b] = start, n
         page_indices[b, :len(pages)] = pages
     return tokens, positions, PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices), q_lens - 1
+
+
+def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int):
+    """`(tokens, positions, RaggedMeta, last)` of a mixed step: per group (a list of rows each,
+    at most R rows and N tokens), its rows' tokens one after another in its block of N tokens
+    (padding tokens write into the null page), the rows' lengths, page tables and bounds, and
+    `last` int32 [groups, R]: the index in the block of each row's last token (-1: padding)."""
+    G = len(groups)
+    tokens = np.zeros((G, N), np.int32)
+    positions = np.zeros((G, N), np.int32)
+    slots = np.zeros((G, N), np.int32)
+    kv_lens = np.zeros((G, R), np.int32)
+    page_indices = np.zeros((G, R, max_pages), np.int32)
+    cu_q_lens = np.zeros((G, R + 1), np.int32)
+    num_rows = np.zeros((G,), np.int32)
+    last = np.full((G, R), -1, np.int32)
+    for g, rows in enumerate(groups):
+        if len(rows) > R or sum(r.num_tokens for r in rows) > N:
+            raise ValueError(f"group {g}: {len(rows)} rows of {sum(r.num_tokens for r in rows)} tokens "
+                             f"exceed a mixed step of {R} rows and {N} tokens")
+        t = 0
+        for i, row in enumerate(rows):
+            n = len(row.token_ids)
+            pos = np.arange(row.start, row.start + n)
+            table = np.asarray(row.page_ids, np.int32)
+            tokens[g, t:t + n] = row.token_ids
+            positions[g, t:t + n] = pos
+            slots[g, t:t + n] = table[pos // page_size] * page_size + pos % page_size
+            kv_lens[g, i] = row.start + n
+            page_indices[g, i, :len(table)] = table
+            t += n
+            cu_q_lens[g, i + 1] = t
+            last[g, i] = t - 1
+        cu_q_lens[g, len(rows) + 1:] = t
+        num_rows[g] = len(rows)
+    meta = RaggedMeta(slots.reshape(-1), kv_lens.reshape(-1), page_indices.reshape(G * R, max_pages),
+                      cu_q_lens.reshape(-1), num_rows)
+    return tokens, positions, meta, last
 
 
 def cost(config: ModelConfig, rows, *, param_bytes: int, num_params: int, kv_itemsize: int,
