@@ -64,8 +64,10 @@ def _load(arch):
 
 
 def _engine(config, params, backend, **kw):
+    """`backend`: a name, or (name, options) for a backend built here (without a mesh)."""
+    built = backend if isinstance(backend, str) else backends.create(backend[0], **backend[1])
     settings = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, num_pages=64,
-                    backend=backends.create(backend[0], **backend[1]), warmup=False)
+                    backend=built, warmup=False)
     return build_engine(config, params, _Tok(), [], EngineConfig(**{**settings, **kw}))
 
 
@@ -317,7 +319,7 @@ def test_gemma_greedy_on_a_mesh(arch):
     """Tensor and data parallel (the extra norms replicated, heads split) give transformers' tokens."""
     config, params = _load(arch)
     ref = np.load(DATA / "arch" / arch / "reference.npz")
-    engine = _engine(config, params, ("reference", {}), mesh="dp=2,tp=2")
+    engine = _engine(config, params, "reference", mesh="dp=2,tp=2")  # by name: build_engine gives it the mesh
     engine.add_request("a", [int(t) for t in ref["input_ids"][0, :10]],
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert list(_finish(engine)["a"].outputs[0].token_ids) == ref["greedy_ids"][0].tolist()
