@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# The engine whole on an NVIDIA GPU, in one command of at most 8 minutes, writing one JSON report
-# to ${OUT:-/tmp}/device_check.json (#26). Parts, each under its own timeout, each recorded
-# (exit status, seconds, log tail, its JSON) whatever happens to the others:
-#   env        jax, its devices, nvidia-smi
-#   pytest     pytest -m gpu (the Mosaic GPU kernels against the reference)
+# The engine whole on an NVIDIA GPU or a Cloud TPU, in one command of at most 8 minutes, writing
+# one JSON report to ${OUT:-/tmp}/device_check.json (#26). Parts, each under its own timeout, each
+# recorded (exit status, seconds, log tail, its JSON) whatever happens to the others:
+#   env        jax, its devices (nvidia-smi on a GPU)
+#   pytest     pytest -m gpu / -m tpu (the Mosaic kernels against the reference)
 #   golden     the SmolLM2 golden cases in bfloat16 on the device (greedy, agreement per case)
-#   kernels    scripts/bench_gpu_attention.py: the attention kernel's bandwidth (batch 64, 2k)
+#   kernels    the ragged paged-attention kernel against the reference and timed against separate
+#              decode + padded prefill calls (scripts/bench_ragged_attention.py); on a GPU also the
+#              decode kernel's bandwidth (scripts/bench_gpu_attention.py, batch 64, 2k)
 #   step       scripts/bench_step_floor.py: the decode step of Llama-3.1-8B's shapes (dummy
-#              weights) against weights + live KV over the copy bandwidth, batch 1/16/64/256 at
-#              1k and 4k context
-#   serving    jserve serve of the 8B dummy + jserve bench at c = 1, 16, 64, 256 on 1k-in/128-out
-#              and 128-in/1k-out
+#              weights; Llama-3.2-1B's on a TPU chip of less than 32 GiB) against weights + live
+#              KV over the copy bandwidth, batch 1/16/64/256 at 1k and 4k context
+#   serving    jserve serve of that dummy model + jserve bench at c = 1, 16, 64, 256 on
+#              1k-in/128-out and 128-in/1k-out
 #   cold       seconds from `jserve serve` (default model, empty compilation cache) to ready and to
 #              its first token (#26's target: 30 s)
-# Without a GPU it runs as a dry run (the default model, small shapes, c <= 2; `kernels` is
-# skipped) so that it is checked on a CPU: bash scripts/device_check.sh
-# PYTHON picks the interpreter (default: python3 on the device image; .venv/bin/python here).
+# Without a GPU or TPU it runs as a dry run (the default model, small shapes, c <= 2; the kernel
+# benchmark through the interpreters) so that it is checked on a CPU: bash scripts/device_check.sh
+# DEVICE=gpu|tpu|cpu overrides the detection; PYTHON picks the interpreter (default: python3 on the
+# device image; .venv/bin/python here). scripts/tpu_vm/smoke.sh runs it on a TPU VM.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp}"
@@ -25,8 +28,11 @@ JSERVE=("$PY" -m jserve.cli)
 WORK="$(mktemp -d)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-GPU=0
-if nvidia-smi >/dev/null 2>&1; then GPU=1; fi
+if [ -z "${DEVICE:-}" ]; then
+  DEVICE=cpu
+  if nvidia-smi >/dev/null 2>&1; then DEVICE=gpu
+  elif "$PY" -c 'import jax; jax.devices("tpu")' >/dev/null 2>&1; then DEVICE=tpu; fi
+fi
 LLAMA_8B=tests/data/configs/llama-3.1-8b.json
 
 run_part() {  # name, timeout seconds, command...
@@ -40,15 +46,24 @@ run_part() {  # name, timeout seconds, command...
 }
 
 { "$PY" -c 'import jax; print(jax.__version__, jax.default_backend(), jax.devices())'
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } >"$WORK/env.log" 2>&1
+  [ "$DEVICE" = gpu ] && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
+  >"$WORK/env.log" 2>&1
+echo "device: $DEVICE" >>"$WORK/env.log"
 cat "$WORK/env.log"
 
-if [ "$GPU" = 1 ]; then
-  DTYPE=bfloat16; STEP=(--model "$LLAMA_8B" --load-format dummy --batches 1,16,64,256 --contexts 1024,4096
-                         --kv-bytes 100GiB --copy-bytes 4GiB)
+if [ "$DEVICE" != cpu ]; then
+  # The device's memory: an 8B model in bfloat16 (16 GB) wants a chip of 32 GiB or more.
+  HBM=$("$PY" -c 'import jax; print(int(jax.devices()[0].memory_stats().get("bytes_limit", 0) / 2**30))' \
+        2>/dev/null || echo 0)
+  MODEL_CONFIG=$LLAMA_8B KV=100GiB SERVE_KV=80GiB
+  if [ "$HBM" -lt 32 ]; then
+    MODEL_CONFIG=tests/data/configs/llama-3.2-1b.json KV=$((HBM / 2))GiB SERVE_KV=$((HBM / 3))GiB
+  fi
+  DTYPE=bfloat16; STEP=(--model "$MODEL_CONFIG" --load-format dummy --batches 1,16,64,256 --contexts 1024,4096
+                         --kv-bytes "$KV" --copy-bytes 4GiB)
   SERVE=(--model "$(mktemp -d)" --load-format dummy --max-model-len 2048 --max-num-seqs 256
-         --max-num-batched-tokens 2048 --kv-cache-bytes 80GiB)
-  cp "$LLAMA_8B" "${SERVE[1]}/config.json"
+         --max-num-batched-tokens 2048 --kv-cache-bytes "$SERVE_KV")
+  cp "$MODEL_CONFIG" "${SERVE[1]}/config.json"
   CONC=(1 16 64 256); IN_LONG=1024; OUT_LONG=1024; OUT_SHORT=128; IN_SHORT=128
 else  # a dry run: the same parts, small
   DTYPE=float32; STEP=(--batches 1,2 --contexts 128)
@@ -56,7 +71,8 @@ else  # a dry run: the same parts, small
   CONC=(1 2); IN_LONG=64; OUT_LONG=32; OUT_SHORT=8; IN_SHORT=16
 fi
 
-run_part pytest 80 "$PY" -m pytest -m gpu tests -q -p no:cacheprovider -rs -x
+MARK=$([ "$DEVICE" = tpu ] && echo tpu || echo gpu)
+run_part pytest 80 "$PY" -m pytest -m "$MARK" tests -q -p no:cacheprovider -rs -x
 
 run_part golden 45 "$PY" - "$DTYPE" "$WORK/golden.json" <<'EOF'
 import json, sys
@@ -79,10 +95,17 @@ out.write_text(json.dumps(report, indent=1))
 print(f"golden in {dtype}: {report['passed']} / {len(cases)} cases agree over their confident prefix")
 EOF
 
-if [ "$GPU" = 1 ]; then
-  run_part kernels 40 "$PY" scripts/bench_gpu_attention.py --batch 64 --context 2048 --iters 10 \
-      --out "$WORK/kernels.json"
-fi
+kernels() {
+  if [ "$DEVICE" = cpu ]; then  # through the interpreters: the GPU path and the TPU kernel
+    "$PY" scripts/bench_ragged_attention.py --backend gpu --dry-run --out "$WORK/kernels.json"
+    return
+  fi
+  "$PY" scripts/bench_ragged_attention.py --backend "$DEVICE" --out "$WORK/kernels.json" || return 1
+  if [ "$DEVICE" = gpu ]; then
+    "$PY" scripts/bench_gpu_attention.py --batch 64 --context 2048 --iters 10 --out "$WORK/decode_kernel.json"
+  fi
+}
+run_part kernels 60 bash -c "$(declare -f kernels); $(declare -p WORK PY DEVICE); kernels"
 
 run_part step 100 "$PY" scripts/bench_step_floor.py "${STEP[@]}" --reps 5 --out "$WORK/step.json"
 
@@ -151,18 +174,18 @@ print(f"jserve serve, empty caches: ready after {ready} s, first token after {fi
 sys.exit(0 if first is not None else 1)
 EOF
 
-"$PY" - "$WORK" "$OUT/device_check.json" "$GPU" <<'EOF'
+"$PY" - "$WORK" "$OUT/device_check.json" "$DEVICE" <<'EOF'
 import json, sys
 from pathlib import Path
-work, out, gpu = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
+work, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 def read(name, default=None):
     p = work / name
     return p.read_text() if p.exists() else default
-report = {"env": read("env.log", ""), "device": "gpu" if gpu else "cpu (dry run)", "parts": {}}
+report = {"env": read("env.log", ""), "device": device if device != "cpu" else "cpu (dry run)", "parts": {}}
 for name in ("pytest", "golden", "kernels", "step", "serving", "cold"):
     rc = read(f"{name}.rc")
     if rc is None:
-        report["parts"][name] = {"skipped": "no GPU" if not gpu else "not run"}
+        report["parts"][name] = {"skipped": "not run"}
         continue
     part = {"rc": int(rc), "seconds": int(read(f"{name}.s", "0")), "timed_out": int(rc) in (124, 137),
             "log_tail": "\n".join(read(f"{name}.log", "").splitlines()[-40:])}

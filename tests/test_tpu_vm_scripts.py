@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS_DIR = ROOT / "scripts" / "tpu_vm"
 DOC = ROOT / "docs" / "tpu_vm.md"
 SCRIPTS = sorted(SCRIPTS_DIR.glob("*.sh"))
-EXPECTED = {"create_vm.sh", "install.sh", "deploy.sh", "setup_service.sh", "health_check.sh", "delete_vm.sh"}
+EXPECTED = {"create_vm.sh", "install.sh", "deploy.sh", "setup_service.sh", "health_check.sh", "delete_vm.sh",
+            "smoke.sh"}
 
 # Flags of issue #7 (--mesh, --distributed, ...) were added while this guide was written; they
 # have all landed, so every flag in the guide and scripts must parse. The empty sets keep the hook
