@@ -118,7 +118,9 @@ class PagedAttention:
             kw.update(k_scales=scales[0], v_scales=scales[1])
         if isinstance(meta, RaggedMeta):  # one group's block of tokens (per device on a mesh)
             if B != 1:
-                raise ValueError(f"a mixed step runs one data-parallel group's tokens per device, got {B}")
+                raise ValueError(f"a mixed step runs one data-parallel group's tokens per device, got {B} groups "
+                                 "in one call: this attention has no mesh (build the backend with the runner's "
+                                 "mesh, or give it by name)")
             out = ragged_paged_attention(q[0], k_pages, v_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
                                          meta.num_rows, **kw)[None]
         elif T == 1:  # decode: the query sits at the last cached position
