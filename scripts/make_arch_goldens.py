@@ -20,7 +20,8 @@ RMSNorm weight (incl. Qwen3 q_norm/k_norm) is drawn from U(0.5, 1.5) and
 every bias from N(0, 0.2), so norm/bias bugs change the logits.
 
 Cases: llama2, llama3, llama_bias, mistral, qwen2, qwen3, smollm2, gemma2,
-gemma3 (see ``CASES`` below and tests/data/arch/README.md). Self-checks run each time:
+gemma3, and the mixtures of experts qwen3_moe, mixtral, qwen2_moe (see
+``CASES`` below and tests/data/arch/README.md). Self-checks run each time:
 the saved folder reloads to bit-identical logits, the greedy ids equal a
 no-cache argmax loop, logits std > 1e-2, biases/norms are not trivial,
 llama3's rope scaling changes the logits versus an unscaled copy (with
@@ -79,10 +80,16 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,7 +199,35 @@ CASES = {
              "sliding_window 8, local rope_theta 1e4 vs global 1e6 + linear scaling 8, random "
              "(1 + w) q/k norms, query_pre_attn_scalar 24, tied",
     ),
+    # Mixture of experts: 8 experts, top-2, experts 32 wide (each expert's MLP is a quarter of the
+    # dense cases'), every layer sparse. The generator checks that routing is not trivial.
+    "qwen3_moe": (
+        Qwen3MoeForCausalLM, Qwen3MoeConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+             use_sliding_window=False, tie_word_embeddings=False),
+        110, "Qwen3-MoE, GQA 4/2, head_dim 32, q/k norms, 8 experts of 32, top-2 with norm_topk_prob "
+             "(as Qwen3-30B-A3B), every layer sparse, untied",
+    ),
+    "mixtral": (
+        MixtralForCausalLM, MixtralConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+             intermediate_size=32, sliding_window=None,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False),
+        117, "Mixtral, GQA 4/2, 8 experts of 32 (intermediate_size), top-2 renormalised, untied",
+    ),
+    "qwen2_moe": (
+        Qwen2MoeForCausalLM, Qwen2MoeConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+             mlp_only_layers=[], norm_topk_prob=False, qkv_bias=True, use_sliding_window=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False),
+        129, "Qwen2-MoE (Qwen1.5-MoE), GQA 4/2, random q/k/v biases, 8 experts of 32, top-2 without "
+             "renormalisation, a shared expert of 64 behind its sigmoid gate, untied",
+    ),
 }
+MOE_CASES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def config_kwargs(name: str, **changes) -> dict:
@@ -289,6 +324,54 @@ def variant_logits(name: str, model, ids: np.ndarray, **cfg_changes) -> np.ndarr
     return forward_logits(other, ids)
 
 
+@torch.no_grad()
+def routing(model, ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each MoE layer's (router probabilities [tokens, experts], chosen experts [tokens, k]) on `ids`."""
+    got = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: got.append(out))
+             for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    forward_logits(model, ids)
+    for h in hooks:
+        h.remove()
+    return [(torch.softmax(lg.float(), -1).numpy(), idx.numpy()) for lg, _, idx in got]
+
+
+def moe_checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[str]:
+    """Routing matters: every layer spreads its tokens over most experts in many different top-k
+    sets, no expert takes most tokens, the k-th and (k+1)-th probabilities never nearly tie (so
+    float rounding cannot flip a choice between implementations), and top-1 instead of top-2
+    changes the logits."""
+    notes = []
+    cfg = model.config
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    k = cfg.num_experts_per_tok
+    layers = routing(model, ids)
+    assert len(layers) == cfg.num_hidden_layers, len(layers)
+    for i, (probs, idx) in enumerate(layers):
+        used = np.bincount(idx.reshape(-1), minlength=experts)
+        sets = {tuple(sorted(r)) for r in idx.tolist()}
+        top = np.sort(probs, axis=-1)[:, ::-1]
+        gap = float((top[:, k - 1] - top[:, k]).min())
+        assert (used > 0).sum() >= experts - 1, (name, i, used)
+        assert used.max() < 0.6 * len(idx), (name, i, used)
+        assert len(sets) >= 8, (name, i, sets)
+        assert gap > 1e-5, (name, i, gap)
+        notes.append(f"layer {i}: tokens per expert {used.tolist()}, {len(sets)} distinct top-{k} sets, "
+                     f"min gap p[{k}] - p[{k + 1}] {gap:.1e}")
+    d = float(np.abs(variant_logits(name, model, ids, num_experts_per_tok=1) - logits).max())
+    assert d > 1e-2, d
+    notes.append(f"max|dlogit| vs top-1 routing: {d:.3f}")
+    if hasattr(cfg, "norm_topk_prob"):
+        d = float(np.abs(variant_logits(name, model, ids, norm_topk_prob=not cfg.norm_topk_prob) - logits).max())
+        assert d > 1e-2, d
+        notes.append(f"max|dlogit| vs norm_topk_prob={not cfg.norm_topk_prob}: {d:.3f}")
+    for pname, p in model.named_parameters():
+        if "experts" in pname or pname.endswith("gate.weight"):
+            std = float(p.detach().std())
+            assert 0.05 < std < 0.2, (pname, std)  # initialised, not torch.empty
+    return notes
+
+
 def checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[str]:
     notes = []
     assert np.isfinite(logits).all(), name
@@ -319,6 +402,8 @@ def checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[str]:
     if name == "qwen3":
         assert model.config.head_dim == 32
         assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
+    if name in MOE_CASES:
+        notes += moe_checks(name, model, ids, logits)
     if is_gemma(name):
         cfg = model.config
         W = cfg.sliding_window
@@ -438,7 +523,11 @@ def write_readme(out_dir: Path, rows: list[dict]) -> None:
         "i iff i-8 < j <= i) changes logits at positions >= 8 only; so does Gemma's on its "
         "sliding layers (vs a 4096 window); Gemma 2's attention and final soft-capping, "
         "query_pre_attn_scalar (vs head_dim), and Gemma 3's local rotary base and global "
-        "linear scaling each change the logits.",
+        "linear scaling each change the logits. The MoE cases (qwen3_moe, mixtral, qwen2_moe): in every "
+        "layer the 48 tokens use at least 7 of the 8 experts, no expert takes 60% of them, at least 8 "
+        "distinct top-2 sets occur, the 2nd and 3rd router probabilities never come within 1e-5 (so "
+        "rounding cannot flip a choice), and top-1 routing (and flipping norm_topk_prob, for the Qwens) "
+        "changes the logits.",
         "",
         "Another CPU may give float32 logits that differ in their last bits (up to ~1.5e-6 "
         "was seen for these folders, well inside the tests' 1e-4); a regeneration that only adds "

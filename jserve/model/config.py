@@ -20,11 +20,17 @@ _HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (`text_config`) only
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                       "gemma2": "gemma2", "gemma3": "gemma3"}
+                       "gemma2": "gemma2", "gemma3": "gemma3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 SUPPORTED_ARCHITECTURES = tuple(sorted(_HF_ARCHITECTURES))
 GEMMA_FAMILIES = ("gemma2", "gemma3")
+# Mixture-of-experts families (llama.cpp writes Mixtral as a "llama" GGUF with experts).
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+_FAMILIES = frozenset(_GGUF_ARCHITECTURES.values()) | set(MOE_FAMILIES)
 
 # `ModelConfig.layer_types` entries (Hugging Face's names).
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -103,6 +109,14 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap)
     rope_local_theta: float | None = None  # sliding layers' rotary base, unscaled (Gemma 3);
     #   None: rope_theta and rope_scaling on every layer
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): every layer's MLP is routed over
+    # num_experts SwiGLU experts (jserve.model.moe); 0 experts: the dense MLP (intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    norm_topk_prob: bool = False  # the top-k router probabilities renormalised to sum to 1
+    moe_intermediate_size: int = 0  # each expert's width
+    shared_expert_intermediate_size: int = 0  # a shared expert every token runs (0: none)
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x @ w) (Qwen2-MoE)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -115,7 +129,7 @@ class ModelConfig:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.architecture not in _GGUF_ARCHITECTURES.values():
+        if self.architecture not in _FAMILIES:
             raise ValueError(f"unsupported architecture {self.architecture!r}")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (supported: silu, gelu_tanh)")
@@ -129,6 +143,16 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"model config {name} must be positive or None, got {value!r}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                                 f"got {self.num_experts_per_tok!r}")
+            if self.moe_intermediate_size < 1:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
+            if self.hidden_act != "silu" or self.mlp_bias:
+                raise ValueError("mixture-of-experts layers are SwiGLU without biases")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_gate without a shared expert (shared_expert_intermediate_size)")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -168,12 +192,17 @@ class ModelConfig:
         return self.num_layers
 
     @property
+    def moe(self) -> bool:
+        """Whether the layers' MLPs are mixtures of experts (every layer's: mixed stacks are refused)."""
+        return self.num_experts > 0
+
+    @property
     def llama_layer(self) -> bool:
         """Whether a layer is the plain Llama layer (pre-norms x * w, SwiGLU, head_dim ** -0.5,
         no soft-capping, one window and rotary base for all layers), as fused kernels implement it."""
         return (not self.norm_offset and not self.post_norms and self.hidden_act == "silu"
                 and self.query_pre_attn_scalar is None and self.attn_logit_softcap is None
-                and not self.mixed_layers and self.rope_local_theta is None)
+                and not self.mixed_layers and self.rope_local_theta is None and not self.moe)
 
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
@@ -186,9 +215,24 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * hd
         mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
+        if self.moe:
+            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts + self._shared_params()
         per_layer = attn + mlp + (4 if self.post_norms else 2) * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    def _shared_params(self) -> int:
+        fs = self.shared_expert_intermediate_size
+        return 3 * self.hidden_size * fs + (self.hidden_size if self.shared_expert_gate else 0)
+
+    def expert_params(self) -> int:
+        """Parameters of all layers' routed experts (0 for a dense model)."""
+        return self.num_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def active_params(self) -> int:
+        """Parameters one token's forward pass reads: all but the experts it is not routed to."""
+        unused = self.num_experts - self.num_experts_per_tok
+        return self.num_params() - self.num_layers * unused * 3 * self.hidden_size * self.moe_intermediate_size
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
         """K and V bytes of one token over all layers: `dtype_bytes` per element, plus
@@ -227,7 +271,7 @@ class ModelConfig:
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         head_dim = cfg.get("head_dim") or hidden // num_heads
         sliding = cfg.get("sliding_window")
-        if family == "qwen2" and not cfg.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
@@ -240,14 +284,15 @@ class ModelConfig:
             rope_scaling=_rope_scaling_from_dict(scaling),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias,
+            qkv_bias=family == "qwen2" or (family == "qwen2_moe" and cfg.get("qkv_bias", True)) or attention_bias,
             o_bias=family in ("llama", "mistral") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             **kwargs,
+            **(_moe_from_hf(family, cfg) if family in MOE_FAMILIES else {}),
         )
 
     @classmethod
@@ -352,11 +397,13 @@ class ModelConfig:
         if arch in GEMMA_FAMILIES:
             return cls._from_gguf_gemma(arch, meta, get, vocab=int(vocab), scaling=scaling,
                                         has_output_tensor=has_output_tensor)
+        moe = _moe_from_gguf(arch, get)
+        family = "mixtral" if arch == "llama" and moe else _GGUF_ARCHITECTURES[arch]
         return cls(
-            architecture=_GGUF_ARCHITECTURES[arch],
+            architecture=family,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length", required=True)),
+            intermediate_size=int(get("feed_forward_length", moe.get("moe_intermediate_size"), required=not moe)),
             num_layers=int(get("block_count", required=True)),
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv", num_heads)),
@@ -367,10 +414,11 @@ class ModelConfig:
             max_position_embeddings=int(get("context_length", 4096)),
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=has_qkv_bias,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
             sliding_window=get("attention.sliding_window"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
+            **moe,
         )
 
     @classmethod
@@ -442,6 +490,49 @@ class ModelConfig:
         if d.get("layer_types") is not None:
             d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
+
+
+def _moe_from_hf(family: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The experts of a Qwen3-MoE, Qwen2-MoE or Mixtral config.json. Supported: every layer sparse
+    (the checkpoint layout stacks one kind of layer), SwiGLU experts, softmax routing."""
+    if family == "mixtral":
+        experts, width, norm = cfg.get("num_local_experts", 8), cfg["intermediate_size"], True
+    else:  # transformers 5 saves Qwen's num_experts as num_local_experts
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+        width, norm = cfg.get("moe_intermediate_size", 0), bool(cfg.get("norm_topk_prob", False))
+        if experts and (int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers")):
+            raise ValueError(f"unsupported {family} variant: dense MLP layers among the sparse ones "
+                             f"(decoder_sparse_step {cfg.get('decoder_sparse_step')}, mlp_only_layers "
+                             f"{cfg.get('mlp_only_layers')}); only every layer sparse is supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported {family} hidden_act {cfg.get('hidden_act')!r} (supported: silu)")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    return dict(num_experts=int(experts), num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+                norm_topk_prob=norm, moe_intermediate_size=int(width), shared_expert_intermediate_size=shared,
+                shared_expert_gate=shared > 0)
+
+
+def _moe_from_gguf(arch: str, get) -> dict[str, Any]:
+    """The experts llama.cpp's converter records ({arch}.expert_count, expert_used_count,
+    expert_feed_forward_length, expert_shared_feed_forward_length); llama.cpp renormalises the
+    top-k weights for Mixtral and Qwen3-MoE and not for Qwen2-MoE (`expert_weights_norm`, where
+    written, wins)."""
+    experts = int(get("expert_count", 0) or 0)
+    if not experts:
+        if arch in ("qwen3moe", "qwen2moe"):
+            raise ValueError(f"GGUF metadata lacks {arch}.expert_count")
+        return {}
+    if arch not in ("llama", "qwen3moe", "qwen2moe"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} with experts (supported: llama (Mixtral), "
+                         f"qwen3moe, qwen2moe)")
+    width = get("expert_feed_forward_length") if arch != "llama" else get("feed_forward_length")
+    if width is None:
+        raise ValueError(f"GGUF metadata lacks {arch}.expert_feed_forward_length")
+    shared = int(get("expert_shared_feed_forward_length", 0) or 0) if arch == "qwen2moe" else 0
+    return dict(num_experts=experts, num_experts_per_tok=int(get("expert_used_count", required=True)),
+                norm_topk_prob=bool(get("expert_weights_norm", arch != "qwen2moe")),
+                moe_intermediate_size=int(width), shared_expert_intermediate_size=shared,
+                shared_expert_gate=shared > 0)
 
 
 def _rope_scaling_from_dict(d: Mapping[str, Any] | None) -> RopeScaling | None:

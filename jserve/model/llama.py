@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jserve.model import quant
+from jserve.model import moe, quant
 from jserve.model.config import LAYER_MATMULS, ModelConfig, rope_inv_freq
 
 
@@ -169,7 +169,10 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = param((D,), None)
         if c.post_norms:
             self.attn_post_norm, self.mlp_post_norm = param((D,), None), param((D,), None)
-        self.w_gate, self.w_up, self.w_down = param((D, F)), param((D, F)), param((F, D))
+        if c.moe:  # a mixture of experts instead of the dense MLP (jserve.model.moe)
+            moe.init_params(self, c, param)
+        else:
+            self.w_gate, self.w_up, self.w_down = param((D, F)), param((D, F)), param((F, D))
         if c.mlp_bias:
             self.b_gate, self.b_up, self.b_down = param((F,), 0.0), param((F,), 0.0), param((D,), 0.0)
 
@@ -225,13 +228,16 @@ class DecoderLayer(nnx.Module):
             out = norm(out, self.attn_post_norm)
         x = x + out
         h = norm(x, self.mlp_norm)
-        gate, up = lin(h, (_w(self.w_gate), _w(self.w_up)), (F, F))
-        if c.mlp_bias:
-            gate, up = gate + self.b_gate[...], up + self.b_up[...]
-        act = jax.nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-        down = lin(act * up, _w(self.w_down), D)
-        if c.mlp_bias:
-            down = down + self.b_down[...]
+        if c.moe:
+            down = moe.moe_mlp(self, h, ops)
+        else:
+            gate, up = lin(h, (_w(self.w_gate), _w(self.w_up)), (F, F))
+            if c.mlp_bias:
+                gate, up = gate + self.b_gate[...], up + self.b_up[...]
+            act = jax.nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+            down = lin(act * up, _w(self.w_down), D)
+            if c.mlp_bias:
+                down = down + self.b_down[...]
         if c.post_norms:
             down = norm(down, self.mlp_post_norm)
         return x + down, cache
@@ -315,6 +321,10 @@ class XlaOps:
 
     attention: Attention
     scan: bool = False  # the layers as `scanned_layers` (stacked weights) instead of unrolled
+    # Mixture-of-experts layers (jserve.model.moe): the grouped matmul ("ragged_dot" or
+    # "gather") and the mesh whose ep / tp axes split the experts (None: one device).
+    grouped_matmul: str = "ragged_dot"
+    mesh: Any = None
 
     def linear(self, x, w, out_features):
         return xla_linear(x, w, out_features)

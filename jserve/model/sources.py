@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from jserve.model import quant
-from jserve.model.config import GEMMA_FAMILIES, ModelConfig
+from jserve.model.config import GEMMA_FAMILIES, MOE_FAMILIES, ModelConfig
 from jserve.model.llama import param_shapes
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,33 @@ _GGUF_LAYER_GEMMA = {
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
 
+# Mixture of experts. Per-layer HF names (after "model.layers.{i}.") of the router and the shared
+# expert -> (our name, transpose?); Mixtral's block_sparse_moe is read as mlp.
+_HF_MOE_LAYER = {
+    "mlp.gate.weight": ("w_router", True),
+    "mlp.shared_expert.gate_proj.weight": ("ws_gate", True),
+    "mlp.shared_expert.up_proj.weight": ("ws_up", True),
+    "mlp.shared_expert.down_proj.weight": ("ws_down", True),
+    "mlp.shared_expert_gate.weight": ("ws_router", True),
+}
+# One expert's weights (after "model.layers.{i}.mlp.experts.{e}."; Mixtral's w1 / w3 / w2), [out, in].
+_HF_EXPERT = {"gate_proj.weight": "we_gate", "up_proj.weight": "we_up", "down_proj.weight": "we_down",
+              "w1.weight": "we_gate", "w3.weight": "we_up", "w2.weight": "we_down"}
+# Every expert's, stacked [experts, out, in] (after "model.layers.{i}.mlp.experts."): what the GGUF
+# reader names llama.cpp's ffn_*_exps; transformers 5's fused gate_up_proj [experts, 2 * ffn, in]
+# is split in two.
+_HF_EXPERTS_STACKED = {"gate_proj": "we_gate", "up_proj": "we_up", "down_proj": "we_down",
+                       "gate_up_proj": "we_gate_up"}
+_GGUF_MOE_LAYER = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj", "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+
 
 def numpy_dtype(name: str):
     if name == "float32":
@@ -121,7 +148,10 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
     params = {name: np.empty(shape, dtype) for name, shape in shapes.items()}
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict[int | None, quant.QuantizedWeight]] = {}
+    experts_filled: dict[tuple[str, int], set[int]] = {}  # (expert weight, layer) -> experts read
     for hf_name, load in tqdm(tensors, total=count, desc=desc, unit="tensor", disable=not progress):
+        if config.moe and _place_expert(config, hf_name, load, params, experts_filled):
+            continue
         name, layer, transpose = _map_hf_name(hf_name, config.architecture)
         if name is None or name not in params:
             if name == "lm_head" and config.tie_word_embeddings:
@@ -151,6 +181,9 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
             raise ValueError(f"tensor {hf_name!r} has shape {array.shape}, expected {target.shape}")
         target[...] = array.astype(dtype)
         filled[name].add(layer)
+    for (name, layer), got in experts_filled.items():
+        if got == set(range(config.num_experts)):
+            filled[name].add(layer)
     for name, got in filled.items():
         want = {None} if name in _GLOBAL_NAMES else set(range(config.num_layers))
         if got != want:
@@ -174,6 +207,61 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
     return params
 
 
+def _place_expert(config: ModelConfig, hf_name: str, load: Callable[[], Any], params: dict[str, Any],
+                  filled: dict[tuple[str, int], set[int]]) -> bool:
+    """Put a MoE tensor that is not a plain per-layer weight (an expert's, or every expert's
+    stacked) into `params`; False for any other name. Records (name, layer) -> experts read."""
+    parts = hf_name.replace(".block_sparse_moe.", ".mlp.").split(".")
+    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
+            parts[3:] == ["mlp", "shared_expert_gate", "weight"] and "ws_router" in params:
+        layer = int(parts[2])  # [1, hidden] (HF), or [hidden] as llama.cpp's ffn_gate_inp_shexp may be
+        if layer >= config.num_layers:
+            raise ValueError(f"tensor {hf_name!r} names layer {layer} but the model has {config.num_layers} layers")
+        array = _float(load(), hf_name).reshape(-1, 1)
+        if array.shape != params["ws_router"][layer].shape:
+            raise ValueError(f"tensor {hf_name!r} has {array.size} values, expected {config.hidden_size}")
+        params["ws_router"][layer][...] = array
+        filled.setdefault(("ws_router", layer), set()).update(range(config.num_experts))
+        return True
+    if len(parts) < 6 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"] \
+            or not parts[2].isdigit():
+        return False
+    layer, rest = int(parts[2]), ".".join(parts[5:])
+    if layer >= config.num_layers:
+        raise ValueError(f"tensor {hf_name!r} names layer {layer} but the model has {config.num_layers} layers")
+    E, F = config.num_experts, config.moe_intermediate_size
+    if parts[5].isdigit() and ".".join(parts[6:]) in _HF_EXPERT:  # one expert, [out, in]
+        name, expert = _HF_EXPERT[".".join(parts[6:])], int(parts[5])
+        if expert >= E:
+            raise ValueError(f"tensor {hf_name!r} names expert {expert} but the model has {E} experts")
+        target = params[name][layer, expert]
+        array = _float(load(), hf_name).T
+        if array.shape != target.shape:
+            raise ValueError(f"tensor {hf_name!r} has shape {array.T.shape}, expected {target.T.shape}")
+        target[...] = array
+        filled.setdefault((name, layer), set()).add(expert)
+        return True
+    if rest not in _HF_EXPERTS_STACKED:
+        return False
+    name = _HF_EXPERTS_STACKED[rest]
+    array = np.swapaxes(_float(load(), hf_name), 1, 2)  # [experts, in, out]
+    pieces = [("we_gate", array[..., :F]), ("we_up", array[..., F:])] if name == "we_gate_up" else [(name, array)]
+    for name, a in pieces:
+        target = params[name][layer]
+        if a.shape != target.shape:
+            raise ValueError(f"tensor {hf_name!r} has shape {a.shape} (as [experts, in, out]), "
+                             f"expected {target.shape}")
+        target[...] = a
+        filled.setdefault((name, layer), set()).update(range(E))
+    return True
+
+
+def _float(array: Any, hf_name: str) -> np.ndarray:
+    if quant.is_quantized(array):
+        raise ValueError(f"quantized expert weights are not supported yet ({hf_name!r}): read them as floats")
+    return np.asarray(array, np.float32)
+
+
 def _map_hf_name(hf_name: str, family: str = "llama") -> tuple[str | None, int | None, bool]:
     gemma = family in GEMMA_FAMILIES
     if gemma:
@@ -187,6 +275,8 @@ def _map_hf_name(hf_name: str, family: str = "llama") -> tuple[str | None, int |
     parts = hf_name.split(".", 3)
     if len(parts) == 4 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
         entry = (_HF_LAYER_GEMMA if gemma else _HF_LAYER).get(parts[3])
+        if entry is None and family in MOE_FAMILIES:
+            entry = _HF_MOE_LAYER.get(parts[3].replace("block_sparse_moe.", "mlp.", 1))
         if entry:
             return entry[0], int(parts[2]), entry[1]
     return None, None, False
@@ -293,8 +383,9 @@ def read_gguf(path: Path, keep_quantized: bool = False):
         return load
 
     entries = []
+    layer_names = _GGUF_LAYER_GEMMA if gemma else ({**_GGUF_LAYER, **_GGUF_MOE_LAYER} if config.moe else _GGUF_LAYER)
     for t in reader.tensors:
-        hf_name = _gguf_to_hf(t.name, _GGUF_LAYER_GEMMA if gemma else _GGUF_LAYER)
+        hf_name = _gguf_to_hf(t.name, layer_names)
         entries.append((hf_name, loader(t, hf_name)))
     return config, entries, len(entries), reader
 
