@@ -16,7 +16,9 @@
   contract for plain Llama layers without biases or q/k norms (tests/test_decoder_layer.py checks
   it against the model's own layers); other steps, and every step of another layer (Gemma 2 / 3:
   `ModelConfig.llama_layer` is False), run the model's own layers unrolled, on the native
-  matmuls and the native attention (which takes each layer's window and soft cap).
+  matmuls and the native attention (which takes each layer's window and soft cap). Mixture-of-
+  experts layers run so too: their attention on the native matmuls, their experts as XLA's
+  gather grouped matmul (`jserve.model.moe`: a decode step reads only the selected experts' weights).
 - Pages: 64 tokens each by default; without the packed matmuls some step shapes compile with
   XLA's Eigen dots instead of YNNPACK's (docs/performance.md has the measurements).
 """
@@ -78,7 +80,8 @@ class NativeCpuBackend(Backend):
         if not self.want_native_matmuls:
             return params
         layers = params["layers"]
-        weights = [layer[name] for layer in layers.values() for name in LAYER_MATMULS]
+        # A MoE layer has no dense MLP: its attention matmuls pack, its experts stay XLA arrays.
+        weights = [layer[name] for layer in layers.values() for name in LAYER_MATMULS if name in layer]
         floats = [w for w in weights if not quant.is_quantized(w)]
         pack_floats = all(w.ndim == 2 and w.dtype in native_matmul.WEIGHT_DTYPES for w in floats)
 
@@ -90,7 +93,8 @@ class NativeCpuBackend(Backend):
         params = {**params, "layers": {
             i: {name: packed(w) if name in LAYER_MATMULS else w for name, w in layer.items()}
             for i, layer in layers.items()}}
-        kinds = {_weight_kind(layer[name]) for layer in params["layers"].values() for name in LAYER_MATMULS}
+        kinds = {_weight_kind(layer[name]) for layer in params["layers"].values() for name in LAYER_MATMULS
+                 if name in layer}
         self.native_matmuls = "xla" not in kinds
         self.uniform_layers = len(kinds) == 1  # the fused call takes layers all float or all quantized
         embed = params["embed"]
@@ -111,7 +115,9 @@ class NativeCpuBackend(Backend):
         attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout)
         fused = (self.native_matmuls and self.uniform_layers and self.native_attention
                  and fused_layers_supported(config))
-        return NativeCpuOps(attention, config=config, fused=fused)
+        # MoE layers (never fused): only the selected experts' weights read ("gather"), as XLA:CPU
+        # has no grouped matmul (jserve.model.moe).
+        return NativeCpuOps(attention, config=config, fused=fused, grouped_matmul="gather", mesh=self.mesh)
 
     def compiler_options(self, rows: int, tokens: int) -> dict[str, str] | None:
         if self.native_matmuls:

@@ -72,7 +72,10 @@ class XlaBackend(Backend):
     def ops(self, config: ModelConfig) -> XlaOps:
         attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout,
                                    config.num_layers)
-        return XlaOps(attention, scan=self.scan)
+        # MoE layers: ragged_dot where the platform has a grouped matmul (TPU, GPU); XLA:CPU lowers it
+        # to a dense dot over every expert, so a CPU gathers the selected experts' weights (jserve.model.moe).
+        grouped = "ragged_dot" if self.kernel in ("tpu", "gpu") else "gather"
+        return XlaOps(attention, scan=self.scan, grouped_matmul=grouped, mesh=self.mesh)
 
     def compiler_options(self, rows: int, tokens: int) -> dict[str, str] | None:
         return EIGEN_DOTS if self.kernel == "cpu_pallas" and tokens > 1 and rows == 1 else None
