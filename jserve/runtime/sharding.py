@@ -1,6 +1,9 @@
-"""Meshes and PartitionSpecs: tensor-parallel (`tp`) and data-parallel (`dp`) serving.
+"""Meshes and PartitionSpecs: tensor-parallel (`tp`), data-parallel (`dp`) and expert-parallel
+(`ep`) serving.
 
-A mesh has two named axes, `dp` and `tp` (`"dp=2,tp=4"`; a missing axis has size 1).
+A mesh has the named axes `dp` and `tp`, and `ep` when one is given (`"dp=2,tp=4"`,
+`"ep=2,tp=2"`; a missing axis has size 1). `ep` splits a mixture-of-experts model's experts
+(see below); a dense model refuses an ep above 1.
 
 Where every weight and the KV pages live (specs of one layer's arrays; checkpoints stack them
 on a leading layer axis, which is never split):
@@ -18,6 +21,22 @@ on a leading layer axis, which is never split):
     norms, bo, b_down      [hidden] / [hd]       ()                   replicated (tiny)
     k_pages, v_pages       [kv_heads, pages,     ("tp", "dp", None,   KV heads over tp, the page
                             page_size, hd]        None)                pool split into dp groups
+
+Mixture-of-experts layers (jserve.model.moe):
+
+    w_router               [hidden, experts]     ()                   replicated (small)
+    we_gate, we_up         [experts, hidden,     ("ep", None, "tp")   experts split over ep, their
+                            moe_ffn]                                  width over tp
+    we_down                [experts, moe_ffn,    ("ep", "tp", None)
+                            hidden]
+    ws_gate, ws_up         [hidden, shared_ffn]  (None, "tp")         the shared expert: as w_gate / w_up
+    ws_down                [shared_ffn, hidden]  ("tp", None)
+    ws_router              [hidden, 1]           ()
+
+Everything else (attention, the KV pages, the activations) is replicated over `ep`: each device
+of an ep group routes all its dp group's tokens, computes the pairs routed to its own experts
+and one psum over (ep, tp) per layer sums them (no expert weight moves). Per device the experts
+take 1 / (ep * tp) of their bytes; the attention's compute is repeated on each ep device.
 
 So each decoder layer does two all-reduces over `tp` (after `wo` and after `w_down`), and the
 attention kernel runs inside `shard_map` on the device's own heads and pages, never gathered.
@@ -46,6 +65,7 @@ import numpy as np
 from jserve.model.config import ModelConfig
 
 AXES = ("dp", "tp")
+ALL_AXES = ("dp", "ep", "tp")  # a mesh's axes in order; "ep" only where given
 
 # Spec of one layer's (or a global) weight, by name; see the module docstring.
 PARTITION_RULES: dict[str, tuple] = {
@@ -58,12 +78,15 @@ PARTITION_RULES: dict[str, tuple] = {
     "wo": ("tp", None), "bo": (),
     "w_gate": (None, "tp"), "w_up": (None, "tp"), "w_down": ("tp", None),
     "b_gate": ("tp",), "b_up": ("tp",), "b_down": (),
+    "w_router": (), "we_gate": ("ep", None, "tp"), "we_up": ("ep", None, "tp"), "we_down": ("ep", "tp", None),
+    "ws_gate": (None, "tp"), "ws_up": (None, "tp"), "ws_down": ("tp", None), "ws_router": (),
 }
 KV_PAGES_SPEC = ("tp", "dp", None, None)
 
 
 def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """'dp=2,tp=4' -> {'dp': 2, 'tp': 4}; ValueError naming a bad axis or size."""
+    """'dp=2,tp=4' -> {'dp': 2, 'tp': 4}; ValueError naming a bad axis or size. 'ep' appears in
+    the result only where given ('ep=2,tp=2' -> {'dp': 1, 'tp': 2, 'ep': 2})."""
     if isinstance(spec, Mapping):
         items = list(spec.items())
     else:
@@ -79,8 +102,8 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
     sizes = {"dp": 1, "tp": 1}
     seen = set()
     for name, size in items:
-        if name not in AXES:
-            raise ValueError(f"unknown mesh axis {name!r} (axes: {', '.join(AXES)})")
+        if name not in ALL_AXES:
+            raise ValueError(f"unknown mesh axis {name!r} (axes: {', '.join(ALL_AXES)})")
         if name in seen:
             raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
         if not isinstance(size, int) or size < 1:
@@ -91,28 +114,31 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
 
 
 def make_mesh(spec: Any, devices: Any = None):
-    """A `jax.sharding.Mesh` with axes ('dp', 'tp') from a spec string, dict or an existing Mesh.
+    """A `jax.sharding.Mesh` with axes ('dp', 'tp'), or ('dp', 'ep', 'tp') where an ep axis is
+    given, from a spec string, dict or an existing Mesh.
 
-    An existing Mesh must name its axes 'dp' and/or 'tp' (a missing one is added with size 1).
+    An existing Mesh must name its axes among 'dp', 'ep', 'tp' (a missing dp or tp is added with size 1).
     """
     import jax
     from jax.sharding import Mesh
 
     if isinstance(spec, Mesh):
-        unknown = [a for a in spec.axis_names if a not in AXES]
+        unknown = [a for a in spec.axis_names if a not in ALL_AXES]
         if unknown:
-            raise ValueError(f"mesh axis {unknown[0]!r} is not one of {AXES}")
+            raise ValueError(f"mesh axis {unknown[0]!r} is not one of {ALL_AXES}")
         sizes = dict(zip(spec.axis_names, spec.devices.shape))
-        order = [spec.axis_names.index(a) for a in AXES if a in sizes]  # their axes, in our order
-        devs = np.transpose(spec.devices, order).reshape(sizes.get("dp", 1), sizes.get("tp", 1))
-        return Mesh(devs, AXES)
+        axes = AXES if "ep" not in sizes else ALL_AXES
+        order = [spec.axis_names.index(a) for a in axes if a in sizes]  # their axes, in our order
+        devs = np.transpose(spec.devices, order).reshape([sizes.get(a, 1) for a in axes])
+        return Mesh(devs, axes)
     sizes = parse_mesh(spec)
+    axes = AXES if "ep" not in sizes else ALL_AXES
     devices = list(jax.devices() if devices is None else devices)
-    need = sizes["dp"] * sizes["tp"]
+    need = math.prod(sizes.values())
     if need > len(devices):
-        raise ValueError(f"mesh dp={sizes['dp']},tp={sizes['tp']} needs {need} devices but "
+        raise ValueError(f"mesh {','.join(f'{a}={sizes[a]}' for a in axes)} needs {need} devices but "
                          f"{len(devices)} are available")
-    return Mesh(np.asarray(devices[:need], dtype=object).reshape(sizes["dp"], sizes["tp"]), AXES)
+    return Mesh(np.asarray(devices[:need], dtype=object).reshape([sizes[a] for a in axes]), axes)
 
 
 def mesh_sizes(mesh) -> dict[str, int]:
@@ -137,6 +163,11 @@ class HeadLayout:
     q_per_kv: int
     intermediate_size: int
     padded_intermediate_size: int
+    # A mixture of experts' widths (each expert's, the shared expert's), padded to a multiple of tp.
+    moe_intermediate_size: int = 0
+    padded_moe_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    padded_shared_intermediate_size: int = 0
 
     @property
     def group(self) -> int:
@@ -153,7 +184,9 @@ class HeadLayout:
     @property
     def is_identity(self) -> bool:
         return (self.physical_heads == self.num_heads and self.physical_kv_heads == self.num_kv_heads
-                and self.padded_intermediate_size == self.intermediate_size)
+                and self.padded_intermediate_size == self.intermediate_size
+                and self.padded_moe_intermediate_size == self.moe_intermediate_size
+                and self.padded_shared_intermediate_size == self.shared_intermediate_size)
 
     def kv_source(self) -> np.ndarray:
         """Original KV head of each stored KV head, -1 for a zero (padding) head."""
@@ -181,7 +214,9 @@ def head_layout(config: ModelConfig, tp: int) -> HeadLayout:
         replicas = tp // kv_groups
         q_per_kv = math.ceil(G / replicas)
     F = config.intermediate_size
-    return HeadLayout(tp, H, K, kv_groups, replicas, q_per_kv, F, math.ceil(F / tp) * tp)
+    M, S = config.moe_intermediate_size, config.shared_expert_intermediate_size
+    return HeadLayout(tp, H, K, kv_groups, replicas, q_per_kv, F, math.ceil(F / tp) * tp,
+                      M, math.ceil(M / tp) * tp, S, math.ceil(S / tp) * tp)
 
 
 def laid_out_config(config: ModelConfig, layout: HeadLayout) -> ModelConfig:
@@ -190,29 +225,41 @@ def laid_out_config(config: ModelConfig, layout: HeadLayout) -> ModelConfig:
         return config
     return dataclasses.replace(config, num_heads=layout.physical_heads,
                                num_kv_heads=layout.physical_kv_heads,
-                               intermediate_size=layout.padded_intermediate_size)
+                               intermediate_size=layout.padded_intermediate_size,
+                               moe_intermediate_size=layout.padded_moe_intermediate_size,
+                               shared_expert_intermediate_size=layout.padded_shared_intermediate_size)
 
 
-def device_share(config: ModelConfig, tp: int) -> ModelConfig:
-    """A config whose layers' weights and KV heads are what one of `tp` devices holds (for memory
-    plans; the embedding is counted whole, an over-estimate by (tp-1)/tp of it)."""
+def device_share(config: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
+    """A config whose layers' weights and KV heads are what one of `tp` (x `ep`) devices holds
+    (for memory plans; the embedding is counted whole, an over-estimate by (tp-1)/tp of it)."""
     lay = head_layout(config, tp)
     return dataclasses.replace(config, num_heads=lay.physical_heads // tp,
                                num_kv_heads=lay.physical_kv_heads // tp,
-                               intermediate_size=lay.padded_intermediate_size // tp)
+                               intermediate_size=lay.padded_intermediate_size // tp,
+                               num_experts=config.num_experts // ep if config.num_experts % ep == 0
+                               else config.num_experts,
+                               num_experts_per_tok=min(config.num_experts_per_tok, max(1, config.num_experts // ep)),
+                               moe_intermediate_size=lay.padded_moe_intermediate_size // tp,
+                               shared_expert_intermediate_size=lay.padded_shared_intermediate_size // tp)
 
 
-def params_per_device(config: ModelConfig, tp: int) -> int:
-    """Weights one device holds under `tp` (after padding; replicated weights counted whole)."""
+def params_per_device(config: ModelConfig, tp: int, ep: int = 1) -> int:
+    """Weights one device holds under `tp` and `ep` (after padding; replicated weights counted whole)."""
+    return sum(param_bytes_per_device(config, tp, ep, itemsize=1).values())
+
+
+def param_bytes_per_device(config: ModelConfig, tp: int, ep: int = 1, *, itemsize: int) -> dict[str, int]:
+    """Bytes of each weight (by name, all layers) that one device holds under `tp` and `ep`."""
     from jserve.model.llama import param_shapes
 
     layout = head_layout(config, tp)
-    total = 0
+    out = {}
     for name, shape in param_shapes(laid_out_config(config, layout)).items():
-        spec = _spec(name, shape, tp, stacked=True)
-        split = tp if "tp" in tuple(spec) else 1
-        total += math.prod(shape) // split
-    return total
+        spec = tuple(_spec(name, shape, tp, stacked=True, ep=ep if ep > 1 else None))
+        split = (tp if "tp" in spec else 1) * (ep if "ep" in spec else 1)
+        out[name] = math.prod(shape) // split * itemsize
+    return out
 
 
 def _take_heads(x, axis: int, heads: int, source: np.ndarray):
@@ -248,7 +295,10 @@ def lay_out_params(config: ModelConfig, layout: HeadLayout, stacked: Mapping[str
     # name -> (axis of the head/ffn dimension in the stacked array, kind)
     plan = {"wq": (2, "q"), "bq": (1, "q"), "wk": (2, "kv"), "bk": (1, "kv"), "wv": (2, "kv"),
             "bv": (1, "kv"), "wo": (1, "q"), "w_gate": (2, "f"), "w_up": (2, "f"), "b_gate": (1, "f"),
-            "b_up": (1, "f"), "w_down": (1, "f")}
+            "b_up": (1, "f"), "w_down": (1, "f"),
+            "we_gate": (3, "m"), "we_up": (3, "m"), "we_down": (2, "m"),
+            "ws_gate": (2, "s"), "ws_up": (2, "s"), "ws_down": (1, "s")}
+    widths = {"f": F, "m": layout.padded_moe_intermediate_size, "s": layout.padded_shared_intermediate_size}
     out = {}
     for name, x in stacked.items():
         if name not in plan:
@@ -259,20 +309,25 @@ def lay_out_params(config: ModelConfig, layout: HeadLayout, stacked: Mapping[str
             out[name] = _take_heads(x, axis, H, q_src)
         elif kind == "kv":
             out[name] = _take_heads(x, axis, K, kv_src)
-        else:
-            out[name] = _pad_axis(x, axis, F)
+        else:  # zero columns of gate / up and zero rows of down: their products add nothing
+            out[name] = _pad_axis(x, axis, widths[kind])
     return out
 
 
-def _spec(name: str, shape: tuple[int, ...], tp: int, *, stacked: bool):
+def _spec(name: str, shape: tuple[int, ...], tp: int, *, stacked: bool, ep: int | None = None):
+    """`ep`: the mesh's ep size, None where it has no ep axis (experts then split over tp alone)."""
     from jax.sharding import PartitionSpec as P
 
     rule = PARTITION_RULES.get(name)
     if rule is None:
         raise ValueError(f"no partition rule for weight {name!r}")
     rule = ((None,) if stacked and name in _LAYER_WEIGHTS else ()) + rule
-    # A dimension tp does not divide stays replicated.
+    # A dimension tp does not divide stays replicated (experts' widths are padded to divide).
     rule = tuple(None if a == "tp" and shape[i] % tp else a for i, a in enumerate(rule))
+    if ep is None:
+        rule = tuple(None if a == "ep" else a for a in rule)
+    elif any(a == "ep" and shape[i] % ep for i, a in enumerate(rule)):
+        raise ValueError(f"ep={ep} does not divide the {shape[rule.index('ep')]} experts of {name!r}")
     return P(*rule)
 
 
@@ -283,7 +338,8 @@ def param_sharding(mesh, name: str, shape: tuple[int, ...], *, stacked: bool = F
     """NamedSharding of a laid-out weight (`stacked`: with the leading layer axis)."""
     from jax.sharding import NamedSharding
 
-    return NamedSharding(mesh, _spec(name, shape, mesh_sizes(mesh)["tp"], stacked=stacked))
+    sizes = mesh_sizes(mesh)
+    return NamedSharding(mesh, _spec(name, shape, sizes["tp"], stacked=stacked, ep=sizes.get("ep")))
 
 
 def kv_sharding(mesh):
@@ -304,7 +360,8 @@ def restore_sharding(mesh, name: str, shape: tuple[int, ...], layout: HeadLayout
     from jax.sharding import PartitionSpec as P
 
     changed = not layout.is_identity and name in ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "w_gate",
-                                                   "w_up", "b_gate", "b_up", "w_down")
+                                                   "w_up", "b_gate", "b_up", "w_down", "we_gate", "we_up",
+                                                   "we_down", "ws_gate", "ws_up", "ws_down")
     if not changed:
         return param_sharding(mesh, name, shape, stacked=True)
     n = mesh.devices.size
@@ -328,6 +385,7 @@ def place_params(config: ModelConfig, stacked: Mapping[str, Any], mesh, *,
 
     from jserve.model import model_params
 
+    check_experts(config, mesh_sizes(mesh))
     head_layout_ = head_layout(config, mesh_sizes(mesh)["tp"])
     new_config = laid_out_config(config, head_layout_)
 
@@ -344,11 +402,30 @@ def place_params(config: ModelConfig, stacked: Mapping[str, Any], mesh, *,
     return new_config, jax.jit(lay_out, out_shardings=shardings)(dict(stacked))
 
 
+def check_experts(config: ModelConfig, sizes: Mapping[str, int]) -> None:
+    """Refuse an ep axis the model cannot use: ep > 1 for a dense model, or one that does not
+    divide the experts."""
+    ep = sizes.get("ep", 1)
+    if ep > 1 and not config.moe:
+        raise ValueError(f"mesh axis ep={ep} splits a mixture of experts' experts; this {config.architecture} "
+                         f"model is dense: leave ep out (or use dp / tp)")
+    if config.moe and config.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide the model's {config.num_experts} experts")
+
+
 def describe(config: ModelConfig, mesh_spec: Any) -> str:
     """One line: how the heads and MLP are laid out for this mesh (for logs and `jserve plan`)."""
     sizes = parse_mesh(mesh_spec) if not hasattr(mesh_spec, "axis_names") else mesh_sizes(mesh_spec)
     lay = head_layout(config, sizes["tp"])
-    return (f"dp={sizes['dp']} tp={sizes['tp']}: {lay.physical_heads} query heads "
+    ep = sizes.get("ep", 1)
+    experts = ""
+    if config.moe:
+        per = config.num_experts // ep if config.num_experts % ep == 0 else config.num_experts
+        width = lay.padded_moe_intermediate_size
+        experts = f"; {per} of {config.num_experts} experts per device, expert ffn {width // sizes['tp']} of {width}"
+    axes = f"dp={sizes['dp']}" + (f" ep={ep}" if "ep" in sizes else "") + f" tp={sizes['tp']}"
+    return (f"{axes}: {lay.physical_heads} query heads "
             f"({config.num_heads} real), {lay.physical_kv_heads} KV heads ({config.num_kv_heads} real, "
             f"x{lay.replicas} replicas), ffn {lay.padded_intermediate_size} ({config.intermediate_size} real); "
-            f"per device {lay.physical_heads // sizes['tp']} query / {lay.physical_kv_heads // sizes['tp']} KV heads")
+            f"per device {lay.physical_heads // sizes['tp']} query / {lay.physical_kv_heads // sizes['tp']} KV heads"
+            + experts)
