@@ -22,6 +22,9 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path
     if jax.config.jax_compilation_cache_dir not in (None, str(path)):
         # JAX opens its cache once, at the first compilation: another folder needs it reopened
         # (a private function; without it the first folder stays in use).
+        from jserve.runtime import lazy_buckets
+
+        lazy_buckets.stop_all()  # a lazy buckets' thread must not read the cache while it is reopened
         try:
             from jax._src import compilation_cache
 

@@ -18,9 +18,18 @@ import atexit
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Iterable, Sequence
 
 logger = logging.getLogger(__name__)
+_LIVE: "weakref.WeakSet[BucketCompiler]" = weakref.WeakSet()  # compilers whose thread was started
+
+
+def stop_all(timeout: float | None = 60.0) -> None:
+    """Stop every running compiler's thread (after its current shape): before JAX's persistent
+    compilation cache is reopened elsewhere, which a thread reading it would crash on."""
+    for compiler in list(_LIVE):
+        compiler.stop(timeout)
 
 Key = tuple  # (kind, global batch, tokens per row), as Runner._count names a shape
 
@@ -58,6 +67,7 @@ class BucketCompiler:
         self._thread = threading.Thread(target=self._work, args=(list(jobs),), name="jserve-bucket-compiler",
                                         daemon=True)
         self._thread.start()
+        _LIVE.add(self)
         atexit.register(self.stop)  # before JAX's own exit handlers (they run in reverse order)
 
     def _work(self, jobs: list[tuple[Key, Callable[[], None]]]) -> None:
