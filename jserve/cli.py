@@ -183,12 +183,13 @@ def _plan(args: argparse.Namespace) -> int:
                                                 tied=config.tie_word_embeddings)
             weights_label = spec.label()
     if settings.mesh is not None:
-        from jserve.runtime.sharding import describe, device_share, params_per_device, parse_mesh
+        from jserve.runtime.sharding import check_experts, describe, device_share, params_per_device, parse_mesh
 
         sizes = parse_mesh(settings.mesh)
-        dp, tp = sizes["dp"], sizes["tp"]
-        plan_config = device_share(config, tp)  # one device's KV heads
-        weight_bytes = params_per_device(config, tp) * dtype_bytes(weight_dtype)
+        dp, tp, ep = sizes["dp"], sizes["tp"], sizes.get("ep", 1)
+        check_experts(config, sizes)
+        plan_config = device_share(config, tp, ep)  # one device's KV heads
+        weight_bytes = params_per_device(config, tp, ep) * dtype_bytes(weight_dtype)
         per_device = " per device"
     plan = plan_memory(plan_config, weight_dtype_bytes=dtype_bytes(weight_dtype), kv_dtype=kv_dtype,
                        page_size=page_size, context=context, device_bytes=device, memory_fraction=fraction,
@@ -197,6 +198,14 @@ def _plan(args: argparse.Namespace) -> int:
     rows = [("model", f"{config.architecture}, {config.num_layers} layers, {config.num_params() / 1e9:.3f} B params")]
     if settings.mesh is not None:
         rows.append(("mesh", describe(config, settings.mesh)))
+    if config.moe:  # the routed experts' bytes (all layers), and what one token reads of them
+        from jserve.model.moe import EXPERT_WEIGHTS
+        from jserve.runtime.sharding import param_bytes_per_device
+
+        sizes = parse_mesh(settings.mesh) if settings.mesh is not None else {"tp": 1}
+        held = param_bytes_per_device(config, sizes["tp"], sizes.get("ep", 1), itemsize=dtype_bytes(weight_dtype))
+        label = f"experts ({config.num_experts} x {config.moe_intermediate_size}, top-{config.num_experts_per_tok})"
+        rows.append((label + per_device, _human(sum(held[n] for n in EXPERT_WEIGHTS))))
     rows += [
         ("device memory", _human(plan.device_bytes)),
         (f"usable ({fraction:g})" if budget is None else "usable", _human(plan.usable_bytes)),
@@ -311,8 +320,9 @@ def cpu_devices_for_mesh(mesh: str, environ=os.environ) -> None:
 
     sizes = parse_mesh(mesh)
     flags = environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags and sizes["dp"] * sizes["tp"] > 1:
-        environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={sizes['dp'] * sizes['tp']}".strip()
+    count = sizes["dp"] * sizes["tp"] * sizes.get("ep", 1)
+    if "xla_force_host_platform_device_count" not in flags and count > 1:
+        environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -411,3 +411,20 @@ def test_plan_reports_expert_bytes_per_device():
     for name in moe.EXPERT_WEIGHTS:
         assert split[name] * 4 == whole[name]
     assert whole["we_gate"] == config.num_layers * 8 * 64 * 32 * 4
+
+
+def test_plan_cli_prints_expert_bytes(capsys):
+    from jserve import cli
+
+    folder = str(DATA / "arch" / "qwen3_moe")
+    assert cli.main(["plan", "--model", folder, "--device-memory", "1GiB"]) == 0
+    # 2 layers x 3 matrices x 8 experts x 64 x 32 x 4 bytes
+    assert re.search(r"experts \(8 x 32, top-2\)\s+384 KiB", capsys.readouterr().out)
+    assert cli.main(["plan", "--model", folder, "--device-memory", "1GiB", "--mesh", "ep=2,tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"experts \(8 x 32, top-2\) per device\s+96 KiB", out) and "4 of 8 experts per device" in out
+    assert cli.main(["plan", "--model", str(DATA / "arch" / "qwen3"), "--device-memory", "1GiB", "--mesh", "ep=2"]) == 2
+    assert "is dense" in capsys.readouterr().err
+    env = {}
+    cli.cpu_devices_for_mesh("dp=2,ep=2,tp=2", env)
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
