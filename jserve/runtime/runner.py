@@ -358,7 +358,7 @@ class Runner:
                 return None
             shapes = [(b, tokens) for b in sizes]
             exact = (buckets.pick(sizes, rows), tokens)
-        key_batch = self.dp if kind in ("decode", "mixed") else 1  # shapes are keyed by their global batch
+        key_batch = self._groups(kind)  # shapes are keyed by their global batch
         if exact in shapes and (self.lazy is None or self.lazy.is_ready((kind, exact[0] * key_batch, exact[1]))):
             return exact
         if self.lazy is None:
@@ -369,6 +369,10 @@ class Runner:
         if count:
             self.lazy.fallbacks += 1
         return shape[0] // key_batch, shape[1]
+
+    def _groups(self, kind: str) -> int:
+        """Data-parallel groups a call of `kind` spans (multi-step decode and verify run on one)."""
+        return self.dp if kind in ("decode", "mixed") else 1
 
     def _pack_mixed(self, lengths: list[int]) -> list[list[int]]:
         """Rows (by their token counts) into mixed calls of at most the largest row and token
@@ -623,7 +627,7 @@ class Runner:
             return lambda: self._compile_ahead(kind, B, T, kv_spec)
 
         def key(kind: str, B: int, T: int) -> tuple:  # as `_count` names the shape: its global batch
-            return kind, B * (self.dp if kind in ("decode", "mixed") else 1), T
+            return kind, B * self._groups(kind), T
 
         self.lazy = BucketCompiler(ready=[key(*s) for s in now])
         self.lazy.start([(key(*s), job(*s)) for s in later])

@@ -42,17 +42,13 @@ def _check(name: str, x, ndim: int, dtypes=None) -> None:
                          f"got {x.dtype} (shape {x.shape})")
 
 
-def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_scale, soft_cap,
-              sliding_window, pages_per_block, q_shape, k_scales=None, v_scales=None) -> None:
-    """Raises ValueError naming the bad argument.
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-    q is [batch, tokens, num_q_heads, head_dim]; messages show the caller's `q_shape`.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    _check("k_pages", k_pages, 4, floats + QUANT_DTYPES)
-    _check("v_pages", v_pages, 4, floats + QUANT_DTYPES)
+
+def check_pages(k_pages, v_pages, k_scales, v_scales) -> None:
+    """K/V pages (and a quantized cache's scales) as every kernel takes them; ValueError naming the bad one."""
+    _check("k_pages", k_pages, 4, FLOAT_DTYPES + QUANT_DTYPES)
+    _check("v_pages", v_pages, 4, FLOAT_DTYPES + QUANT_DTYPES)
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match "
                          f"k_pages {k_pages.shape} {k_pages.dtype}")
@@ -69,6 +65,29 @@ def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_s
         if x.shape != k_pages.shape[:3]:
             raise ValueError(f"{name} shape {x.shape} must be k_pages' first three dims "
                              f"{k_pages.shape[:3]}")
+
+
+def check_options(sm_scale, soft_cap, sliding_window) -> None:
+    """The attention's static options; ValueError naming the bad one."""
+    if not isinstance(sm_scale, numbers.Real) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    if soft_cap is not None and (not isinstance(soft_cap, numbers.Real) or not soft_cap > 0):
+        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+
+
+def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_scale, soft_cap,
+              sliding_window, pages_per_block, q_shape, k_scales=None, v_scales=None) -> None:
+    """Raises ValueError naming the bad argument.
+
+    q is [batch, tokens, num_q_heads, head_dim]; messages show the caller's `q_shape`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    floats = FLOAT_DTYPES
+    check_pages(k_pages, v_pages, k_scales, v_scales)
     num_kv_heads, _, _, head_dim = k_pages.shape
     batch, _, num_q_heads, q_head_dim = q.shape
     if q.dtype not in floats:
@@ -87,13 +106,7 @@ def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_s
         _check(name, x, 1, (jnp.dtype(jnp.int32),))
         if x.shape != (batch,):
             raise ValueError(f"{name} shape {x.shape} must be ({batch},) (q shape {q_shape})")
-    if not isinstance(sm_scale, numbers.Real) or not sm_scale > 0:
-        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
-    if soft_cap is not None and (not isinstance(soft_cap, numbers.Real) or not soft_cap > 0):
-        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
-    if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    check_options(sm_scale, soft_cap, sliding_window)
     if pages_per_block is not None and (not isinstance(pages_per_block, numbers.Integral)
                                         or pages_per_block < 1):
         raise ValueError(f"pages_per_block must be a positive int or None, got {pages_per_block!r}")

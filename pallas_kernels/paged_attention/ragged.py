@@ -31,18 +31,22 @@ nothing is read back to the host, and its length is a static bound
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import ragged_gpu, ragged_tpu, reference
-from pallas_kernels.paged_attention.common import QUANT_DTYPES
-from pallas_kernels.paged_attention.ops import BACKENDS, _check, paged_prefill_attention
+from pallas_kernels.paged_attention.ops import (
+    BACKENDS,
+    FLOAT_DTYPES,
+    _check,
+    check_options,
+    check_pages,
+    paged_prefill_attention,
+)
 
 _REFERENCE_TILE = 16  # tokens per work item of the reference path
-_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 class Tiles(NamedTuple):
@@ -110,26 +114,9 @@ def _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_rows, *
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check("q", q, 3)
-    if q.dtype not in _FLOATS:
+    if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must have a float dtype, got {q.dtype} (shape {q.shape})")
-    _check("k_pages", k_pages, 4, _FLOATS + QUANT_DTYPES)
-    _check("v_pages", v_pages, 4, _FLOATS + QUANT_DTYPES)
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match "
-                         f"k_pages {k_pages.shape} {k_pages.dtype}")
-    quantized = k_pages.dtype in QUANT_DTYPES
-    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if not quantized:
-            if x is not None:
-                raise ValueError(f"{name} given for {k_pages.dtype} pages (only int8 and "
-                                 "float8_e4m3fn pages take scales)")
-            continue
-        if x is None:
-            raise ValueError(f"{k_pages.dtype} pages need k_scales and v_scales")
-        _check(name, x, 3, (jnp.dtype(jnp.float32),))
-        if x.shape != k_pages.shape[:3]:
-            raise ValueError(f"{name} shape {x.shape} must be k_pages' first three dims "
-                             f"{k_pages.shape[:3]}")
+    check_pages(k_pages, v_pages, k_scales, v_scales)
     num_kv_heads, _, _, head_dim = k_pages.shape
     num_tokens, num_q_heads, q_head_dim = q.shape
     if num_tokens < 1:
@@ -156,13 +143,7 @@ def _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_rows, *
                          f"(page_indices shape {page_indices.shape})")
     if num_rows.shape != (1,):
         raise ValueError(f"num_rows shape {num_rows.shape} must be (1,)")
-    if not isinstance(sm_scale, numbers.Real) or not sm_scale > 0:
-        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
-    if soft_cap is not None and (not isinstance(soft_cap, numbers.Real) or not soft_cap > 0):
-        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
-    if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    check_options(sm_scale, soft_cap, sliding_window)
 
 
 def _per_item(fn, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_rows, tile, **kw):
