@@ -1,8 +1,8 @@
 """Lazy buckets: which compiled step shapes a runner may use now, and a thread compiling the rest.
 
 `Runner.warmup(lazy=True)` compiles, by running them as a full warm-up does, only the shapes that
-serve any step on their own: the largest decode batch, the one-row prefill at the largest token
-bucket (and the largest multi-step decode and verify batches when those steps exist). The other
+serve any step on their own: the largest decode batch, the mixed step of the most rows over the
+largest token bucket (and the largest multi-step decode and verify batches when those steps exist). The other
 shapes go to `BucketCompiler.start`: one daemon thread lowers and compiles each ahead of time
 (`jax.jit(f).lower(...).compile()`: JAX keeps the executable, so the first call of that shape
 compiles nothing; tests/test_lazy_buckets.py checks this with JAX's compile events). Until a shape
@@ -30,6 +30,9 @@ def stop_all(timeout: float | None = 60.0) -> None:
     compilation cache is reopened elsewhere, which a thread reading it would crash on."""
     for compiler in list(_LIVE):
         compiler.stop(timeout)
+
+
+atexit.register(stop_all)  # registered after JAX's own exit handlers, so it runs before them
 
 Key = tuple  # (kind, global batch, tokens per row), as Runner._count names a shape
 
@@ -68,7 +71,6 @@ class BucketCompiler:
                                         daemon=True)
         self._thread.start()
         _LIVE.add(self)
-        atexit.register(self.stop)  # before JAX's own exit handlers (they run in reverse order)
 
     def _work(self, jobs: list[tuple[Key, Callable[[], None]]]) -> None:
         t0 = time.perf_counter()
