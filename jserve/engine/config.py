@@ -20,6 +20,9 @@ BACKEND_NAMES = ("cpu", "tpu", "gpu", "reference", "cpu_pallas")  # jserve.runti
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")  # at load; "gguf": a GGUF file's own quantized weights
 QUALITY_GATES = ("enforce", "warn", "off")
 LOAD_FORMATS = ("auto", "dummy")
+# Where `jserve serve` defaults otherwise than the offline LLM: a server is ready once the largest
+# shapes compile, the others compile while it serves (--no-lazy-buckets compiles them all first).
+SERVE_DEFAULTS = {"lazy_buckets": True}
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own context length when none is given
 
 
@@ -76,11 +79,12 @@ class EngineConfig:
     mesh: Any = _setting(None, "device mesh, e.g. tp=4 or dp=2,tp=4, a dict or a jax.sharding.Mesh "
                                "(default: one device)")
     warmup: bool = _setting(True, "compile every bucket before serving (instead of on first use)", flag=None)
-    lazy_buckets: bool = _setting(True, "at warm-up compile only the largest shape of each step, which serves "
-                                        "any request, and the other buckets on a background thread; until one "
-                                        "is ready, its calls run in the next larger compiled bucket (counted as "
-                                        "jserve_bucket_fallbacks in /metrics); --no-lazy-buckets compiles "
-                                        "every bucket before serving")
+    lazy_buckets: bool = _setting(False, "at warm-up compile only the largest shape of each step, which serves "
+                                         "any request, and the other buckets on a background thread; until one "
+                                         "is ready, its calls run in the next larger compiled bucket (counted as "
+                                         "jserve_bucket_fallbacks in /metrics). On by default for `jserve "
+                                         "serve` (ready in seconds); off for the offline LLM, which compiles "
+                                         "every bucket first")
     load_format: str = _setting("auto", "auto: the model's weights; dummy: random weights of its config's shapes "
                                         "(vLLM's name: speed and memory without the weights; the text is "
                                         "meaningless)", choices=LOAD_FORMATS)

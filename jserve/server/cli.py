@@ -50,7 +50,7 @@ del _d
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to `jserve`'s subparsers (its func: `serve_command`)."""
-    from jserve.engine.config import add_engine_args, parse_bytes
+    from jserve.engine.config import SERVE_DEFAULTS, add_engine_args, parse_bytes
     from jserve.runtime.distributed import add_multihost_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -98,6 +98,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     add_engine_args(p)  # --seed among them
+    p.set_defaults(**SERVE_DEFAULTS)
     add_multihost_args(p)
     p.set_defaults(func=serve_command)
     return p
