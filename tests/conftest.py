@@ -60,6 +60,54 @@ def pytest_configure(config):
             prefix="jserve-kernels-")
 
 
+def _memory_maps() -> int:
+    """This process's memory mappings (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+_PEAK_MAPS = [0, ""]  # the most memory mappings seen after a test, and that test
+
+
+def pytest_runtest_teardown(item, nextitem):
+    maps = _memory_maps()
+    if maps > _PEAK_MAPS[0]:
+        _PEAK_MAPS[:] = [maps, item.nodeid]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_executables():
+    """At each test module's end, drop its engines and JAX's compiled executables.
+
+    Every loaded XLA:CPU executable holds a few memory mappings for its code (about 7 to 18), and
+    the kernel allows 65530 per process (vm.max_map_count). One pytest process runs the whole
+    suite: executables kept alive by JAX's caches, or by engines in reference cycles that the
+    garbage collector has not reached yet, used to pass that limit at two thirds of the suite,
+    and LLVM then crashed (segfault or abort) in whatever compilation or cache read came next.
+    The persistent compilation cache makes the next module's recompilations cheap.
+    """
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    gc.collect()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _PEAK_MAPS[0]:
+        try:
+            limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        except (OSError, ValueError):
+            limit = 0
+        terminalreporter.write_line(f"memory mappings after a test: at most {_PEAK_MAPS[0]} (after "
+                                    f"{_PEAK_MAPS[1]}; the kernel's limit is {limit or 'unknown'})")
+
+
 def pytest_unconfigure(config):
     kernel_dir = getattr(config, "_jserve_kernel_dir", None)
     if kernel_dir:

@@ -22,10 +22,6 @@ import weakref
 from typing import Callable, Iterable, Sequence
 
 logger = logging.getLogger(__name__)
-# Held by the thread for each shape, and by a runner around whatever it compiles while one may run
-# (warm-up, the prompt-logprob step): two threads compiling or loading executables from JAX's
-# persistent cache at once crashed the process (a segfault in deserialize_executable, seen twice in CI).
-COMPILE_LOCK = threading.RLock()
 _LIVE: "weakref.WeakSet[BucketCompiler]" = weakref.WeakSet()  # compilers whose thread was started
 
 
@@ -83,8 +79,7 @@ class BucketCompiler:
                 return
             start = time.perf_counter()
             try:
-                with COMPILE_LOCK:
-                    job()
+                job()
             except Exception as e:  # a shape that fails to compile stays missing: its calls keep falling back
                 logger.exception("compiling bucket %s in the background failed", key)
                 self.failed[key] = f"{type(e).__name__}: {e}"

@@ -37,7 +37,7 @@ from jserve.model.config import ModelConfig
 from jserve.runtime import backends, device_steps, step_rows
 from jserve.runtime.backends import Backend
 from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
-from jserve.runtime.lazy_buckets import COMPILE_LOCK, BucketCompiler
+from jserve.runtime.lazy_buckets import BucketCompiler
 from jserve.runtime.sampler import SamplingArrays, penalty_history
 from jserve.runtime.step_masks import StepMasks
 from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRecord, StepRow
@@ -212,8 +212,7 @@ class Runner:
         args = (*args, self.masks.device(B, self._constraints(placed)))
         cached = _cache_size(self._score_step)
         t0 = time.perf_counter()
-        with COMPILE_LOCK:  # it compiles on first use: never beside the lazy buckets' thread
-            out, plp, self.kv = self._score_step(self.params, self.kv, *args[0], *args[1:])
+        out, plp, self.kv = self._score_step(self.params, self.kv, *args[0], *args[1:])
         out, plp = jax.device_get((out, plp))
         seconds = time.perf_counter() - t0
         if self._is_new(("score", B, T), None if cached is None else _cache_size(self._score_step) > cached):
@@ -580,9 +579,8 @@ class Runner:
         now = shapes
         if lazy:  # per kind its largest shape (the most rows, of the most tokens)
             now = [max(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
-        with COMPILE_LOCK:  # not beside another runner's lazy buckets' thread
-            for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
-                self._warm(kind, B, T)
+        for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
+            self._warm(kind, B, T)
         self.records.clear()
         self.total_real_tokens = self.total_padded_tokens = 0
         self.mark_idle()
