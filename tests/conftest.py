@@ -92,9 +92,6 @@ def _free_executables():
     yield
     import gc
 
-    import jax
-
-    gc.collect()
     gc.collect()
 
 
