@@ -66,11 +66,18 @@ def _evaluate_converted(args: argparse.Namespace, out) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from jserve.core.request import SamplingParams
     from jserve.llm import LLM
+    from jserve.model.checkpoint import DEFAULT_MODEL, check_model
     from jserve.runtime import distributed
+    from jserve.text.chat_template import load_chat_template
 
+    template = load_chat_template(args.chat_template)  # a bad file or template fails before loading
+    if args.chat_template is not None and not args.chat:
+        raise ValueError("--chat-template applies to --chat prompts: add --chat")
+    settings = engine_kwargs(args)  # --seed is the request's
+    check_model(args.model, keep_quantized=settings.get("quantization") == "gguf")
     leader = distributed.from_args(args)
     # One prompt: compile only the shapes it needs instead of warming every bucket.
-    llm = LLM(args.model, dtype=args.dtype, warmup=False, **engine_kwargs(args))  # --seed is the request's
+    llm = LLM(args.model, dtype=args.dtype, warmup=False, chat_template=template, **settings)
     if not leader:
         distributed.follow(llm)
         return 0
@@ -81,6 +88,10 @@ def _generate(args: argparse.Namespace) -> int:
                             frequency_penalty=args.frequency_penalty, structured_outputs=_constraint(args))
     try:
         if args.chat:
+            if llm.tokenizer.chat_template is None:
+                raise ValueError(f"the model {args.model or DEFAULT_MODEL!r} has no chat template (a base model's has "
+                                 f"none): --chat needs --chat-template FILE (a jinja template), or leave out --chat "
+                                 f"to continue the prompt as plain text")
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
             out = llm.generate(args.prompt, params)[0]
@@ -249,11 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_convert)
 
+    from jserve.server.cli import CHAT_TEMPLATE_HELP, MODEL_HELP
+
     p = sub.add_parser("generate", help="generate a continuation of a prompt")
-    p.add_argument("--model", default=None, help="checkpoint folder, HF folder, .gguf or name "
-                   "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help=CHAT_TEMPLATE_HELP + " (with --chat)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

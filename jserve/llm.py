@@ -44,8 +44,9 @@ class LLM:
     """A model loaded for offline generation on the continuous-batching engine.
 
     Args:
-      model: a jserve checkpoint folder, a Hugging Face folder, a `.gguf` file, or a converted
-        model's name; None for the default SmolLM2-135M-Instruct (converted on first use).
+      model: a jserve checkpoint folder, a Hugging Face folder, a `.gguf` file, a converted
+        model's name, or a named model (`jserve.model.named`: "gemma3-270m", ...; None for the
+        default SmolLM2-135M-Instruct), converted on first use.
       dtype: weight (and KV cache) dtype, "float32" or "bfloat16": a model converted on first
         use is written in it, and a checkpoint stored in the other one is cast on load. None
         (default) keeps the checkpoint's; a conversion then writes float32. On an NVIDIA GPU
@@ -57,6 +58,8 @@ class LLM:
         passes the gate (`jserve.engine.quality_gate`; settings quality_gate, quality_max_kl,
         quality_min_top1); `self.quantization` holds the record and report.
       compilation_cache: directory for JAX's persistent compilation cache; False turns it off.
+      chat_template: a chat template (jinja2 text) that replaces the tokenizer's own, for `chat`
+        (and for the server, which renders with this tokenizer); a base model has none.
       **settings: the engine's settings by name, as `jserve.engine.config.EngineConfig` lists and
         documents them (max_model_len, max_num_seqs, max_num_batched_tokens, page_size, backend,
         mesh, kv_cache_dtype, num_scheduler_steps, warmup, ...); an unknown name is a ValueError.
@@ -66,13 +69,16 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
                  shardings: Any = None, compilation_cache: str | os.PathLike | bool | None = None,
-                 **settings: Any):
+                 chat_template: str | None = None, **settings: Any):
         from jserve.engine.config import EngineConfig
         from jserve.engine.llm_engine import build_engine, resolve_max_model_len
         from jserve.model.checkpoint import load_checkpoint, resolve_model
+        from jserve.text.chat_template import compile_chat_template
         from jserve.text.tokenizer import Tokenizer
 
         engine_config = EngineConfig.from_settings(**settings)  # bad settings are named before loading
+        if chat_template is not None:
+            compile_chat_template(chat_template)  # a malformed one fails before loading too
         if compilation_cache is not False:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
         if dtype not in (None, "float32", "bfloat16"):
@@ -102,6 +108,8 @@ class LLM:
             params, self.quantization = _quantization(self.path, self.config, params, self.generation_config,
                                                       engine_config)
             self.tokenizer = Tokenizer.load(self.path)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
         engine_config = resolve_max_model_len(engine_config, self.config)
         self.max_model_len = engine_config.max_model_len
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
@@ -181,9 +189,10 @@ def _model_folder(model: str | os.PathLike | None) -> Path:
     """Where a dummy model's config comes from: a checkpoint, Hugging Face folder (config.json is
     enough) or .gguf, found as `read_model_config` finds it; the default model's for None."""
     from jserve.model.checkpoint import default_checkpoint_root, is_checkpoint, resolve_model
+    from jserve.model.named import named_model
 
-    if model is None:
-        return resolve_model(None)
+    if named_model(model) is not None:
+        return resolve_model(model)
     p = Path(model)
     if not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
         return default_checkpoint_root() / str(model)

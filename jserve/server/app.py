@@ -337,6 +337,10 @@ async def _encode(state: ServerState, text: str, add_special_tokens: bool, param
 
 async def _render(state: ServerState, messages: list[dict], add_generation_prompt: bool,
                   tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    if state.tokenizer.chat_template is None:
+        raise bad_request(f"the model {state.model_name!r} has no chat template (a base model's has none), so "
+                          f"messages cannot be rendered: use /v1/completions with a prompt, or start the server "
+                          f"with --chat-template FILE (a jinja template)", code="chat_template_missing")
     size = protocol.messages_bytes(messages) + (len(json.dumps(tools).encode()) if tools else 0)
     tokenizer_pool.check_text_size(size, state.ctx.limits.max_input_tokens, state.pool.max_token_bytes, "messages")
     try:

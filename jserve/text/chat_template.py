@@ -71,7 +71,8 @@ def render_chat_template(template: str | None, messages: Sequence[Mapping[str, A
       The rendered prompt text.
     """
     if template is None:
-        raise ValueError("this tokenizer has no chat template (chat_template=None)")
+        raise ValueError("this tokenizer has no chat template (a base model's has none): give one, a jinja "
+                         "template (--chat-template for jserve generate and serve, LLM(chat_template=...))")
     if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
         raise ValueError(f"messages must be a list of dicts, got {messages!r:.200}")
     if continue_final_message and add_generation_prompt:
@@ -100,3 +101,32 @@ def _cut_after_final_message(rendered: str, final: Mapping[str, Any]) -> str:
     if rendered[start:start + len(content.lstrip())] == content:
         return rendered[:start + len(content.lstrip())]
     return rendered[:start + len(content.strip())]  # the template trimmed trailing whitespace
+
+
+# Characters a template has and a file path hardly does: vLLM's test for "--chat-template is the
+# template itself, not a file".
+_TEMPLATE_CHARS = "{}\n"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A `--chat-template` argument as vLLM reads it: the file it names, else (when it cannot be
+    opened and holds `{`, `}` or a newline) the template text itself; None for None. ValueError for
+    a path that cannot be read or a template jinja2 cannot compile."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-template {value!r} is not UTF-8 text: {e}") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL character, which no path holds
+        if not any(c in value for c in _TEMPLATE_CHARS):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be read: {e}") from None
+        template = value
+    import jinja2
+
+    try:
+        compile_chat_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: the template does not compile (line {e.lineno}): {e.message}") from None
+    return template

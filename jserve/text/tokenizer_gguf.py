@@ -75,7 +75,7 @@ def read_gguf_metadata(path_or_reader: Any, prefix: str = "tokenizer.") -> dict[
       key -> str | int | float | bool | list[str] | numpy array (numeric arrays).
     """
     if isinstance(path_or_reader, (str, Path)):
-        return _read_metadata_fast(Path(path_or_reader), prefix)
+        return read_gguf_kv(Path(path_or_reader), prefix)[0]
     fields = getattr(path_or_reader, "fields", None)
     if fields is None:
         raise ValueError(f"expected a GGUF path or gguf.GGUFReader, got {type(path_or_reader).__name__}")
@@ -89,16 +89,20 @@ def read_gguf_metadata(path_or_reader: Any, prefix: str = "tokenizer.") -> dict[
     return out
 
 
-def _read_metadata_fast(path: Path, prefix: str) -> dict[str, Any]:
-    # gguf.GGUFReader slices a memmap once per string (seconds for a large vocabulary); the header
-    # holds plain length-prefixed records, so parse it directly.
+def read_gguf_kv(path: Path, prefix: str = "") -> tuple[dict[str, Any], int, int]:
+    """A GGUF file's metadata whose keys start with `prefix` (as `read_gguf_metadata`), its tensor
+    count, and the offset where its tensor infos start (`jserve.model.gguf_file` reads those).
+
+    gguf.GGUFReader slices a memmap once per string (tens of seconds for Gemma's 262144-token
+    vocabulary on a busy 2-core machine); the header holds plain length-prefixed records, so it
+    is parsed directly."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         magic, version = struct.unpack_from("<4sI", buf, 0)
         if magic != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (magic {magic!r})")
         if version not in (2, 3):
             raise ValueError(f"{path}: unsupported GGUF version {version} (big-endian files are not supported)")
-        _, num_kv = struct.unpack_from("<QQ", buf, 8)
+        num_tensors, num_kv = struct.unpack_from("<QQ", buf, 8)
         pos = 24
 
         def read_str(pos: int) -> tuple[str, int]:
@@ -132,7 +136,7 @@ def _read_metadata_fast(path: Path, prefix: str) -> dict[str, Any]:
             value, pos = read_value(vtype, pos + 4)
             if key.startswith(prefix):
                 out[key] = value
-        return out
+        return out, num_tensors, pos
 
 
 def _token_types(meta: dict[str, Any], num_tokens: int) -> list[int]:
