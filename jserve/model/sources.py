@@ -341,18 +341,13 @@ def read_gguf(path: Path, keep_quantized: bool = False):
     if keep_quantized:
         from jserve.model import quant_import
 
-    reader = gguf.GGUFReader(str(path))
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in (
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-            continue  # the tokenizer reads its own (large) arrays
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - fields of types we do not need
-            continue
-    meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data)) \
-        if "tokenizer.ggml.tokens" in reader.fields else ()
+    from jserve.model.gguf_file import GGUFFile
+
+    reader = GGUFFile(path)  # gguf.GGUFReader's tensors, without its seconds per large vocabulary
+    # the tokenizer reads its own (large) arrays
+    meta = {key: value for key, value in reader.meta.items() if not key.startswith("tokenizer.ggml.")
+            or key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
+    meta["tokenizer.ggml.tokens"] = range(len(reader.meta.get("tokenizer.ggml.tokens", ())))
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in names,
                                             has_qkv_bias="blk.0.attn_q.bias" in names)
