@@ -20,8 +20,10 @@ RMSNorm weight (incl. Qwen3 q_norm/k_norm) is drawn from U(0.5, 1.5) and
 every bias from N(0, 0.2), so norm/bias bugs change the logits.
 
 Cases: llama2, llama3, llama_bias, mistral, qwen2, qwen3, smollm2, gemma2,
-gemma3, and the mixtures of experts qwen3_moe, mixtral, qwen2_moe (see
-``CASES`` below and tests/data/arch/README.md). Self-checks run each time:
+gemma3, the mixtures of experts qwen3_moe, mixtral, qwen2_moe, and phi3,
+phi3_longrope (see ``CASES`` below and tests/data/arch/README.md;
+phi3_longrope's reference.npz adds ``logits_short`` [2, 12, 256], the first
+12 tokens alone, and ``greedy_long_ids`` [1, 8], after a 16-token prompt). Self-checks run each time:
 the saved folder reloads to bit-identical logits, the greedy ids equal a
 no-cache argmax loop, logits std > 1e-2, biases/norms are not trivial,
 llama3's rope scaling changes the logits versus an unscaled copy (with
@@ -34,7 +36,11 @@ logits at positions >= 8 only (vs a 4096 window), query_pre_attn_scalar
 differs from head_dim and matters, Gemma 2's attention and final logit
 soft-capping each change the logits, and Gemma 3's local rotary base and its
 global layers' linear scaling each do. Gemma's RMSNorm scales by (1 + w), so
-its norm weights are drawn from U(-0.5, 0.5) instead.
+its norm weights are drawn from U(-0.5, 0.5) instead. Phi-3: the sliding window
+8 changes the logits at positions >= 8 only; LongRoPE's long factors, short
+factors and attention factor each change the logits, the first 12 tokens' logits
+differ from the same positions' in the 24-token forward (short vs long factors),
+and generate() is seen recomputing positions 0..12 when the sequence passes 12.
 
 The test suite never needs torch; only this generator does. Set up its own
 virtualenv (Python 3.11, CPU torch wheel that lies on the dev machine's disk;
@@ -82,6 +88,8 @@ from transformers import (  # noqa: E402
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -228,6 +236,35 @@ CASES = {
     ),
 }
 MOE_CASES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# Phi-3's LongRoPE case: transformers picks the short or the long factors per forward call, long iff
+# max(position_ids) + 1 > original_max_position_embeddings (12 here), so a forward of the 24-token
+# input runs the long factors at every position, one of its first 12 the short ones; greedy decoding
+# from the 10-token prompt crosses over, and there generate() drops its cache and recomputes the 13
+# tokens with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation; checked below), so
+# its tokens are a cache-free loop's. Its reference.npz adds `logits_short` (the first
+# LONGROPE_ORIG tokens) and `greedy_long_ids` (8 new tokens after a LONG_PROMPT_LEN-token prompt,
+# every position long).
+LONGROPE_ORIG, LONG_PROMPT_LEN = 12, 16
+_SHORT = np.random.default_rng(3).uniform(1.0, 2.0, 6).round(4).tolist()
+_LONG = np.geomspace(1.0, 40.0, 6).round(4).tolist()
+CASES["phi3"] = (
+    Phi3ForCausalLM, Phi3Config,
+    dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+         bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=False),
+    118, "Phi-3 (mini 4k), GQA 4/2, fused qkv_proj / gate_up_proj, sliding_window 8 on every layer, untied",
+)
+CASES["phi3_longrope"] = (
+    Phi3ForCausalLM, Phi3Config,
+    dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+         original_max_position_embeddings=LONGROPE_ORIG,
+         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                          "short_factor": _SHORT, "long_factor": _LONG},
+         bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=True),
+    119, f"Phi-3.5 / Phi-4-mini style: GQA 4/2, fused weights, partial rotary 0.75 (12 of 16 dims), "
+         f"LongRoPE (short factors in 1..2, long 1..40, original_max_position_embeddings {LONGROPE_ORIG}, "
+         f"max 256: attention factor sqrt(1 + ln(256/{LONGROPE_ORIG}) / ln {LONGROPE_ORIG})), tied",
+)
 
 
 def config_kwargs(name: str, **changes) -> dict:
@@ -299,6 +336,31 @@ def greedy(model, prompt: np.ndarray) -> np.ndarray:
     return new
 
 
+def rotary_positions(model, prompt: np.ndarray) -> list[list[int]]:
+    """The position_ids of each rotary-embedding call during `greedy(model, prompt)`."""
+    seen = []
+    hook = model.model.rotary_emb.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.append(kwargs["position_ids"][0].tolist()), with_kwargs=True)
+    greedy(model, prompt)
+    hook.remove()
+    return seen
+
+
+@torch.no_grad()
+def cached_loop(model, prompt: np.ndarray) -> np.ndarray:
+    """Greedy tokens by single-token steps over one DynamicCache that is never dropped."""
+    from transformers import DynamicCache
+
+    t = torch.from_numpy(prompt.astype(np.int64))
+    out = model(input_ids=t, use_cache=True, cache=DynamicCache(config=model.config))
+    new = [out.logits[:, -1].argmax(-1, keepdim=True)]
+    for i in range(NEW_TOKENS - 1):
+        out = model(input_ids=new[-1], position_ids=torch.tensor([[t.shape[1] + i]]), use_cache=True,
+                    cache=out.cache)
+        new.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    return torch.cat(new, dim=1).numpy().astype(np.int32)
+
+
 def name_of(model) -> str:
     return type(model).__name__
 
@@ -314,14 +376,19 @@ def llama3_band_counts(config) -> tuple[int, int, int]:
     return int((wl < hi_wl).sum()), int(((wl >= hi_wl) & (wl <= lo_wl)).sum()), int((wl > lo_wl).sum())
 
 
-def variant_logits(name: str, model, ids: np.ndarray, **cfg_changes) -> np.ndarray:
-    """Logits of the same weights under a modified config."""
+def variant_model(name: str, model, **cfg_changes):
+    """The same weights under a modified config."""
     model_cls, config_cls, _, _, _ = CASES[name]
     config = config_cls(**config_kwargs(name, **cfg_changes))
     config._attn_implementation = "eager"
     other = model_cls(config).to(torch.float32).eval()
     other.load_state_dict(model.state_dict())
-    return forward_logits(other, ids)
+    return other
+
+
+def variant_logits(name: str, model, ids: np.ndarray, **cfg_changes) -> np.ndarray:
+    """Logits of the same weights under a modified config."""
+    return forward_logits(variant_model(name, model, **cfg_changes), ids)
 
 
 @torch.no_grad()
@@ -372,6 +439,36 @@ def moe_checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[st
     return notes
 
 
+def longrope_checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[str]:
+    """LongRoPE matters: the long factors (the 24-token forward), the short ones (the first
+    LONGROPE_ORIG tokens), the attention factor, and the partial rotary (6 frequencies)."""
+    notes = []
+    rope = dict(model.config.rope_parameters)
+    orig = rope["original_max_position_embeddings"]
+    assert SEQ > orig and PROMPT_LEN <= orig < PROMPT_LEN + NEW_TOKENS - 1 and LONG_PROMPT_LEN > orig
+    assert model.model.rotary_emb.inv_freq.shape == (6,)  # 12 of head_dim 16 rotate
+    scaling = model.model.rotary_emb.attention_scaling
+    assert abs(scaling - math.sqrt(1 + math.log(256 / orig) / math.log(orig))) < 1e-12, scaling
+    short = shorter_logits(model, ids)
+    assert np.abs(short - logits[:, :orig]).max() > 1e-2  # the same tokens, short factors
+    for what, change, use_short in (("long_factor = short_factor", {"long_factor": rope["short_factor"]}, False),
+                                    ("short_factor = 1", {"short_factor": [1.0] * 6}, True),
+                                    ("attention_factor = 1", {"attention_factor": 1.0}, False)):
+        other = variant_model(name, model, rope_parameters={**rope, **change})
+        got = shorter_logits(other, ids) if use_short else forward_logits(other, ids)
+        d = float(np.abs(got - (short if use_short else logits)).max())
+        assert d > 1e-2, (what, d)
+        notes.append(f"max|dlogit| vs {what}: {d:.3f}")
+    notes.append(f"attention factor {scaling:.4f}; max|dlogit| of the first {orig} tokens, short vs long: "
+                 f"{float(np.abs(short - logits[:, :orig]).max()):.3f}")
+    return notes
+
+
+def shorter_logits(model, ids: np.ndarray) -> np.ndarray:
+    """Logits of the first original_max_position_embeddings tokens alone (LongRoPE's short factors)."""
+    return forward_logits(model, ids[:, :model.config.rope_parameters["original_max_position_embeddings"]])
+
+
 def checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[str]:
     notes = []
     assert np.isfinite(logits).all(), name
@@ -404,6 +501,18 @@ def checks(name: str, model, ids: np.ndarray, logits: np.ndarray) -> list[str]:
         assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
     if name in MOE_CASES:
         notes += moe_checks(name, model, ids, logits)
+    if name == "phi3":
+        full = variant_logits(name, model, ids, sliding_window=None)
+        diff = np.abs(full - logits).max(axis=(0, 2))
+        W = model.config.sliding_window
+        assert diff[:W].max() < 1e-5, diff[:W]
+        assert diff[W:].max() > 1e-2, diff[W:]
+        assert model.model.layers[0].self_attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 16, 64)
+        assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 128, 64)
+        notes.append(f"max|dlogit| vs sliding_window=None: pos<{W} {diff[:W].max():.1e}, "
+                     f"pos>={W} {diff[W:].max():.3f}")
+    if name == "phi3_longrope":
+        notes += longrope_checks(name, model, ids, logits)
     if is_gemma(name):
         cfg = model.config
         W = cfg.sliding_window
@@ -454,8 +563,18 @@ def write_case(name: str, out_dir: Path) -> dict:
     gc_path = d / "generation_config.json"
     if gc_path.exists():
         gc_path.unlink()
+    extra = {}
+    if name == "phi3_longrope":
+        extra = dict(logits_short=shorter_logits(model, ids).astype(np.float32),
+                     greedy_long_ids=greedy(model, ids[:1, :LONG_PROMPT_LEN]))
+        seen = rotary_positions(model, ids[:1, :PROMPT_LEN])
+        assert list(range(LONGROPE_ORIG + 1)) in seen, seen  # generate() recomputed at the crossing
+        short_cache = cached_loop(model, ids[:1, :PROMPT_LEN])  # what keeping the cache would give
+        notes.append(f"generate() recomputes positions 0..{LONGROPE_ORIG} when the sequence passes "
+                     f"{LONGROPE_ORIG} tokens; keeping the short-rotated cache instead would give "
+                     f"{short_cache[0].tolist()} (vs {greedy_ids[0].tolist()})")
     np.savez(d / "reference.npz", input_ids=ids, logits=logits.astype(np.float32),
-             greedy_ids=greedy_ids)
+             greedy_ids=greedy_ids, **extra)
 
     # Round trip: the saved folder must reproduce the logits exactly.
     model_cls = CASES[name][0]
@@ -463,6 +582,9 @@ def write_case(name: str, out_dir: Path) -> dict:
     re_logits = forward_logits(reloaded, ids)
     assert np.array_equal(re_logits, logits), (name, np.abs(re_logits - logits).max())
     assert np.array_equal(greedy(reloaded, ids[:1, :PROMPT_LEN]), greedy_ids), name
+    for key, value in extra.items():
+        if key == "logits_short":
+            assert np.array_equal(shorter_logits(reloaded, ids), value), name
 
     n_params = sum(p.numel() for p in model.parameters())
     size = sum(f.stat().st_size for f in d.iterdir())
@@ -527,7 +649,14 @@ def write_readme(out_dir: Path, rows: list[dict]) -> None:
         "layer the 48 tokens use at least 7 of the 8 experts, no expert takes 60% of them, at least 8 "
         "distinct top-2 sets occur, the 2nd and 3rd router probabilities never come within 1e-5 (so "
         "rounding cannot flip a choice), and top-1 routing (and flipping norm_topk_prob, for the Qwens) "
-        "changes the logits.",
+        "changes the logits. phi3: its sliding window changes logits at positions >= 8 only. phi3_longrope "
+        f"(LongRoPE, original_max_position_embeddings {LONGROPE_ORIG}): transformers rotates a sequence of "
+        f"more than {LONGROPE_ORIG} tokens by the long factors at every position, so `logits` (24 tokens) are "
+        f"long throughout; `reference.npz` adds `logits_short` [{BATCH}, {LONGROPE_ORIG}, {VOCAB}] (the first "
+        f"{LONGROPE_ORIG} tokens alone: short factors) and `greedy_long_ids` [1, {NEW_TOKENS}] (after a "
+        f"{LONG_PROMPT_LEN}-token prompt); `greedy_ids` cross over at {LONGROPE_ORIG} tokens, where generate() "
+        "recomputes the cache with the long factors (the generator sees it do so), so they equal a cache-free "
+        "loop's. The long factors, the short factors and the attention factor each change the logits.",
         "",
         "Another CPU may give float32 logits that differ in their last bits (up to ~1.5e-6 "
         "was seen for these folders, well inside the tests' 1e-4); a regeneration that only adds "

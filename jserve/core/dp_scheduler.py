@@ -41,6 +41,10 @@ class DataParallelScheduler:
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.schedulers)
 
+    @property
+    def num_recomputes(self) -> int:
+        return sum(s.num_recomputes for s in self.schedulers)
+
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
 

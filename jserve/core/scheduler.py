@@ -46,6 +46,14 @@ steps, and the stopped request's row computes for nothing until then.
 While a request with structured outputs runs, every step is a single step: its grammar's mask for
 the next token needs the token before it on the host.
 
+Recompute past a length (`recompute_past` = n, a LongRoPE model's original context: it rotates every
+position of a sequence of more than n tokens by other factors than a shorter one's). A request whose
+token count passes n by a sample (from n to n + 1) is recomputed from its first token, as a
+preemption would, but not counted as one (`num_recomputes`): Hugging Face's generate() drops its
+cache there too. Its prefix-cache salt has two sides, at most n tokens and more, so no page computed
+on one side is shared with the other; a multi-step decode (and a speculative step's drafts, see
+`tokens_before_recompute`) never runs across n, the call's last sample at most reaches n + 1.
+
 Speculative decoding takes its draft tokens' pages the same way, after `schedule()` (the engine
 proposes drafts for the plan's decode chunks and calls `reserve_drafts`); the step's confirmed
 drafts are then taken like a multi-step decode's tokens, and `release_lookahead` gives back the
@@ -86,6 +94,7 @@ class SchedulerConfig:
     max_model_len: int = 2048  # prompt + output tokens of one request
     enable_prefix_caching: bool = False
     num_scheduler_steps: int = 1  # decode steps per device call when only decodes run (vLLM's name)
+    recompute_past: int | None = None  # see the module's notes (None: never)
 
     def __post_init__(self):
         for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2),
@@ -99,6 +108,18 @@ class SchedulerConfig:
                              "token each step)")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.recompute_past is not None and (not isinstance(self.recompute_past, int)
+                                                or isinstance(self.recompute_past, bool) or self.recompute_past < 1):
+            raise ValueError(f"recompute_past must be a positive integer or None, got {self.recompute_past!r}")
+
+
+def tokens_before_recompute(num_tokens: int, recompute_past: int | None) -> int | None:
+    """The most tokens a request of `num_tokens` tokens may sample in one device call so that it
+    computes no position past `recompute_past` (its last sample may take it to recompute_past + 1,
+    and the recompute follows the call); None: no limit."""
+    if recompute_past is None or num_tokens > recompute_past:
+        return None
+    return recompute_past + 1 - num_tokens
 
 
 class Scheduler:
@@ -115,6 +136,7 @@ class Scheduler:
         pool_tokens = (page_table.pool.num_pages - 1) * page_table.page_size
         self.max_len = min(config.max_model_len, pool_tokens + 1)
         self.num_preemptions = 0
+        self.num_recomputes = 0  # requests recomputed as they passed `recompute_past`
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: list[Request] = []  # sorted by _arrival_key
         self._running: list[Request] = []  # sorted by _admission_key
@@ -263,7 +285,8 @@ class Scheduler:
     def _num_decode_steps(self, request: Request) -> int:
         """Steps a multi-step decode may run for `request`: K, fewer near max_tokens or max_len."""
         left = tokens_left(request.params, len(request.output_token_ids), request.num_tokens, self.max_len)
-        return max(min(self.config.num_scheduler_steps, left), 1)
+        before = tokens_before_recompute(request.num_tokens, self.config.recompute_past)
+        return max(min(self.config.num_scheduler_steps, left, before or left), 1)
 
     def next_decode_step(self, chunk: ScheduledChunk) -> ScheduledChunk | None:
         """The chunk of a multi-step decode's next step for `chunk`'s request: its newest token, in
@@ -306,10 +329,11 @@ class Scheduler:
             request = self._waiting[0]
             # After a preemption the prompt to compute is prompt + output so far.
             token_ids = request.all_token_ids
-            num_cached = self.page_table.lookup_prefix(token_ids, cache_salt=request.cache_salt)
+            salt = self._cache_salt(request)
+            num_cached = self.page_table.lookup_prefix(token_ids, cache_salt=salt)
             num_new = min(len(token_ids) - num_cached, budget)
             hit = self.page_table.allocate_prompt(request.request_id, token_ids, num_new_tokens=num_new,
-                                                  cache_salt=request.cache_salt)
+                                                  cache_salt=salt)
             if hit is None:
                 break  # no skipping: the head waits for pages
             assert hit == num_cached, (hit, num_cached)
@@ -332,16 +356,29 @@ class Scheduler:
                               page_ids=self.page_table.page_ids(request.request_id),
                               samples=stop == request.num_tokens)
 
-    def _preempt(self, request: Request) -> None:
+    def _cache_salt(self, request: Request) -> str | None:
+        """The request's prefix-cache salt, on its side of `recompute_past` (see the module's notes)."""
+        past = self.config.recompute_past
+        if past is None or request.num_tokens <= past:
+            return request.cache_salt
+        return f"{request.cache_salt or ''}\x00past-{past}"
+
+    def _preempt(self, request: Request, *, recompute: bool = False) -> None:
+        """Back to waiting, to recompute prompt + output so far: a preemption, or with `recompute`
+        the request passing `recompute_past`."""
         self._running.remove(request)
         del self._admission_key[request]
         self.page_table.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        if recompute:
+            self.num_recomputes += 1
+        else:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
         bisect.insort(self._waiting, request, key=self._arrival_key.__getitem__)
-        logger.debug("preempted %s at %d tokens", request.request_id, request.num_tokens)
+        logger.debug("%s %s at %d tokens", "recomputing" if recompute else "preempted", request.request_id,
+                     request.num_tokens)
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """Records a step's results.
@@ -351,7 +388,8 @@ class Scheduler:
           sampled: request id -> sampled token, for (at least) every chunk with `samples=True`.
         Returns:
           The requests that got a new token, in plan order. Those that reached `max_len` are
-          already finished (status FINISHED_LENGTH, pages freed); the engine checks the rest for stops.
+          already finished (status FINISHED_LENGTH, pages freed), one that passed `recompute_past`
+          waits to be recomputed; the engine checks the rest for stops.
         """
         now = None
         new_token = []
@@ -375,6 +413,8 @@ class Scheduler:
                 request.first_token_time = now
             if request.num_tokens >= self.max_len:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
+            elif request.num_tokens == (self.config.recompute_past or -2) + 1:
+                self._preempt(request, recompute=True)  # it passed recompute_past with this sample
             new_token.append(request)
         return new_token
 

@@ -88,10 +88,12 @@ class LLMEngine:
                                       enable_prefix_caching=config.enable_prefix_caching) for _ in range(dp)]
         self.page_table = self.page_tables[0]
         self.scheduler: SchedulerProtocol
+        # A LongRoPE model recomputes a sequence as it passes its original context (jserve.core.scheduler).
+        recompute = dict(recompute_past=runner.config.long_rope_after)
         if dp == 1:
-            self.scheduler = Scheduler(config.scheduler_config(), self.page_table)
+            self.scheduler = Scheduler(dataclasses.replace(config.scheduler_config(), **recompute), self.page_table)
         else:  # one scheduler per data-parallel group, each with its share of seqs and tokens
-            share = config.scheduler_config(dp)
+            share = dataclasses.replace(config.scheduler_config(dp), **recompute)
             self.scheduler = DataParallelScheduler([Scheduler(share, t) for t in self.page_tables])
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, _Sequence] = {}
@@ -274,7 +276,7 @@ class LLMEngine:
             constraint = seq.matcher if seq is not None and chunk.samples else None
             rows.append(StepRow(chunk.start, chunk.token_ids, chunk.page_ids, p, len(req.output_token_ids),
                                 history, group, chunk.num_steps, stop_ids, min_new, self._next_ids(chunk),
-                                constraint))
+                                constraint, seq_len=req.num_tokens))
         return rows
 
     def _next_ids(self, chunk: ScheduledChunk) -> list[int] | None:
@@ -473,7 +475,7 @@ def _speculator(config: EngineConfig, runner: Runner, draft_runner: Runner | Non
     limit = spec.disable_by_batch_size or runner.backend.speculative_batch_limit or runner.verify_buckets[-1]
     # No more rows than the runner compiled a verify step for.
     return Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len, proposer,
-                      min(limit, runner.verify_buckets[-1]))
+                      min(limit, runner.verify_buckets[-1]), recompute_past=runner.config.long_rope_after)
 
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20

@@ -28,6 +28,7 @@ import numpy as np
 
 from jserve.core.plan import Request, ScheduledChunk
 from jserve.core.request import GREEDY
+from jserve.core.scheduler import tokens_before_recompute
 from jserve.core.speculative import SpeculativeConfig
 from jserve.core.stop import tokens_left
 from jserve.runtime.steps import StepRow
@@ -133,11 +134,14 @@ class Speculator:
     """Per step: which decode chunks get how many drafts; per request: its acceptance; in all:
     the counters behind `/metrics` and `llm.stats()`."""
 
-    def __init__(self, config: SpeculativeConfig, max_len: int, proposer: Any, batch_limit: int):
+    def __init__(self, config: SpeculativeConfig, max_len: int, proposer: Any, batch_limit: int,
+                 recompute_past: int | None = None):
         """`batch_limit`: the most decoding sequences a step speculates with (the config's
-        `disable_by_batch_size`, or the backend's default, within the runner's verify buckets)."""
+        `disable_by_batch_size`, or the backend's default, within the runner's verify buckets);
+        `recompute_past`: the scheduler's (drafts never take a sequence across it)."""
         self.config = config
         self.max_len = max_len
+        self.recompute_past = recompute_past
         self.proposer = proposer
         self.disable_by_batch_size = batch_limit
         self._acceptance: dict[str, _Acceptance] = {}
@@ -168,7 +172,8 @@ class Speculator:
                 continue
             # The step keeps up to drafts + 1 tokens: all must fit max_tokens and the context.
             left = tokens_left(req.params, len(req.output_token_ids), req.num_tokens, self.max_len)
-            out.append(max(0, min(k, left - 1)))
+            before = tokens_before_recompute(req.num_tokens, self.recompute_past)
+            out.append(max(0, min(k, left - 1, left - 1 if before is None else before - 1)))
         return out if any(out) else None
 
     def valid_drafts(self, drafts: list[int], matcher: Any) -> list[int]:

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jserve.eval.chunks import Chunks
 from jserve.model import DenseAttention, init_cache, model_graphdef
-from jserve.model.config import ModelConfig
+from jserve.model.config import LONG_ROPE_FLAG, ModelConfig
 from jserve.runtime import backends
 
 
@@ -74,7 +74,10 @@ def _scored_logits(graphdef, ops, config: ModelConfig, stacked: bool, dtype, ctx
                        stacked=stacked)
     ops = ops.with_attention(DenseAttention(config.sliding_window, stacked=stacked))
     index = jnp.broadcast_to(jnp.arange(first, ctx - 1, dtype=jnp.int32), (batch, ctx - 1 - first))
-    logits, _ = model(tokens, positions, cache, positions, ops, logits_index=index)
+    # A LongRoPE model rotates a chunk longer than its original context by the long factors
+    # throughout, as one forward pass of transformers does.
+    rope = positions + LONG_ROPE_FLAG if config.long_rope(ctx) else positions
+    logits, _ = model(tokens, rope, cache, positions, ops, logits_index=index)
     return logits.astype(jnp.float32)
 
 

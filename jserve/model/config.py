@@ -23,9 +23,11 @@ _HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",  # Phi-3 / Phi-3.5 mini and medium, Phi-4 and Phi-4-mini
 }
 _GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                       "gemma2": "gemma2", "gemma3": "gemma3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+                       "gemma2": "gemma2", "gemma3": "gemma3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe",
+                       "phi3": "phi3"}
 SUPPORTED_ARCHITECTURES = tuple(sorted(_HF_ARCHITECTURES))
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 # Mixture-of-experts families (llama.cpp writes Mixtral as a "llama" GGUF with experts).
@@ -56,28 +58,51 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 # A decoder layer's matmul weights, in the order the model and the fused native layers take them.
 LAYER_MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
+ROPE_TYPES = ("llama3", "linear", "longrope")
+# Set in a step's rotary positions (`StepRow` -> the packed `positions`, never the attention's):
+# the token rotates by LongRoPE's long factors. Positions stay below it.
+LONG_ROPE_FLAG = 1 << 30
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary frequency scaling: `llama3` (Llama 3.1/3.2) or `linear` (position interpolation)."""
+    """Rotary frequency scaling: `llama3` (Llama 3.1/3.2), `linear` (position interpolation) or
+    `longrope` (Phi-3's LongRoPE, "su": each rotary frequency divided by a factor of its own,
+    `short_factor` for a sequence of at most `original_max_position_embeddings` tokens,
+    `long_factor` beyond, and cos / sin times `attention_factor`)."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
-            raise ValueError(f"unsupported rope_scaling type {self.rope_type!r} (supported: llama3, linear)")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
         if self.factor <= 0:
             raise ValueError(f"rope_scaling factor must be positive, got {self.factor}")
+        for name in ("short_factor", "long_factor"):  # hashable, also when read back from JSON lists
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+        if self.rope_type == "longrope":
+            if not self.short_factor or len(self.short_factor) != len(self.long_factor):
+                raise ValueError(f"longrope needs short_factor and long_factor of one length, got "
+                                 f"{len(self.short_factor)} and {len(self.long_factor)}")
+            if not all(f > 0 for f in self.short_factor + self.long_factor) or not self.attention_factor > 0:
+                raise ValueError("longrope's factors and attention_factor must be positive")
+            if self.original_max_position_embeddings < 1:
+                raise ValueError(f"longrope's original_max_position_embeddings must be positive, "
+                                 f"got {self.original_max_position_embeddings}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder."""
 
-    architecture: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | the MoE families
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -94,7 +119,9 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
-    sliding_window: int | None = None  # Mistral v0.1: attend to the last `sliding_window` keys
+    rotary_dim: int | None = None  # rotate the first rotary_dim dims of each head, pass the rest
+    #   (Phi-3's partial_rotary_factor, e.g. Phi-4-mini's 0.75); None: all head_dim
+    sliding_window: int | None = None  # Mistral v0.1, Phi-3: attend to the last `sliding_window` keys
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Gemma 2 / 3 (defaults: the Llama layer).
@@ -153,10 +180,37 @@ class ModelConfig:
                 raise ValueError("mixture-of-experts layers are SwiGLU without biases")
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_gate without a shared expert (shared_expert_intermediate_size)")
+        if self.rotary_dim is not None and not (isinstance(self.rotary_dim, int) and 0 < self.rotary_dim
+                                                <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be an even integer in 2..head_dim ({self.head_dim}), "
+                             f"got {self.rotary_dim!r}")
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "longrope" and len(s.short_factor) != self.rope_dim // 2:
+            raise ValueError(f"longrope's short_factor and long_factor must have rotary_dim / 2 = "
+                             f"{self.rope_dim // 2} entries, got {len(s.short_factor)}")
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head that rotate (the first ones): `rotary_dim`, else head_dim."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's switch: a sequence of more tokens than this (its original context) rotates
+        every position by the long factors, one of at most this many by the short ones, as
+        transformers does (its generate() recomputes the cache when a sequence grows past it);
+        None without LongRoPE."""
+        s = self.rope_scaling
+        return s.original_max_position_embeddings if s is not None and s.rope_type == "longrope" else None
+
+    def long_rope(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens (prompt and output) rotates by the long factors."""
+        after = self.long_rope_after
+        return after is not None and num_tokens > after
 
     @property
     def attention_scale(self) -> float:
@@ -199,10 +253,12 @@ class ModelConfig:
     @property
     def llama_layer(self) -> bool:
         """Whether a layer is the plain Llama layer (pre-norms x * w, SwiGLU, head_dim ** -0.5,
-        no soft-capping, one window and rotary base for all layers), as fused kernels implement it."""
+        no soft-capping, one window and rotary base for all layers, every head dim rotating), as fused
+        kernels implement it."""
         return (not self.norm_offset and not self.post_norms and self.hidden_act == "silu"
                 and self.query_pre_attn_scalar is None and self.attn_logit_softcap is None
-                and not self.mixed_layers and self.rope_local_theta is None and not self.moe)
+                and not self.mixed_layers and self.rope_local_theta is None and not self.moe
+                and self.rope_dim == self.head_dim)
 
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
@@ -253,6 +309,8 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if family in GEMMA_FAMILIES:
             return cls._from_hf_gemma(family, cfg)
+        if family == "phi3":
+            _check_phi3(cfg)
         try:
             hidden = int(cfg["hidden_size"])
             num_heads = int(cfg["num_attention_heads"])
@@ -270,6 +328,9 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         head_dim = cfg.get("head_dim") or hidden // num_heads
+        # Partial rotary (Phi-3's key; transformers 5 moves it into rope_parameters).
+        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        rotary_dim = int(int(head_dim) * partial)
         sliding = cfg.get("sliding_window")
         if family in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None
@@ -281,9 +342,10 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            rope_scaling=_rope_scaling_from_dict(scaling),
+            rope_scaling=_rope_scaling_from_dict(scaling, cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rotary_dim=rotary_dim if rotary_dim != int(head_dim) else None,
             qkv_bias=family == "qwen2" or (family == "qwen2_moe" and cfg.get("qkv_bias", True)) or attention_bias,
             o_bias=family in ("llama", "mistral") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -370,8 +432,11 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool,
-                           has_qkv_bias: bool = False) -> "ModelConfig":
-        """Build from GGUF key/value metadata (already decoded to Python values)."""
+                           has_qkv_bias: bool = False,
+                           rope_factors: tuple[Any, Any] | None = None) -> "ModelConfig":
+        """Build from GGUF key/value metadata (already decoded to Python values). `rope_factors`:
+        the (long, short) values of a Phi-3 GGUF's `rope_factors_long` / `rope_factors_short`
+        tensors (LongRoPE), where it has them."""
         arch = meta.get("general.architecture")
         if arch not in _GGUF_ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
@@ -397,6 +462,13 @@ class ModelConfig:
         if arch in GEMMA_FAMILIES:
             return cls._from_gguf_gemma(arch, meta, get, vocab=int(vocab), scaling=scaling,
                                         has_output_tensor=has_output_tensor)
+        phi3 = {}
+        if arch == "phi3":
+            phi3 = _phi3_from_gguf(get, hidden // num_heads, rope_factors)
+            scaling = phi3.pop("rope_scaling")
+        elif rope_factors is not None:
+            raise ValueError(f"GGUF tensors rope_factors_long / rope_factors_short (LongRoPE) are supported "
+                             f"for phi3 only, not {arch!r}")
         moe = _moe_from_gguf(arch, get)
         family = "mixtral" if arch == "llama" and moe else _GGUF_ARCHITECTURES[arch]
         return cls(
@@ -415,10 +487,11 @@ class ModelConfig:
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=has_qkv_bias,
             qk_norm=arch in ("qwen3", "qwen3moe"),
-            sliding_window=get("attention.sliding_window"),
+            sliding_window=get("attention.sliding_window") or None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
             **moe,
+            **phi3,
         )
 
     @classmethod
@@ -535,12 +608,67 @@ def _moe_from_gguf(arch: str, get) -> dict[str, Any]:
                 shared_expert_gate=shared > 0)
 
 
-def _rope_scaling_from_dict(d: Mapping[str, Any] | None) -> RopeScaling | None:
+def _check_phi3(cfg: Mapping[str, Any]) -> None:
+    """Phi-3's config keys that jserve's layer does not implement, named."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported phi3 hidden_act {cfg.get('hidden_act')!r} (supported: silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ValueError(f"unsupported phi3 variant: {key}")
+
+
+def _phi3_from_gguf(get, head_dim: int, rope_factors) -> dict[str, Any]:
+    """What llama.cpp's converter writes for Phi-3 beyond the Llama keys: rope.dimension_count
+    (partial rotary), the LongRoPE factors as two tensors with rope.scaling.original_context_length
+    and rope.scaling.attn_factor (the sliding window is 0 where the model has none, as Phi-4's)."""
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    scaling = None
+    if rope_factors is not None:
+        long, short = (tuple(float(x) for x in f) for f in rope_factors)
+        orig = get("rope.scaling.original_context_length")
+        if orig is None:
+            raise ValueError("GGUF phi3 with LongRoPE factors lacks phi3.rope.scaling.original_context_length")
+        ctx = int(get("context_length", orig))
+        attn = get("rope.scaling.attn_factor")
+        scaling = RopeScaling("longrope", factor=ctx / int(orig), original_max_position_embeddings=int(orig),
+                              short_factor=short, long_factor=long,
+                              attention_factor=float(attn) if attn is not None else _longrope_attention(
+                                  ctx / int(orig), int(orig)))
+    return dict(rope_scaling=scaling, rotary_dim=rope_dim if rope_dim != head_dim else None)
+
+
+def _longrope_attention(factor: float, original: int) -> float:
+    """LongRoPE's default attention factor (transformers' and llama.cpp's): sqrt(1 + ln(s) / ln(original))."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _rope_scaling_from_dict(d: Mapping[str, Any] | None, cfg: Mapping[str, Any] | None = None) -> RopeScaling | None:
+    """A config's rope_scaling (transformers 4) / rope_parameters (5) as a RopeScaling; `cfg` the
+    whole config (LongRoPE reads its max_position_embeddings and original_max_position_embeddings,
+    Phi-3's top-level keys, which transformers prefers to the rope dict's)."""
     if not d:
         return None
     kind = d.get("rope_type") or d.get("type")
     if kind in (None, "default"):
         return None
+    if kind in ("longrope", "su"):  # "su": Phi-3's first name for it
+        cfg = cfg or {}
+        if "short_factor" not in d or "long_factor" not in d:
+            raise ValueError("longrope rope_scaling needs short_factor and long_factor")
+        for key in ("short_mscale", "long_mscale"):
+            if d.get(key) is not None:
+                raise ValueError(f"unsupported longrope key {key!r} (transformers does not read it either)")
+        orig = cfg.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") \
+            or cfg.get("max_position_embeddings")
+        if not orig:
+            raise ValueError("longrope rope_scaling needs original_max_position_embeddings")
+        orig = int(orig)
+        factor = d.get("factor") or int(cfg.get("max_position_embeddings", orig)) / orig
+        attention = d.get("attention_factor")
+        return RopeScaling("longrope", factor=float(factor), original_max_position_embeddings=orig,
+                           short_factor=tuple(d["short_factor"]), long_factor=tuple(d["long_factor"]),
+                           attention_factor=float(attention) if attention is not None
+                           else _longrope_attention(float(factor), orig))
     if kind == "llama3":
         return RopeScaling("llama3", factor=float(d["factor"]),
                            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
@@ -548,13 +676,14 @@ def _rope_scaling_from_dict(d: Mapping[str, Any] | None) -> RopeScaling | None:
                            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)))
     if kind == "linear":
         return RopeScaling("linear", factor=float(d["factor"]))
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)}, su)")
 
 
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> list[float]:
-    """Rotary inverse frequencies (length head_dim/2), with Llama 3 / linear scaling applied;
-    `local`: the sliding layers' own (`rope_local_theta`, unscaled: Gemma 3)."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) -> list[float]:
+    """Rotary inverse frequencies (length rope_dim / 2), with Llama 3 / linear scaling applied;
+    `local`: the sliding layers' own (`rope_local_theta`, unscaled: Gemma 3); LongRoPE: the short
+    factors', or with `long` the long ones'."""
+    dim = config.rope_dim
     theta = config.rope_local_theta if local else config.rope_theta
     if theta is None:
         raise ValueError("the model has no local rotary base (rope_local_theta)")
@@ -564,6 +693,8 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> list[float]:
         return inv
     if s.rope_type == "linear":
         return [f / s.factor for f in inv]
+    if s.rope_type == "longrope":
+        return [f / e for f, e in zip(inv, s.long_factor if long else s.short_factor)]
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     out = []

@@ -1,4 +1,4 @@
-"""Flax NNX decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and Gemma 2 / 3.
+"""Flax NNX decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3) and Gemma 2 / 3.
 
 `DecoderLayer` is the one definition of a layer; `LlamaModel` embeds, runs the layer stack and
 the head. Gemma's differences are config-driven branches of the same layer (`ModelConfig`'s
@@ -6,7 +6,9 @@ norm_offset, post_norms, embed_scale, hidden_act, query_pre_attn_scalar, the sof
 layer_types and rope_local_theta): (1 + w) RMSNorms, norms on the attention's and the MLP's
 outputs, GeGLU, embeddings times sqrt(hidden), its own query scale, tanh soft-capping of the
 attention and output logits, and sliding-window layers interleaved with full ones, each with its
-own window and (Gemma 3) rotary base.
+own window and (Gemma 3) rotary base. Phi-3 is the Llama layer (its fused qkv_proj / gate_up_proj
+are split when read, `jserve.model.sources`) with partial rotary (`ModelConfig.rotary_dim`) and
+LongRoPE (`rotary_tables`: per token, the short or long factors' table, flagged in its position).
 
 How each operation runs (XLA dots or native kernels, the stack unrolled, scanned or fused) is the
 caller's `ModelOps` (`jserve.runtime.backends`); attention over the KV cache is its
@@ -25,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jserve.model import moe, quant
-from jserve.model.config import LAYER_MATMULS, ModelConfig, rope_inv_freq
+from jserve.model.config import LAYER_MATMULS, LONG_ROPE_FLAG, ModelConfig, rope_inv_freq
 
 
 class AttentionSpec(NamedTuple):
@@ -103,23 +105,49 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def rotary_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [batch, tokens, 1, head_dim] for `apply_rotary`, once per step for all layers.
+def rotary_tables(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [batch, tokens, 1, rope_dim] for `apply_rotary`, once per step for all layers;
+    `inv_freq` [rope_dim / 2], or per token [batch, tokens, rope_dim / 2]; both times `scale`
+    (LongRoPE's attention factor) where it is not 1.
 
     (Computed inside every layer, XLA:CPU evaluated a sin and a cos table per layer and decode
     step, in libm's sincosf; docs/performance.md.)
     """
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, head_dim/2]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, rope_dim/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     # The barrier materialises the tables: without it XLA fuses sin and cos into every layer's
     # rotation and evaluates them per element of q and k.
-    return jax.lax.optimization_barrier((jnp.cos(emb), jnp.sin(emb)))
+    return jax.lax.optimization_barrier((cos, sin))
+
+
+def model_rotary_tables(config: ModelConfig, positions: jax.Array, local: bool = False):
+    """The step's `rotary_tables` for `config` (`local`: Gemma 3's sliding layers'). With LongRoPE
+    a position may carry `LONG_ROPE_FLAG` (its sequence is longer than the original context:
+    `ModelConfig.long_rope`): that token rotates by the long factors, the others by the short ones,
+    both times the attention factor."""
+    def inv(long=False):
+        return jnp.asarray(np.asarray(rope_inv_freq(config, local, long=long), np.float32))
+
+    if local or config.long_rope_after is None:
+        return rotary_tables(positions, inv())
+    long = positions >= LONG_ROPE_FLAG
+    per_token = jnp.where(long[..., None], inv(long=True), inv())  # [batch, tokens, rope_dim / 2]
+    return rotary_tables(jnp.where(long, positions - LONG_ROPE_FLAG, positions), per_token,
+                         config.rope_scaling.attention_factor)
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half rotary embedding. x [batch, tokens, heads, head_dim]; cos, sin from rotary_tables."""
+    """Rotate-half rotary embedding. x [batch, tokens, heads, head_dim]; cos, sin from rotary_tables,
+    [..., rope_dim]: with rope_dim < head_dim (partial rotary) the first rope_dim dims rotate, among
+    themselves, and the others pass unchanged."""
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-    half = x.shape[-1] // 2
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return jnp.concatenate([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], axis=-1)
+    half = dim // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
@@ -380,7 +408,9 @@ class LlamaModel(nnx.Module):
 
         Args:
           tokens: int32 [batch, tokens].
-          positions: int32 [batch, tokens], absolute positions (rotary and causal mask).
+          positions: int32 [batch, tokens], absolute positions for the rotary embedding (the
+            attention's own come in `meta`), with LongRoPE's `LONG_ROPE_FLAG` added where a token
+            rotates by the long factors (`model_rotary_tables`).
           cache, meta: the attention's KV state and per-step metadata.
           ops: how the operations run (`ModelOps`: a backend's, or `XlaOps`).
           logits_index: optional int32 [batch, n]: only these token positions get logits
@@ -395,12 +425,9 @@ class LlamaModel(nnx.Module):
         if c.embed_scale:  # Gemma: sqrt(hidden) in the activations' dtype, as Hugging Face rounds it
             x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
 
-        def tables(local=False):
-            return rotary_tables(positions, jnp.asarray(np.asarray(rope_inv_freq(c, local), np.float32)))
-
-        cos, sin = tables()
+        cos, sin = model_rotary_tables(c, positions)
         if c.rope_local_theta is not None:  # Gemma 3: the sliding layers' own base, (full, sliding)
-            local_cos, local_sin = tables(local=True)
+            local_cos, local_sin = model_rotary_tables(c, positions, local=True)
             cos, sin = (cos, local_cos), (sin, local_sin)
         x, cache = ops.run_layers(self.layers, x, cos, sin, cache, meta)
         if logits_index is not None:

@@ -4,7 +4,11 @@
 stacked on a leading layer axis, linears as [in, out]. HF and GGUF names map through one table
 (GGUF names to HF names, HF names to ours, with Gemma's own names for its four norms); llama.cpp's
 Q/K rotary permutation is undone, and the 1 its converter adds to Gemma's norm weights is taken
-off again (the model keeps Hugging Face's convention: `ModelConfig.norm_offset`). Float
+off again (the model keeps Hugging Face's convention: `ModelConfig.norm_offset`). Phi-3's fused
+`qkv_proj` (q, k, v on the output axis) and `gate_up_proj` (gate, up), llama.cpp's `attn_qkv` and
+phi3 `ffn_up`, are split into the layer's own wq / wk / wv and w_gate / w_up (quantized ones along
+their output channels, bit for bit), so the layer, its sharding (heads split over tp) and the fused
+native kernels stay the Llama layer's; LongRoPE's factors, GGUF tensors there, go to the config. Float
 tensors come as numpy arrays in the requested dtype; pre-quantized ones (a GGUF's quantized
 tensors with `keep_quantized`, an AWQ / GPTQ folder's linears) as `QuantizedWeight`s repacked
 by `jserve.model.quant_import`, never through a float copy.
@@ -16,7 +20,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -81,6 +85,19 @@ _GGUF_LAYER_GEMMA = {
 }
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
+# Phi-3: HF's fused per-layer weights (after "model.layers.{i}.", [out, in]) -> our weights, in
+# their order along the output axis, with each one's width (a function of the config).
+_HF_FUSED = {
+    "self_attn.qkv_proj.weight": (("wq", lambda c: c.num_heads * c.head_dim),
+                                  ("wk", lambda c: c.num_kv_heads * c.head_dim),
+                                  ("wv", lambda c: c.num_kv_heads * c.head_dim)),
+    "mlp.gate_up_proj.weight": (("w_gate", lambda c: c.intermediate_size), ("w_up", lambda c: c.intermediate_size)),
+}
+# llama.cpp's phi3 names: attn_qkv is qkv_proj, and ffn_up holds gate_up_proj (gate first, as
+# ggml's swiglu splits it); LongRoPE's factors are two global tensors, read into the config.
+_GGUF_LAYER_PHI3 = {**_GGUF_LAYER, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                    "ffn_up.weight": "mlp.gate_up_proj.weight"}
+_GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 # Mixture of experts. Per-layer HF names (after "model.layers.{i}.") of the router and the shared
 # expert -> (our name, transpose?); Mixtral's block_sparse_moe is read as mlp.
@@ -149,10 +166,29 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict[int | None, quant.QuantizedWeight]] = {}
     experts_filled: dict[tuple[str, int], set[int]] = {}  # (expert weight, layer) -> experts read
-    for hf_name, load in tqdm(tensors, total=count, desc=desc, unit="tensor", disable=not progress):
+    def pieces(hf_name: str, load):
+        """(HF name, loader) of each weight a tensor holds: a fused one's parts, else itself."""
+        parts = hf_name.split(".", 3)
+        fused = _HF_FUSED.get(parts[3]) if len(parts) == 4 and parts[:2] == ["model", "layers"] else None
+        if fused is None:
+            return [(hf_name, load)]
+        widths = [width(config) for _, width in fused]
+        split = _cached(lambda: _split_outputs(load(), widths, hf_name))
+        return [(f"{hf_name} ({name})", (lambda j=j: split()[j]), name) for j, (name, _) in enumerate(fused)]
+
+    def entries():
+        for hf_name, load in tensors:
+            for entry in pieces(hf_name, load):
+                yield entry
+
+    for entry in tqdm(entries(), total=count, desc=desc, unit="tensor", disable=not progress):
+        hf_name, load = entry[:2]
         if config.moe and _place_expert(config, hf_name, load, params, experts_filled):
             continue
-        name, layer, transpose = _map_hf_name(hf_name, config.architecture)
+        if len(entry) == 3:  # a part of a fused tensor (already [in, out] when quantized)
+            name, layer, transpose = entry[2], int(hf_name.split(".")[2]), True
+        else:
+            name, layer, transpose = _map_hf_name(hf_name, config.architecture)
         if name is None or name not in params:
             if name == "lm_head" and config.tie_word_embeddings:
                 continue  # tied models sometimes store a copy of the embedding
@@ -205,6 +241,33 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
         for i, w in parts.items():
             params[name][i] = quant.dequantize(w).astype(dtype)
     return params
+
+
+def _cached(load: Callable[[], Any]) -> Callable[[], Any]:
+    """`load`, run once however often the result is asked for."""
+    box: list[Any] = []
+
+    def get():
+        if not box:
+            box.append(load())
+        return box[0]
+    return get
+
+
+def _split_outputs(array: Any, widths: Sequence[int], hf_name: str) -> list[Any]:
+    """A fused weight split along its output axis into `widths`: a float [out, in] (HF's layout)
+    along its rows, a `QuantizedWeight` ([in, out]) along its output channels."""
+    out = array.shape[-1] if quant.is_quantized(array) else array.shape[0]
+    if out != sum(widths):
+        raise ValueError(f"tensor {hf_name!r} has {out} output channels, expected {' + '.join(map(str, widths))}")
+    bounds = np.cumsum([0, *widths])
+    if quant.is_quantized(array):
+        def cols(a, lo, hi):
+            return None if a is None else np.asarray(a)[..., lo:hi]
+        return [quant.QuantizedWeight(cols(array.values, lo, hi), cols(array.scales, lo, hi),
+                                      cols(array.offsets, lo, hi), array.scheme, array.group_size)
+                for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return [array[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def _place_expert(config: ModelConfig, hf_name: str, load: Callable[[], Any], params: dict[str, Any],
@@ -349,8 +412,15 @@ def read_gguf(path: Path, keep_quantized: bool = False):
             or key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
     meta["tokenizer.ggml.tokens"] = range(len(reader.meta.get("tokenizer.ggml.tokens", ())))
     names = {t.name for t in reader.tensors}
+    factors = {t.name: t for t in reader.tensors if t.name in _GGUF_ROPE_FACTORS}
+    rope_factors = None
+    if factors:
+        if len(factors) != 2:
+            raise ValueError(f"GGUF has {sorted(factors)} but LongRoPE needs both of {list(_GGUF_ROPE_FACTORS)}")
+        rope_factors = tuple(gguf.quants.dequantize(factors[n].data, factors[n].tensor_type).reshape(-1).tolist()
+                             for n in _GGUF_ROPE_FACTORS)
     config = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in names,
-                                            has_qkv_bias="blk.0.attn_q.bias" in names)
+                                            has_qkv_bias="blk.0.attn_q.bias" in names, rope_factors=rope_factors)
     # llama.cpp stores Q/K of "llama" models permuted for interleaved rotary pairs; undo it so
     # the rotate-half formulation applies (Qwen and Gemma GGUFs use NEOX rotary and are not permuted).
     permuted = meta["general.architecture"] in ("llama", "mistral")
@@ -379,7 +449,11 @@ def read_gguf(path: Path, keep_quantized: bool = False):
 
     entries = []
     layer_names = _GGUF_LAYER_GEMMA if gemma else ({**_GGUF_LAYER, **_GGUF_MOE_LAYER} if config.moe else _GGUF_LAYER)
+    if config.architecture == "phi3":
+        layer_names = _GGUF_LAYER_PHI3
     for t in reader.tensors:
+        if t.name in _GGUF_ROPE_FACTORS:
+            continue  # in the config
         hf_name = _gguf_to_hf(t.name, layer_names)
         entries.append((hf_name, loader(t, hf_name)))
     return config, entries, len(entries), reader

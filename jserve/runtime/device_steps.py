@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jserve.core.request import MAX_LOGPROBS
+from jserve.model.config import LONG_ROPE_FLAG
 from jserve.runtime.paged_attention import PagedMeta
 from jserve.runtime.sampler import prompt_logprobs, sample, token_counts
 
@@ -71,11 +72,12 @@ def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
     def body(state):
         j, kv, token, done, ids, buffers, valid = state
         live = ~done
-        pos = jnp.where(live, start + j, 0)
+        rope = jnp.where(live, start + j, 0)  # `start` holds rotary positions (LongRoPE's flag)
+        pos = rope & (LONG_ROPE_FLAG - 1)
         page = jnp.take_along_axis(pages, (pos // page_size)[:, None], axis=1)[:, 0]
         slots = jnp.where(live, page * page_size + pos % page_size, 0)
         meta = PagedMeta(slots, pos, live.astype(jnp.int32), pages)
-        logits, kv = model(token[:, None], pos[:, None], kv, meta, ops, logits_index=zeros)
+        logits, kv = model(token[:, None], rope[:, None], kv, meta, ops, logits_index=zeros)
         out = sample_step(logits[:, 0], j, ids)
         new = out["tokens"]
         buffers = jax.tree.map(lambda buf, x: buf.at[j].set(x), buffers, out)

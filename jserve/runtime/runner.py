@@ -407,7 +407,7 @@ class Runner:
             placed[slot] = all_rows[i]
         if kind == "mixed":
             arrays = step_rows.pack_ragged([[all_rows[i] for i in p] for p in parts], Bg, T,
-                                           max_pages=self.max_pages, page_size=self.page_size)
+                                           max_pages=self.max_pages, page_size=self.page_size, config=self.config)
         else:
             arrays = self._pack(placed, B, T)
         sampling, history = self._sampling(placed, B)
@@ -535,7 +535,7 @@ class Runner:
 
     def _pack(self, rows: Sequence[StepRow | None], B: int, T: int):
         """rows: one `StepRow` or None (padding) per batch row."""
-        return step_rows.pack(rows, B, T, max_pages=self.max_pages, page_size=self.page_size)
+        return step_rows.pack(rows, B, T, max_pages=self.max_pages, page_size=self.page_size, config=self.config)
 
     def _cost(self, rows) -> tuple[int, int]:
         """The bytes and FLOPs a step needs at minimum: the physical floor for metrics (MBU/MFU)."""

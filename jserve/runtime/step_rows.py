@@ -2,18 +2,30 @@
 
 Pure numpy and arithmetic, no device state (`jserve.runtime.runner` owns that). A row is a
 `jserve.runtime.steps.StepRow` (tokens at positions `start .. start + len(token_ids) - 1`, whose pages,
-and the earlier ones, are `page_ids`); None is a padding row.
+and the earlier ones, are `page_ids`); None is a padding row. The packed `positions` are the
+model's rotary positions: given the model's config, a LongRoPE model's rows whose sequence is
+longer than its original context carry `LONG_ROPE_FLAG` (`rope_positions`); slots and the
+attention's lengths come from the plain positions.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jserve.model.config import ModelConfig
+from jserve.model.config import LONG_ROPE_FLAG, ModelConfig
 from jserve.runtime.paged_attention import PagedMeta, RaggedMeta
 
 
-def pack(rows, B: int, T: int, *, max_pages: int, page_size: int):
+def rope_positions(row, pos: np.ndarray, config: ModelConfig | None) -> np.ndarray:
+    """The row's positions `pos` as the model rotates them: with `LONG_ROPE_FLAG` where `config`
+    is LongRoPE's and the row's sequence (`StepRow.seq_len`, else the row's end) is longer than
+    its original context."""
+    if config is None or not config.long_rope(max(row.seq_len, row.start + row.num_tokens)):
+        return pos
+    return pos + LONG_ROPE_FLAG
+
+
+def pack(rows, B: int, T: int, *, max_pages: int, page_size: int, config: ModelConfig | None = None):
     """`(tokens, positions, PagedMeta, last)` for B rows of T tokens: each row's tokens, their
     positions and K/V slots, its page table padded with the null page 0 (where padding writes),
     and the index of its last token (-1 for a padding row)."""
@@ -30,7 +42,7 @@ def pack(rows, B: int, T: int, *, max_pages: int, page_size: int):
         n = len(ids)
         pos = np.arange(start, start + n)
         tokens[b, :n] = ids
-        positions[b, :n] = pos
+        positions[b, :n] = rope_positions(row, pos, config)
         table = np.asarray(pages, np.int32)
         slots[b, :n] = table[pos // page_size] * page_size + pos % page_size
         q_start[b], q_lens[b] = start, n
@@ -38,7 +50,7 @@ def pack(rows, B: int, T: int, *, max_pages: int, page_size: int):
     return tokens, positions, PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices), q_lens - 1
 
 
-def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int):
+def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int, config: ModelConfig | None = None):
     """`(tokens, positions, RaggedMeta, last)` of a mixed step: per group (a list of rows each,
     at most R rows and N tokens), its rows' tokens one after another in its block of N tokens
     (padding tokens write into the null page), the rows' lengths, page tables and bounds, and
@@ -62,7 +74,7 @@ def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int):
             pos = np.arange(row.start, row.start + n)
             table = np.asarray(row.page_ids, np.int32)
             tokens[g, t:t + n] = row.token_ids
-            positions[g, t:t + n] = pos
+            positions[g, t:t + n] = rope_positions(row, pos, config)
             slots[g, t:t + n] = table[pos // page_size] * page_size + pos % page_size
             kv_lens[g, i] = row.start + n
             page_indices[g, i, :len(table)] = table

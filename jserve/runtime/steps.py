@@ -36,6 +36,10 @@ class StepRow:
         from it while the device runs the forward. Single steps only.
       draft_ids: a speculative step's drafts for the tokens after `token_ids` (one token):
         `Runner.execute_verify` computes them with it and keeps those its samples confirm.
+      seq_len: the sequence's tokens (prompt and output so far) when the step was planned; 0: the
+        row's own end. A LongRoPE model rotates every token of a sequence longer than its original
+        context by the long factors (`ModelConfig.long_rope`), a prompt's first chunks included:
+        the runner flags their positions (`step_rows.pack`).
     """
 
     start: int
@@ -51,6 +55,7 @@ class StepRow:
     next_ids: Sequence[int] | None = None
     constraint: Any = None
     draft_ids: Sequence[int] = ()
+    seq_len: int = 0
 
     @property
     def num_tokens(self) -> int:
