@@ -13,6 +13,8 @@
 #              KV over the copy bandwidth, batch 1/16/64/256 at 1k and 4k context
 #   serving    jserve serve of that dummy model + jserve bench at c = 1, 16, 64, 256 on
 #              1k-in/128-out and 128-in/1k-out
+#   overlap    async scheduling against single steps (scripts/bench_async_scheduling.py: the
+#              device's idle time between steps, throughput, same tokens) on Llama-3.2-1B's shapes
 #   cold       seconds from `jserve serve` (default model, empty compilation cache) to ready and to
 #              its first token (#26's target: 30 s)
 # Without a GPU or TPU it runs as a dry run (the default model, small shapes, c <= 2; the kernel
@@ -65,16 +67,20 @@ if [ "$DEVICE" != cpu ]; then
          --max-num-batched-tokens 2048 --kv-cache-bytes "$SERVE_KV")
   cp "$MODEL_CONFIG" "${SERVE[1]}/config.json"
   CONC=(1 16 64 256); IN_LONG=1024; OUT_LONG=1024; OUT_SHORT=128; IN_SHORT=128
+  OVERLAP=(--model "$(mktemp -d)" --load-format dummy --dtype bfloat16 --num-requests 64 --output-len 64
+           --max-num-seqs 64 --repeats 2)
+  cp tests/data/configs/llama-3.2-1b.json "${OVERLAP[1]}/config.json"
 else  # a dry run: the same parts, small
   DTYPE=float32; STEP=(--batches 1,2 --contexts 128)
+  OVERLAP=(--num-requests 4 --input-len 8 --output-len 8 --max-num-seqs 4 --repeats 1)
   SERVE=(--max-model-len 512 --max-num-seqs 4)
   CONC=(1 2); IN_LONG=64; OUT_LONG=32; OUT_SHORT=8; IN_SHORT=16
 fi
 
 MARK=$([ "$DEVICE" = tpu ] && echo tpu || echo gpu)
-run_part pytest 80 "$PY" -m pytest -m "$MARK" tests -q -p no:cacheprovider -rs -x
+run_part pytest 65 "$PY" -m pytest -m "$MARK" tests -q -p no:cacheprovider -rs -x
 
-run_part golden 45 "$PY" - "$DTYPE" "$WORK/golden.json" <<'EOF'
+run_part golden 40 "$PY" - "$DTYPE" "$WORK/golden.json" <<'EOF'
 import json, sys
 from pathlib import Path
 from jserve import LLM, SamplingParams
@@ -105,9 +111,9 @@ kernels() {
     "$PY" scripts/bench_gpu_attention.py --batch 64 --context 2048 --iters 10 --out "$WORK/decode_kernel.json"
   fi
 }
-run_part kernels 60 bash -c "$(declare -f kernels); $(declare -p WORK PY DEVICE); kernels"
+run_part kernels 55 bash -c "$(declare -f kernels); $(declare -p WORK PY DEVICE); kernels"
 
-run_part step 100 "$PY" scripts/bench_step_floor.py "${STEP[@]}" --reps 5 --out "$WORK/step.json"
+run_part step 90 "$PY" scripts/bench_step_floor.py "${STEP[@]}" --reps 5 --out "$WORK/step.json"
 
 serving() {
   local port=$((20000 + RANDOM % 20000))
@@ -145,9 +151,11 @@ for d in sorted(work.glob("bench-*")):
 EOF
   return $rc
 }
-run_part serving 100 bash -c "$(declare -f serving); $(declare -p WORK JSERVE SERVE CONC IN_LONG OUT_LONG IN_SHORT OUT_SHORT PY); serving"
+run_part serving 90 bash -c "$(declare -f serving); $(declare -p WORK JSERVE SERVE CONC IN_LONG OUT_LONG IN_SHORT OUT_SHORT PY); serving"
 
-run_part cold 110 "$PY" - "$WORK/cold.json" <<'EOF'
+run_part overlap 45 "$PY" scripts/bench_async_scheduling.py "${OVERLAP[@]}" --out "$WORK/overlap.json"
+
+run_part cold 95 "$PY" - "$WORK/cold.json" <<'EOF'
 import json, os, socket, subprocess, sys, tempfile, time, urllib.request
 from pathlib import Path
 with socket.socket() as s:
@@ -182,7 +190,7 @@ def read(name, default=None):
     p = work / name
     return p.read_text() if p.exists() else default
 report = {"env": read("env.log", ""), "device": device if device != "cpu" else "cpu (dry run)", "parts": {}}
-for name in ("pytest", "golden", "kernels", "step", "serving", "cold"):
+for name in ("pytest", "golden", "kernels", "step", "serving", "overlap", "cold"):
     rc = read(f"{name}.rc")
     if rc is None:
         report["parts"][name] = {"skipped": "not run"}

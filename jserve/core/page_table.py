@@ -199,6 +199,16 @@ class PageTable:
         """Adds known tokens (sampled ones); they get slots with a later `allocate_slots`."""
         self._seq(request_id).token_ids.extend(_as_token_ids(token_ids))
 
+    def set_token(self, request_id: Hashable, index: int, token_id: int) -> None:
+        """Replace the known token at `index` (a placeholder appended before its value was known:
+        async scheduling); it must not be in a hashed page yet."""
+        seq = self._seq(request_id)
+        if not 0 <= index < len(seq.token_ids):
+            raise ValueError(f"token index {index} is outside the {len(seq.token_ids)} tokens of {request_id!r}")
+        if index < len(seq.page_hashes) * self.page_size:
+            raise ValueError(f"token {index} of {request_id!r} is in a page already in the prefix cache")
+        seq.token_ids[index] = int(token_id)
+
     def _plan_slots(self, seq: _Sequence, num_new_tokens: int, num_lookahead: int = 0) -> int:
         """Fresh pages needed for `num_new_tokens` more slots (and `num_lookahead` after them)."""
         check_count("num_new_tokens", num_new_tokens)

@@ -418,6 +418,15 @@ class Scheduler:
             new_token.append(request)
         return new_token
 
+    def patch_token(self, request: Request, index: int, token: int) -> None:
+        """Async scheduling: `update` recorded output `index` of `request` as a placeholder (the
+        step's sample was still on the device); this is its value. The page table's copy is set
+        too while the request holds its pages (a preempted or finished one holds none)."""
+        request.output_token_ids[index] = operator.index(token)
+        if (self._requests.get(request.request_id) is request and request.status is RequestStatus.RUNNING
+                and request.request_id in self.page_table):
+            self.page_table.set_token(request.request_id, len(request.prompt_token_ids) + index, token)
+
     def check_invariants(self) -> None:
         """Asserts the queues agree with each other and with the page table (between steps)."""
         assert len(self._running) <= self.config.max_num_seqs

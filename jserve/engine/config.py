@@ -71,6 +71,11 @@ class EngineConfig:
                                    choices=KV_CACHE_DTYPES)
     num_scheduler_steps: int = _setting(1, "decode steps per device call while only decodes run "
                                            "(multi-step decode)", parse=int)
+    async_scheduling: bool = _setting(False, "overlap steps (vLLM's name): plan and dispatch step N+1 before "
+                                             "reading step N's samples, which feed N+1's decode rows on the "
+                                             "device, so the device never waits for the host between steps; "
+                                             "a step with penalties, a grammar or prompt logprobs runs after "
+                                             "the one before it is read. One device group, one process")
     speculative_config: Any = _setting(
         None, 'speculative decoding, a JSON object as vLLM takes it: {"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": '
@@ -134,6 +139,9 @@ class EngineConfig:
         if self.speculative_config is not None and self.num_scheduler_steps != 1:
             raise ValueError(f"speculative decoding and multi-step decode (num_scheduler_steps="
                              f"{self.num_scheduler_steps}) do not combine: give one of them")
+        if self.async_scheduling and (self.speculative_config is not None or self.num_scheduler_steps != 1):
+            raise ValueError("async_scheduling overlaps single steps: give no speculative_config and "
+                             f"num_scheduler_steps=1 with it (got {self.num_scheduler_steps})")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.load_format == "dummy" and self.quantization is not None:

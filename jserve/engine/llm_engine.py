@@ -9,6 +9,16 @@ engine then takes its tokens one step at a time, with the same stop checks, so t
 those of K single steps. A request with structured outputs gets a grammar matcher per sequence
 (`jserve.structured.grammar`): its rows carry it to the runner, which fills their token bitmask,
 and each sampled token advances it; a complete grammar ends the sequence ("stop").
+
+With `async_scheduling` (`_step_overlapped`), a step is dispatched (`Runner.launch`) and, before its
+samples are read, the scheduler plans the next one: the launched step's sampled tokens are
+recorded as placeholders (`PLACEHOLDER`), so its decode rows get their next slots, and the next
+step's decode rows take those tokens from the launched step's samples on the device. Then the
+host reads the first step (`Runner.collect`), patches the placeholders (`Scheduler.patch_token`,
+before any page holding them is hashed for the prefix cache) and runs the stop checks: a
+sequence that stopped there had one more row in the step already dispatched, whose sample is
+dropped (the scheduler no longer knows it). A step with penalties, a grammar or prompt logprobs
+needs the tokens before it on the host: it runs after the step before it is read.
 """
 
 from __future__ import annotations
@@ -35,6 +45,17 @@ from jserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarM
 from jserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+PLACEHOLDER = -1  # async scheduling: a sampled token still on the device
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step on the device whose samples the host has not read (async scheduling)."""
+
+    plan: StepPlan
+    launched: Any  # jserve.runtime.overlap.Launched
+    took: list[tuple[Request, int, int]]  # (request, its output index, its row) of each placeholder
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,6 +126,15 @@ class LLMEngine:
         self.num_structured_requests = 0
         self.num_grammar_errors = 0  # sampled tokens a grammar refused (a bug if ever > 0)
         self.speculator = _speculator(config, runner, draft_runner, self.scheduler)
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling and not runner.launchable:
+            raise ValueError(f"async_scheduling runs on one data-parallel group in one process; this "
+                             f"runner has dp={runner.dp}{' over several processes' if runner.multiprocess else ''}")
+        if self.async_scheduling and getattr(runner.config, "long_rope_after", None) is not None:
+            raise ValueError("async_scheduling does not combine with a LongRoPE model's recompute past its "
+                             "original context (the recompute needs each sampled token on the host)")
+        self._inflight: _Launched | None = None
+        self.num_sync_steps = 0  # async scheduling: steps that waited for the one before (see the module)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -187,6 +217,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the current output of every request that changed."""
+        if self.async_scheduling:
+            return self._outputs(self._step_overlapped())
         plan = self.scheduler.schedule()
         changed: dict[str, _Group] = {}
         if plan.num_steps > 1:
@@ -198,6 +230,10 @@ class LLMEngine:
                 self.speculator.proposer.sync(rows)  # a draft model computes what the target did
             self.num_steps += 1
             self._take(plan, out, changed)
+        return self._outputs(changed)
+
+    def _outputs(self, changed: dict[str, "_Group"]) -> list[RequestOutput]:
+        """The changed requests' outputs; finished ones are forgotten."""
         outputs = []
         for rid, group in changed.items():
             output = group.output()
@@ -209,6 +245,69 @@ class LLMEngine:
         if not self._groups:
             self.runner.mark_idle()  # the wait for the next request is no gap between steps
         return outputs
+
+    # ------------------------------------------------------------------------------ async scheduling
+
+    def _step_overlapped(self) -> dict[str, "_Group"]:
+        """One iteration with async scheduling (see the module's notes): plan and launch the next
+        step, then read the one in flight, then record the new step's samples as placeholders."""
+        changed: dict[str, _Group] = {}
+        inflight, self._inflight = self._inflight, None
+        plan = self.scheduler.schedule()
+        launched = None
+        if plan.chunks and self._may_launch(plan):
+            slot = {} if inflight is None else {req.request_id: inflight.launched.slots[i]
+                                                for req, _, i in inflight.took}
+            feed = [slot.get(c.request.request_id, -1) if list(c.token_ids) == [PLACEHOLDER] else -1
+                    for c in plan.chunks]
+            if all(PLACEHOLDER not in c.token_ids or f >= 0 for c, f in zip(plan.chunks, feed)):
+                launched = self.runner.launch(self._step_rows(plan), inflight and inflight.launched, feed)
+        if inflight is not None:
+            self._read(inflight, changed)
+        if launched is not None:
+            self.num_steps += 1
+            took = self.scheduler.update(plan, {c.request.request_id: PLACEHOLDER for c in plan.chunks if c.samples})
+            row = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
+            self._inflight = _Launched(plan, launched, [(r, len(r.output_token_ids) - 1, row[r.request_id])
+                                                        for r in took])
+            return changed
+        # Nothing launched: the plan runs now, with the tokens just read (those of requests that
+        # ended meanwhile are dropped).
+        keep = [i for i, c in enumerate(plan.chunks) if self.scheduler.get_request(c.request.request_id) is c.request]
+        if keep:
+            plan = _sub_plan(plan, keep)
+            for c in plan.chunks:
+                if PLACEHOLDER in c.token_ids:
+                    c.token_ids = c.request.token_slice(c.start, c.start + c.num_tokens)
+            self.num_sync_steps += 1
+            self.num_steps += 1
+            self._take(plan, self.runner.execute(self._step_rows(plan)), changed)
+        return changed
+
+    def _may_launch(self, plan: StepPlan) -> bool:
+        """Whether a plan can run before the step in flight is read: no row needs the tokens
+        before it on the host (penalties, a grammar's mask, prompt logprobs)."""
+        if plan.num_steps != 1:
+            return False
+        for c in plan.chunks:
+            seq = self._sequences.get(c.request.request_id)
+            if self._next_ids(c) is not None or (c.samples and (
+                    c.request.params.has_penalties or (seq is not None and seq.matcher is not None))):
+                return False
+        return True
+
+    def _read(self, inflight: _Launched, changed: dict[str, "_Group"]) -> None:
+        """Read a launched step's samples: patch its placeholders, then accept each token."""
+        out = self.runner.collect(inflight.launched)
+        for req, index, i in inflight.took:
+            self.scheduler.patch_token(req, index, int(out.tokens[i]))
+        for req, index, i in inflight.took:
+            seq = self._sequences.get(req.request_id)
+            if seq is None or seq.request is not req:
+                continue  # aborted meanwhile
+            assert len(req.output_token_ids) == index + 1, (req.request_id, index, len(req.output_token_ids))
+            self._accept(seq, out, i)
+            changed[seq.group.request_id] = seq.group
 
     def _forget(self, request_id: str) -> None:
         self._sequences.pop(request_id, None)
@@ -419,6 +518,8 @@ class LLMEngine:
             **self._bucket_stats(),
             **self._structured_stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **({"launched_steps": self.runner.num_launched, "overlapped_steps": self.runner.num_overlapped,
+                "sync_steps": self.num_sync_steps} if self.async_scheduling else {}),
         }
 
     def _idle_stats(self, recent: int = 64) -> dict[str, float]:

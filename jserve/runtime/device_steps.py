@@ -30,11 +30,17 @@ def forward(graphdef, ops, params, kv, tokens, positions, meta, last):
     return logits.reshape(-1, logits.shape[-1]), kv
 
 
-def sample_rows(logits, sampling, history, bitmask):
+def sample_rows(logits, sampling, history, bitmask, feed_rows: int = 0):
     """The sampler over a step's logits [batch, vocab] and its rows' grammar bitmask: compiled
     once per batch size, apart from `forward` (whose shapes also vary with the tokens per row),
-    which more than halves the compilation time of a warm-up."""
-    return sample(logits, sampling, penalties=history, bitmask=bitmask, num_logprobs=MAX_LOGPROBS)
+    which more than halves the compilation time of a warm-up. With `feed_rows`, also "feed": the
+    sampled tokens in a vector of that many entries (one shape for every batch), from which the
+    next call's tokens may come (`jserve.runtime.overlap`)."""
+    out = sample(logits, sampling, penalties=history, bitmask=bitmask, num_logprobs=MAX_LOGPROBS)
+    if feed_rows:
+        tokens = out["tokens"]
+        out["feed"] = jnp.zeros((feed_rows,), tokens.dtype).at[:tokens.shape[0]].set(tokens)
+    return out
 
 
 def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sampling, history, bitmask):

@@ -34,10 +34,11 @@ from jserve.core import buckets
 from jserve.core.stop import MAX_DEVICE_STOP_IDS
 from jserve.model import model_graphdef, quant
 from jserve.model.config import ModelConfig
-from jserve.runtime import backends, device_steps, step_rows
+from jserve.runtime import backends, device_steps, overlap, step_rows
 from jserve.runtime.backends import Backend
 from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
 from jserve.runtime.lazy_buckets import BucketCompiler
+from jserve.runtime.overlap import Launched
 from jserve.runtime.sampler import SamplingArrays, penalty_history
 from jserve.runtime.step_masks import StepMasks
 from jserve.runtime.steps import PromptLogprobs, StepOutput, StepRecord, StepRow
@@ -113,7 +114,14 @@ class Runner:
                                                  jax.tree.map(lambda x: x.sharding, self.kv))
         self._step = functools.partial(device_steps.forward, self.graphdef, self.ops)
         self._steps: dict[tuple, Any] = {}  # compiler options -> the jitted forward
-        self._sample = jax.jit(device_steps.sample_rows)
+        # The most rows a decode or mixed call samples: its samples, padded to this, feed the next
+        # call's tokens on the device when steps overlap (`launch`, jserve.runtime.overlap).
+        self.feed_rows = self.batch_buckets[-1] * self.dp
+        self._sample = jax.jit(functools.partial(device_steps.sample_rows, feed_rows=self.feed_rows))
+        self._feed = jax.jit(overlap.feed_tokens)
+        self._last_feed = None  # the last call's samples as `launch` feeds them (warm-up uses it)
+        self.num_launched = 0  # steps dispatched by `launch`
+        self.num_overlapped = 0  # ... while the step before them was still running
         score_kwargs: dict = {"donate_argnames": ("kv",)}
         if mesh is not None:
             replicated, kv_out = self._jit_kwargs["out_shardings"]
@@ -392,8 +400,9 @@ class Runner:
                 total = n
         return packs
 
-    def _run(self, all_rows: Sequence[StepRow], parts, results, kind):
-        """One call; `parts[g]` are the row indices of group g, placed in the g-th block of rows."""
+    def _prepare(self, all_rows: Sequence[StepRow], parts, kind):
+        """A call's shape, each row's slot and the host inputs; `parts[g]`: the row indices of
+        group g, placed in the g-th block of rows."""
         rows = [all_rows[i] for part in parts for i in part]
         tokens = max(sum(all_rows[i].num_tokens for i in p) for p in parts) if kind == "mixed" else 1
         shape = self._shape(kind, max(1, max(len(p) for p in parts)), tokens)
@@ -411,9 +420,16 @@ class Runner:
         else:
             arrays = self._pack(placed, B, T)
         sampling, history = self._sampling(placed, B)
+        return rows, B, T, slot_of, placed, (arrays, sampling, history)
+
+    def _run(self, all_rows: Sequence[StepRow], parts, results, kind):
+        """One call; `parts[g]` are the row indices of group g, placed in the g-th block of rows."""
+        rows, B, T, slot_of, placed, inputs = self._prepare(all_rows, parts, kind)
         cached = self._compiled_count()
         t0 = time.perf_counter()
-        out = jax.device_get(self._call(kind, B, T, (arrays, sampling, history), self._constraints(placed)))
+        out = self._call(kind, B, T, inputs, self._constraints(placed))
+        self._last_feed = out.pop("feed", None)  # only `launch` feeds a call from it (and warm-up)
+        out = jax.device_get(out)
         seconds = time.perf_counter() - t0
         self._count((kind, B, T), None if cached is None else self._compiled_count() > cached)
         real = sum(r.num_tokens for r in rows)
@@ -422,9 +438,84 @@ class Runner:
         for i, slot in slot_of.items():
             results[i] = {key: value[slot] for key, value in out.items()}
 
-    def _record(self, record: StepRecord) -> None:
+    # ------------------------------------------------------------------ overlapped steps
+
+    @property
+    def launchable(self) -> bool:
+        """Whether `launch` may dispatch steps (one data-parallel group, one process)."""
+        return self.dp == 1 and not self.multiprocess
+
+    def launch(self, rows: Sequence[StepRow], after: Launched | None = None,
+               feed: Sequence[int] | None = None) -> Launched | None:
+        """Dispatch one step as one call and return without waiting for it (async scheduling,
+        `jserve.runtime.overlap`); `collect` reads it. Row i with `feed[i]` = j >= 0 is a decode row
+        whose token is `after`'s sample in its row j (`Launched.slots`): the device puts it there,
+        so the host need not know it. None (nothing dispatched) where the rows need more than one
+        call, a prompt-logprob, multi-step or verify call, or the runner spans several groups or
+        processes: `execute` them."""
+        feed = list(feed) if feed is not None else [-1] * len(rows)
+        if len(feed) != len(rows):
+            raise ValueError(f"{len(feed)} feed entries for {len(rows)} rows")
+        if any(j >= 0 for j in feed) and after is None:
+            raise ValueError("a fed row needs the launched step it takes its token from")
+        for r, j in zip(rows, feed):
+            if j >= 0 and (r.num_tokens != 1 or r.history is not None or r.constraint is not None):
+                raise ValueError("a fed row is a decode row without penalties or a grammar (both need "
+                                 "its token on the host)")
+        if (not rows or not self.launchable
+                or any(r.next_ids is not None or r.num_steps != 1 or r.draft_ids for r in rows)):
+            return None
+        kind = "mixed" if any(r.num_tokens > 1 for r in rows) else "decode"
+        if kind == "mixed" and len(self._pack_mixed([r.num_tokens for r in rows])) > 1:
+            return None
+        if kind == "decode" and len(rows) > self.batch_buckets[-1]:
+            return None
+        _, B, T, slot_of, placed, inputs = self._prepare(rows, [list(range(len(rows)))], kind)
+        # A fed row's token in the call's flat tokens: a decode row's is its row's (T = 1); a
+        # mixed step's rows index their last token within the one group's tokens (`last`).
+        last = np.asarray(inputs[0][3]).reshape(-1)
+        targets = [slot_of[i] * T if kind == "decode" else int(last[slot_of[i]])
+                   for i, j in enumerate(feed) if j >= 0]
+        sources = [j for j in feed if j >= 0]
+        fed = None
+        if targets:
+            dst, src = overlap.feed_indices(targets, sources, self.feed_rows, B * T)
+            fed = (after.feed, dst, src)
+        cached = self._compiled_count()
+        overlapped = after is not None and not after.ready()
+        t0 = time.perf_counter()
+        out = self._device_step(inputs, self._constraints(placed), fed=fed)
+        compiled = None if cached is None else self._compiled_count() > cached
+        self._count((kind, B, T), compiled)
+        self.num_launched += 1
+        self.num_overlapped += overlapped
+        # The device's gap before it: none when the call before still ran; else at most the time
+        # since that one was last seen running.
+        idle = None if after is None else 0.0 if overlapped else max(0.0, t0 - after.seen_running)
+        return Launched(kind, (B, T), list(rows), [slot_of[i] for i in range(len(rows))], out,
+                        out.pop("feed"), t0, overlapped, compiled, idle_before=idle, seen_running=t0)
+
+    def collect(self, launched: Launched) -> StepOutput:
+        """Wait for a launched step and read its samples (one per row, in its rows' order)."""
+        out = jax.device_get(launched.out)
+        end = time.perf_counter()
+        # The device started it when it was dispatched, or, dispatched while the call before
+        # ran, once that one ended (at the latest when the host read that one).
+        start = launched.dispatched
+        if launched.overlapped and self._last_end is not None:
+            start = max(start, self._last_end)
+        kind, (B, T), rows = launched.kind, launched.shape, launched.rows
+        self._record(StepRecord(kind, (B, T), sum(r.num_tokens for r in rows), T if kind == "mixed" else B * T,
+                                end - start, *self._cost(rows)), idle=launched.idle_before)
+        return StepOutput.from_arrays({key: np.asarray(value)[launched.slots] for key, value in out.items()})
+
+    def _record(self, record: StepRecord, idle: float | None = None) -> None:
+        """`idle`: the gap before it where the caller knows it (a launched step), else the time
+        since the last call returned."""
         end = time.perf_counter()  # the call just returned: it started `record.seconds` ago
-        if self._last_end is not None:
+        if idle is not None:
+            record = dataclasses.replace(record, idle_before=idle)
+        elif self._last_end is not None:
             record = dataclasses.replace(record, idle_before=max(0.0, end - record.seconds - self._last_end))
         self._last_end = end
         self.records.append(record)
@@ -448,13 +539,22 @@ class Runner:
             return self._device_step(broadcast(header, inputs))
         return self._device_step(inputs, constraints)
 
-    def _device_step(self, inputs, constraints=()):
+    def _device_step(self, inputs, constraints=(), fed=None):
         """The forward, dispatched (the device runs it meanwhile); then the grammar bitmask
-        (filled now, unless it came with `inputs`) and the sampler."""
+        (filled now, unless it came with `inputs`) and the sampler. `fed`: (the previous call's
+        samples, dst, src) for `overlap.feed_tokens`, which puts them into the tokens first."""
         (tokens, positions, meta, last), sampling, history, *mask = self._place(inputs)
+        tokens = self._tokens(tokens)
+        if fed is not None:
+            tokens = self._feed(tokens, *fed)
         logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, positions, meta, last)
         bitmask = mask[0] if mask else self.masks.device(last.size, constraints)  # a row per sample
         return self._sample(logits, sampling, history, bitmask)
+
+    def _tokens(self, tokens):
+        """A call's tokens on the device, committed: as `feed_tokens` returns them, so that a fed
+        call and any other run one compiled forward."""
+        return tokens if self.mesh is not None else jax.device_put(tokens, _device_of(self.params))
 
     @staticmethod
     def _constraints(placed: Sequence[StepRow | None]) -> list[tuple[Any, int]]:
@@ -488,7 +588,7 @@ class Runner:
         return self._verify_fns[key]
 
     def _compiled_count(self) -> int | None:
-        sizes = [_cache_size(f) for f in (*self._steps.values(), self._sample, self._decode_steps,
+        sizes = [_cache_size(f) for f in (*self._steps.values(), self._sample, self._feed, self._decode_steps,
                                                 *self._verify_fns.values())]
         return None if None in sizes else sum(sizes)
 
@@ -610,6 +710,10 @@ class Runner:
         else:
             rows = [r for g in groups for r in g]
             self._run(rows, [list(range(g * B, (g + 1) * B)) for g in range(self.dp)], {}, kind)
+            if self.launchable:  # the feed of this shape's tokens, for overlapped steps
+                tokens = np.zeros((B, 1) if kind == "decode" else (1, T), np.int32)
+                dst, src = overlap.feed_indices([], [], self.feed_rows, tokens.size)
+                jax.block_until_ready(self._feed(self._tokens(self._place(tokens)), self._last_feed, dst, src))
 
     def _start_lazy(self, later: list[tuple], now: list[tuple]) -> None:
         """Serve from the shapes `now` (compiled), compile those `later` ahead on a thread, the
@@ -649,6 +753,7 @@ class Runner:
             packed = self._pack(placed, B * self.dp, T)
         B *= self.dp
         (tokens, positions, meta, last), sampling, history = self._place((packed, *self._sampling(placed, B)))
+        tokens = self._tokens(tokens)
         forward = self.step_fn(*tokens.shape).lower(self.params, kv_spec, tokens, positions, meta, last)
         forward.compile()
         logits = forward.out_info[0]
@@ -660,7 +765,12 @@ class Runner:
         else:
             sharding = jax.sharding.SingleDeviceSharding(_device_of(self.params))
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
-        self._sample.lower(logits, sampling, history, self.masks.device(B, [])).compile()
+        sample = self._sample.lower(logits, sampling, history, self.masks.device(B, [])).compile()
+        if self.launchable:
+            prev = jax.ShapeDtypeStruct(sample.out_info["feed"].shape, sample.out_info["feed"].dtype,
+                                        sharding=sample.output_shardings["feed"])
+            dst, src = overlap.feed_indices([], [], self.feed_rows, tokens.size)
+            self._feed.lower(tokens, prev, dst, src).compile()
 
     def close(self) -> None:
         """Stop the lazy buckets' thread (after the shape it is compiling)."""

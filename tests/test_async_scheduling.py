@@ -1,0 +1,130 @@
+"""Async scheduling (`EngineConfig.async_scheduling`): step N+1 is dispatched before step N's
+samples are read, its decode rows fed from them on the device. Nothing a request sees may change:
+every test runs the same workload with and without it and compares token ids, text, logprobs and
+finish reasons.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from jserve.core.request import SamplingParams
+from jserve.engine import EngineConfig
+from jserve.runtime.steps import StepRow
+from test_engine import assert_clean, make_engine, run_outputs, tiny, workload  # noqa: F401 (fixture)
+
+
+def _same(a, b):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.text for o in a] == [o.text for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):  # noqa: F811
+    return make_engine(tiny), make_engine(tiny, async_scheduling=True)
+
+
+def _both(engines, prompts, params):
+    sync, overlapped = engines
+    return run_outputs(sync, prompts, params), run_outputs(overlapped, prompts, params)
+
+
+def test_greedy_outputs_are_those_of_single_steps(engines):
+    prompts, params = workload(n=32, seed=5)
+    a, b = _both(engines, prompts, params)
+    _same(a, b)
+    stats = assert_clean(engines[1])
+    assert stats["launched_steps"] > 0 and stats["sync_steps"] == 0
+    # Every step after the first of a busy period was planned and dispatched before the one
+    # before it was read; whether the device was still running it depends on the host's speed.
+    assert 0 <= stats["overlapped_steps"] <= stats["launched_steps"]
+
+
+def test_stops_eos_and_strings_end_where_single_steps_end(engines, tiny):  # noqa: F811
+    prompts, _ = workload(n=16, seed=7)
+    free = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) for _ in prompts]
+    outs = run_outputs(engines[0], prompts, free)
+    # A token the tiny model samples often, past the first position: the EOS of a second run.
+    counts = collections.Counter(t for o in outs for t in o.token_ids[1:])
+    eos = counts.most_common(1)[0][0]
+    texts = [o.text for o in outs if len(o.text) > 6]
+    stop = texts[0][3:5]
+    sync, overlapped = make_engine(tiny, eos=(eos,)), make_engine(tiny, eos=(eos,), async_scheduling=True)
+    params = [SamplingParams(temperature=0, max_tokens=20, stop=[stop] if i % 3 == 0 else None,
+                             logprobs=2 if i % 4 == 0 else None) for i in range(len(prompts))]
+    a, b = run_outputs(sync, prompts, params), run_outputs(overlapped, prompts, params)
+    _same(a, b)
+    assert {o.finish_reason for o in b} >= {"stop", "length"}
+    for x, y in zip(a, b):  # logprobs come with the tokens read one step later
+        assert (x.logprobs is None) == (y.logprobs is None)
+        if x.logprobs is not None:
+            assert [sorted(d) for d in x.logprobs] == [sorted(d) for d in y.logprobs]
+            np.testing.assert_allclose([d[t].logprob for d, t in zip(x.logprobs, x.token_ids)],
+                                       [d[t].logprob for d, t in zip(y.logprobs, y.token_ids)], rtol=1e-5)
+    assert_clean(overlapped)
+
+
+def test_seeded_sampling_with_preemption_and_prefix_caching(tiny):  # noqa: F811
+    system = list(range(10, 30))
+    prompts, _ = workload(n=24, seed=9, shared_prefix=system)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=12 + i % 9, ignore_eos=True)
+              for i in range(len(prompts))]
+    settings = dict(num_pages=48, enable_prefix_caching=True)
+    sync, overlapped = make_engine(tiny, **settings), make_engine(tiny, async_scheduling=True, **settings)
+    _same(run_outputs(sync, prompts, params), run_outputs(overlapped, prompts, params))
+    stats = assert_clean(overlapped)
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_penalties_and_grammars_wait_for_the_step_before(engines):
+    prompts, params = workload(n=8, seed=11)
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                             repetition_penalty=1.3 if i == 2 else 1.0) for i in range(len(prompts))]
+    before = engines[1].num_sync_steps
+    a, b = _both(engines, prompts, params)
+    _same(a, b)
+    assert engines[1].num_sync_steps > before  # the penalized request's steps ran in order
+    assert_clean(engines[1])
+
+
+def test_abort_while_a_step_is_in_flight_gives_every_page_back(tiny):  # noqa: F811
+    engine = make_engine(tiny, async_scheduling=True)
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", list(range(3, 20)), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine._inflight is not None
+    assert engine.abort_request("a").outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[0].request_id == "b" and len(outs[0].outputs[0].token_ids) == 50
+    engine.step()  # reads what was still in flight for nobody
+    assert_clean(engine)
+
+
+def test_a_fed_row_takes_the_sample_on_the_device(tiny):  # noqa: F811
+    """Runner level: a decode row fed from a launched step equals the row given its token."""
+    engine = make_engine(tiny, async_scheduling=True)
+    runner = engine.runner
+    pages = list(range(1, 9))
+    first = runner.launch([StepRow(0, [5, 6, 7], pages), StepRow(0, [9], pages[4:])])
+    fed = runner.launch([StepRow(3, [-1], pages)], after=first, feed=[first.slots[0]])
+    token = int(runner.collect(first).tokens[0])
+    got = runner.collect(fed)
+    again = runner.execute([StepRow(3, [token], pages)])  # recomputes position 3 with the token known
+    assert int(got.tokens[0]) == int(again.tokens[0])
+    np.testing.assert_allclose(got.logprob, again.logprob, rtol=1e-5)
+    assert engine.stats()["compilations_after_warmup"] == 0
+    with pytest.raises(ValueError, match="fed row"):
+        runner.launch([StepRow(3, [-1], pages, history=([1], []))], after=first, feed=[0])
+
+
+def test_settings_that_do_not_combine_are_refused():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling=True, num_scheduler_steps=4)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
