@@ -152,6 +152,17 @@ def tiny_reference():
     return params, prompts, kw, ref
 
 
+def test_async_scheduling_over_a_tp_mesh_feeds_rows_into_the_same_forward(tiny_reference):
+    """Fed tokens keep the sharding `_place` gives a call's tokens: no second forward compiles."""
+    params, prompts, kw, ref = tiny_reference
+    got, engine = _generate(TINY, params, "tp=2", prompts, 10, async_scheduling=True, **kw)
+    _assert_same(got, ref, atol=1e-4)
+    assert engine.stats()["launched_steps"] > 0
+    assert sum(f._cache_size() for f in engine.runner._steps.values()) == 2  # the mixed and the decode shape
+    with pytest.raises(ValueError, match="async_scheduling runs on one data-parallel group"):
+        _generate(TINY, params, "dp=2", prompts[:1], 2, async_scheduling=True, **kw)
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_tiny_model_same_tokens_and_logprobs_on_every_mesh(tiny_reference, mesh):
     params, prompts, kw, ref = tiny_reference

@@ -118,7 +118,8 @@ class Runner:
         # call's tokens on the device when steps overlap (`launch`, jserve.runtime.overlap).
         self.feed_rows = self.batch_buckets[-1] * self.dp
         self._sample = jax.jit(functools.partial(device_steps.sample_rows, feed_rows=self.feed_rows))
-        self._feed = jax.jit(overlap.feed_tokens)
+        # Its tokens out as `_place` puts a call's (rows over dp): one compiled forward for both.
+        self._feed = jax.jit(overlap.feed_tokens, **({} if mesh is None else {"out_shardings": _rows_sharding(mesh)}))
         self._last_feed = None  # the last call's samples as `launch` feeds them (warm-up uses it)
         self.num_launched = 0  # steps dispatched by `launch`
         self.num_overlapped = 0  # ... while the step before them was still running
@@ -622,10 +623,7 @@ class Runner:
         """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""
         if self.mesh is None:
             return tree
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        rows = NamedSharding(self.mesh, P("dp"))
+        rows = _rows_sharding(self.mesh)
 
         def put(x):
             x = np.asarray(x)
@@ -776,6 +774,14 @@ class Runner:
         """Stop the lazy buckets' thread (after the shape it is compiling)."""
         if self.lazy is not None:
             self.lazy.stop()
+
+
+def _rows_sharding(mesh):
+    """Arrays split by rows over the mesh's `dp` axis (a step's host inputs, `Runner._place`)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return NamedSharding(mesh, P("dp"))
 
 
 def _cache_size(fn) -> int | None:
