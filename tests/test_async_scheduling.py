@@ -128,3 +128,18 @@ def test_settings_that_do_not_combine_are_refused():
         EngineConfig(async_scheduling=True, num_scheduler_steps=4)
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_metrics_report_the_overlap(engines):
+    from prometheus_client import CollectorRegistry
+
+    from jserve.server.metrics import ServerMetrics
+
+    overlapped = engines[1]
+    run_outputs(overlapped, [[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
+    metrics = ServerMetrics(CollectorRegistry())
+    metrics.update_engine(overlapped.stats(), overlapped.runner.records)
+    text = metrics.render().decode()
+    launched = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("jserve_launched_steps ")))
+    assert launched == overlapped.runner.num_launched > 0
+    assert "jserve_overlapped_steps " in text and "jserve_num_recomputes 0.0" in text

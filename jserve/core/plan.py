@@ -111,6 +111,7 @@ class SchedulerProtocol(Protocol):
     """What the engine drives: `Scheduler`, or `DataParallelScheduler` over one per group."""
 
     num_preemptions: int
+    num_recomputes: int
 
     @property
     def num_waiting(self) -> int: ...

@@ -500,6 +500,7 @@ class LLMEngine:
         return {
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_recomputes": self.scheduler.num_recomputes,
             "compilations": self.runner.num_compilations,
             # The prompt-logprob step compiles on first use (not warmed up): counted here.
             "compilations_after_warmup": self.runner.num_compilations_after_warmup + (

@@ -66,6 +66,12 @@ class ServerMetrics:
             ("step_idle_seconds", "host time between consecutive device steps (the device idles), mean of "
                                   "the last 64 steps"),
             ("step_idle_fraction", "that idle time's share of step time plus it, last 64 steps"))}
+        self.overlap = {key: gauge("jserve_" + key, doc) for key, doc in (
+            ("launched_steps", "async scheduling: steps dispatched before the one before was read"),
+            ("overlapped_steps", "async scheduling: those dispatched while the step before still ran"),
+            ("sync_steps", "async scheduling: steps that waited for the one before (penalties, grammars, "
+                           "prompt logprobs)"),
+            ("num_recomputes", "sequences recomputed as they passed a LongRoPE model's original context"))}
         self.buckets = {key: gauge("jserve_" + key, doc) for key, doc in (
             ("bucket_fallbacks", "calls run in a larger compiled bucket than their own while it compiled in "
                                  "the background (lazy buckets)"),
@@ -141,7 +147,7 @@ class ServerMetrics:
         self.padding.set(stats.get("padded_token_fraction", 0.0))
         self.steps.set(stats.get("num_steps", 0))
         for key, gauge_ in (*self.structured.items(), *self.speculative.items(), *self.idle.items(),
-                            *self.buckets.items()):
+                            *self.overlap.items(), *self.buckets.items()):
             gauge_.set(stats.get(key, 0))
         recent = list(records)[-RECENT_STEPS:]
         seconds = sum(r.seconds for r in recent)
