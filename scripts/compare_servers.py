@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/compare_servers.py --out compare.json                 # everything (~1 h on 2 cores)
     .venv/bin/python scripts/compare_servers.py --servers jserve,llamacpp-f32 --num-requests 16 --single-requests 2
+    .venv/bin/python scripts/compare_servers.py --model gemma3-270m --servers jserve,jserve-int4,llamacpp-q,llamacpp-f32
 
 Servers (``--servers``, comma-separated):
   jserve        `jserve serve` on the default model (SmolLM2-135M-Instruct), fp32
@@ -16,6 +17,20 @@ The quantized jserve checkpoints are made once into ``--cache-dir``, each evalua
 convert` on the first ``--eval-chunks`` chunks of the evaluation text (the quality gate's report).
   hf            scripts/_hf_server.py: transformers `generate`, fp32, static batches of up to 16,
                 run with ``--hf-python`` (.venv-ref: torch + transformers, never a jserve dependency)
+
+``--model`` takes a named model (jserve.model.named; default: the default model, as above). Every
+server then runs that model's GGUF (`named.gguf_path`: the assembled file for gemma3-270m), jserve
+by name (`jserve serve --model NAME`, fp32 from the GGUF). For gemma3-270m (a Q4_K_M GGUF):
+jserve-int4 (`convert --quantize gguf`) keeps what jserve can repack without a float copy: the
+attention output (Q4_K -> int4 g32) and the tied embedding / LM head (Q8_0 -> int8 g32), 16.15 bits
+per weight over the model; it reads the rest as fp32: the Q5_0 tensors (q, k, gate, up: 640 inputs,
+no K-quant; jserve has no Q5_0 format) and v / down, whose layers mix formats (Q5_0 and Q8_0, Q4_K
+and Q6_K; jserve stacks one format per weight over the layers). It is evaluated against the fp32
+checkpoint (`jserve convert --no-eval`, then `jserve eval --reference ... --save`). llamacpp-q runs
+the Q4_K_M file as shipped, llamacpp-f32 / -q8 llama-quantize copies of it, jserve-int8 int8 g32 of
+the fp32 checkpoint. The hf server runs SmolLM2's HF copy only (scripts/bench_offline.py makes it):
+refused for any other model. The bench requests are completions (a base model's GGUF has no chat
+template).
 
 llama.cpp is built once from the sources vendored in the llama-cpp-python sdist (`pip download
 --no-binary llama-cpp-python --no-deps llama-cpp-python`), with cmake (Release, GGML_NATIVE, targets
@@ -55,6 +70,38 @@ LABELS = {"jserve": "jserve (fp32)", "jserve-int4": "jserve int4 (Q4_1's)", "jse
 PEERS = {"jserve": "llamacpp-f32", "jserve-int4": "llamacpp-q", "jserve-int8": "llamacpp-q8"}
 # The single stream: short prompts, 128 output tokens (the issue's reference measurement).
 SINGLE = {"workload": "short-long", "scale": 0.5}
+# Per named model (`--model`): the name the servers answer to, the cache folders' prefix, the GGUF's
+# quantization (labels), and the jserve-int4 label. The default model's are the script's originals.
+MODELS = {"smollm2-135m-instruct": {"alias": "smollm2", "prefix": "smollm2", "quant": "Q4_1",
+                                    "int4": "jserve int4 (Q4_1's)"},
+          "gemma3-270m": {"alias": "gemma3-270m", "prefix": "gemma3-270m", "quant": "Q4_K_M",
+                          "int4": "jserve kept Q4_K/Q8_0"}}
+# Servers that run only the default model.
+DEFAULT_ONLY = {"hf": "the hf server runs the default model's HF copy (scripts/bench_offline.py makes it from "
+                      "SmolLM2's GGUF), not {model}"}
+
+
+def named_table():
+    """jserve/model/named.py (the named models' table) loaded on its own: importing it as
+    jserve.model.named imports jserve.model and with it JAX, which --help and the argument checks
+    do without."""
+    name = "_compare_servers_named"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "jserve" / "model" / "named.py")
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def model_info(model: str) -> dict:
+    """MODELS' entry for `model` (another named model: its name, labels from nothing but "GGUF")."""
+    return MODELS.get(model, {"alias": model, "prefix": model, "quant": "GGUF", "int4": "jserve GGUF's"})
+
+
+def labels(model: str) -> dict:
+    """LABELS with the model's quantization in the GGUF-as-shipped rows."""
+    info = model_info(model)
+    return {**LABELS, "jserve-int4": info["int4"], "llamacpp-q": f"llama.cpp {info['quant']}"}
 
 
 def log(msg: str) -> None:
@@ -118,6 +165,13 @@ def default_gguf() -> Path:
     return default_gguf_path()
 
 
+def model_gguf(model: str) -> Path:
+    """The named model's GGUF file (the default model's is default_gguf(); gemma3-270m's is assembled)."""
+    from jserve.model.named import DEFAULT_MODEL, gguf_path
+
+    return default_gguf() if model == DEFAULT_MODEL else gguf_path(model)
+
+
 def ensure_f32_gguf(cache: Path, bindir: Path, source: Path) -> Path:
     out = cache / (source.stem.split(".")[0] + ".F32.gguf")
     if not out.is_file():
@@ -142,13 +196,15 @@ def ensure_q8_gguf(cache: Path, bindir: Path, source: Path) -> Path:
     return out
 
 
-def ensure_jserve_quantized(cache: Path, kind: str, eval_chunks: int) -> Path:
-    """A quantized jserve checkpoint of the default model with its quality report (made once)."""
+def ensure_jserve_quantized(cache: Path, kind: str, eval_chunks: int, model: str | None = None) -> Path:
+    """A quantized jserve checkpoint of the default model (or the named model ``model``) with its
+    quality report (made once)."""
+    if model is not None and model != named_table().DEFAULT_MODEL:
+        return _ensure_named_quantized(cache, kind, eval_chunks, model)
     out = cache / f"smollm2-{kind}"
     if (out / "generation.json").is_file():
         return out
-    jserve = Path(sys.executable).with_name("jserve")
-    exe = str(jserve) if jserve.is_file() else "jserve"
+    exe = jserve_exe()
     if kind == "int4":
         cmd = [exe, "convert", str(default_gguf()), "--quantize", "gguf"]
     else:
@@ -158,6 +214,39 @@ def ensure_jserve_quantized(cache: Path, kind: str, eval_chunks: int) -> Path:
     cmd += ["--out", str(out), "--quiet", "--eval-max-chunks", str(eval_chunks)]
     log(" ".join(cmd))
     subprocess.run(cmd, check=True)
+    return out
+
+
+def jserve_exe() -> str:
+    jserve = Path(sys.executable).with_name("jserve")
+    return str(jserve) if jserve.is_file() else "jserve"
+
+
+def _ensure_named_quantized(cache: Path, kind: str, eval_chunks: int, model: str) -> Path:
+    """ensure_jserve_quantized for a named model other than the default: converted without
+    evaluation into a temporary folder, evaluated against the model's fp32 checkpoint (`jserve eval
+    --reference ... --save`; `jserve convert`'s own evaluation of a GGUF would convert the file a
+    second time, under its file name, into the checkpoint root), then renamed into place."""
+    from jserve.model.checkpoint import resolve_model
+
+    out = cache / f"{model_info(model)['prefix']}-{kind}"
+    if (out / "generation.json").is_file():
+        return out
+    reference = resolve_model(model)  # the fp32 checkpoint (converted once, as `jserve serve --model` does)
+    exe = jserve_exe()
+    if kind == "int4":
+        cmd = [exe, "convert", str(model_gguf(model)), "--quantize", "gguf"]
+    else:
+        cmd = [exe, "convert", str(reference), "--quantize", "int8", "--group-size", "32"]
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd += ["--out", str(tmp), "--quiet", "--no-eval"]
+    evaluate = [exe, "eval", "--model", str(tmp), "--reference", str(reference), "--max-chunks", str(eval_chunks),
+                "--save"]
+    for step in (cmd, evaluate):
+        log(" ".join(step))
+        subprocess.run(step, check=True)
+    tmp.rename(out)
     return out
 
 
@@ -176,26 +265,30 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
     """The command line and extra environment that start server ``name`` on ``port``."""
     env: dict[str, str] = {}
     if name.startswith("jserve"):
-        jserve = Path(sys.executable).with_name("jserve")
-        cmd = [str(jserve) if jserve.is_file() else "jserve", "serve", "--port", str(port),
-               "--max-num-seqs", str(args.concurrency), "--served-model-name", "smollm2", *args.jserve_arg]
+        cmd = [jserve_exe(), "serve", "--port", str(port), "--max-num-seqs", str(args.concurrency),
+               "--served-model-name", model_info(args.model)["alias"], *args.jserve_arg]
         if name != "jserve":
-            cmd += ["--model", str(ensure_jserve_quantized(args.cache_dir, name.split("-")[1], args.eval_chunks))]
+            cmd += ["--model", str(ensure_jserve_quantized(args.cache_dir, name.split("-")[1], args.eval_chunks,
+                                                           args.model))]
+        elif not args.default_model:
+            cmd += ["--model", args.model]
         if args.log_compiles:
             env["JAX_LOG_COMPILES"] = "1"
         return cmd, env
     if name.startswith("llamacpp"):
         bindir = ensure_llama_cpp(args.cache_dir)
-        gguf = default_gguf()
+        gguf = model_gguf(args.model)
         if name == "llamacpp-f32":
             gguf = ensure_f32_gguf(args.cache_dir, bindir, gguf)
         elif name == "llamacpp-q8":
             gguf = ensure_q8_gguf(args.cache_dir, bindir, gguf)
         cmd = [str(bindir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(args.concurrency), "-c", str(args.llama_ctx), "-t", str(args.threads),
-               "-tb", str(args.threads), "--cont-batching", "-a", "smollm2", *args.llama_arg]
+               "-tb", str(args.threads), "--cont-batching", "-a", model_info(args.model)["alias"], *args.llama_arg]
         return cmd, env
     if name == "hf":
+        if not args.default_model:
+            raise ValueError(DEFAULT_ONLY["hf"].format(model=args.model))
         if not Path(args.hf_python).is_file():
             raise FileNotFoundError(f"--hf-python {args.hf_python} does not exist (a venv with torch + transformers)")
         folder = ensure_hf_folder()
@@ -240,10 +333,10 @@ def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int:
 
 
 def bench_args(url: str, out_dir: Path, *, workload: str, scale: float, num: int, concurrency: int,
-               warmup: int, seed: int, timeout: float) -> argparse.Namespace:
+               warmup: int, seed: int, timeout: float, model: str = "smollm2") -> argparse.Namespace:
     from jserve.bench import parse_args
 
-    return parse_args(["--base-url", url, "--model", "smollm2", "--workload", workload, "--scale", str(scale),
+    return parse_args(["--base-url", url, "--model", model, "--workload", workload, "--scale", str(scale),
                        "--num-requests", str(num), "--concurrency", str(concurrency), "--warmup-requests",
                        str(warmup), "--seed", str(seed), "--request-timeout", str(timeout), "--output-dir",
                        str(out_dir), "--no-plots"])
@@ -256,11 +349,16 @@ def load_average() -> list[float]:
 def run_server(name: str, args: argparse.Namespace, port: int) -> dict:
     from jserve.bench import run_benchmark
 
-    cmd, env = server_command(name, args, port)
     url = f"http://127.0.0.1:{port}"
     out_dir = args.out_dir / name
     out_dir.mkdir(parents=True, exist_ok=True)
-    result: dict = {"server": name, "label": LABELS[name], "command": cmd, "load_before": load_average()}
+    result: dict = {"server": name, "label": labels(args.model)[name], "model": args.model}
+    try:  # llama.cpp's build, a GGUF copy or a jserve conversion may fail: the other servers still run
+        cmd, env = server_command(name, args, port)
+    except Exception as e:  # noqa: BLE001
+        log(f"{name}: FAILED before starting: {e!r}")
+        return {**result, "error": repr(e)}
+    result.update(command=cmd, load_before=load_average())
     log(f"{name}: starting {' '.join(cmd)} (log: {out_dir / 'server.log'})")
     with open(out_dir / "server.log", "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **env},
@@ -272,12 +370,12 @@ def run_server(name: str, args: argparse.Namespace, port: int) -> dict:
             if args.num_requests:
                 a = bench_args(url, out_dir / "concurrent", workload=args.workload, scale=args.scale,
                                num=args.num_requests, concurrency=args.concurrency, warmup=args.warmup_requests,
-                               seed=args.seed, timeout=args.request_timeout)
+                               seed=args.seed, timeout=args.request_timeout, model=model_info(args.model)["alias"])
                 runs["concurrent"] = asyncio.run(run_benchmark(a))["runs"][0]["metrics"]
             if args.single_requests:
                 a = bench_args(url, out_dir / "single", workload=SINGLE["workload"], scale=SINGLE["scale"],
                                num=args.single_requests, concurrency=1, warmup=0 if args.num_requests else 1,
-                               seed=args.seed, timeout=args.request_timeout)
+                               seed=args.seed, timeout=args.request_timeout, model=model_info(args.model)["alias"])
                 runs["single"] = asyncio.run(run_benchmark(a))["runs"][0]["metrics"]
             result["runs"] = runs
         except Exception as e:  # noqa: BLE001 - one server's failure must not lose the others' numbers
@@ -347,7 +445,11 @@ def format_table(rows: list[dict], title: str = "") -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    named = named_table()
+    p.add_argument("--model", default=named.DEFAULT_MODEL, choices=sorted(named.NAMED_MODELS),
+                   help="the named model every server runs (its GGUF; default %(default)s)")
+    p.add_argument("--servers", default=None, help=f"comma-separated, of {', '.join(SERVERS)} (default: all; "
+                   f"with another --model, all but {', '.join(DEFAULT_ONLY)})")
     p.add_argument("--workload", default="mix")
     p.add_argument("--scale", type=float, default=1.0, help="of the workload's lengths (see jserve bench)")
     p.add_argument("--num-requests", type=int, default=64, help="of the concurrent run (0: skip it)")
@@ -373,10 +475,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="the summary JSON (default: OUT_DIR/compare.json)")
     p.add_argument("--build-only", action="store_true", help="build llama.cpp and the F32 GGUF, then exit")
     args = p.parse_args(argv)
+    args.default_model = args.model == named.DEFAULT_MODEL
+    if args.servers is None:
+        args.servers = ",".join(s for s in SERVERS if args.default_model or s not in DEFAULT_ONLY)
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     bad = [s for s in args.servers if s not in SERVERS]
     if bad:
         p.error(f"unknown servers {bad}: choose from {', '.join(SERVERS)}")
+    refused = [s for s in args.servers if s in DEFAULT_ONLY and not args.default_model]
+    if refused:
+        p.error("; ".join(DEFAULT_ONLY[s].format(model=args.model) for s in refused) + f": leave {', '.join(refused)} "
+                f"out of --servers for --model {args.model}")
     return args
 
 
@@ -384,14 +493,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.build_only:
         bindir = ensure_llama_cpp(args.cache_dir)
-        print(ensure_f32_gguf(args.cache_dir, bindir, default_gguf()))
+        print(ensure_f32_gguf(args.cache_dir, bindir, model_gguf(args.model)))
         return 0
     machine = {"nproc": os.cpu_count(), "load_start": load_average(), "platform": sys.platform}
     results = [run_server(name, args, args.port) for name in args.servers]
     machine["load_end"] = load_average()
     rows = comparison(results)
-    title = (f"{args.workload} x{args.scale:g}, {args.num_requests} requests at concurrency {args.concurrency}; "
-             f"single stream: {args.single_requests} requests (in ~16, out 128)")
+    title = (f"{args.model}: {args.workload} x{args.scale:g}, {args.num_requests} requests at concurrency "
+             f"{args.concurrency}; single stream: {args.single_requests} requests (in ~16, out 128)")
     print(format_table(rows, title))
     out = args.out or args.out_dir / "compare.json"
     out.parent.mkdir(parents=True, exist_ok=True)

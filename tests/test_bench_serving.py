@@ -396,3 +396,35 @@ def test_compare_servers_table_and_ratios():
     assert args.servers == ["jserve", "hf"] and args.concurrency == 16
     with pytest.raises(SystemExit):
         cs.parse_args(["--servers", "vllm"])
+
+
+def test_compare_servers_model_option(tmp_path, monkeypatch, capsys):
+    """compare_servers.py --model: the default model's commands as before; another named model's GGUF
+    for llama.cpp, `--model NAME` for jserve, and the hf server (SmolLM2's HF copy) refused."""
+    spec = importlib.util.spec_from_file_location(
+        "compare_servers", bench.__file__.replace("jserve/bench/__init__.py", "scripts/compare_servers.py"))
+    cs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cs)
+    monkeypatch.setattr(cs, "ensure_llama_cpp", lambda cache: tmp_path / "bin")
+    monkeypatch.setattr(cs, "model_gguf", lambda model: tmp_path / f"{model}.gguf")
+
+    default = cs.parse_args([])
+    assert default.model == "smollm2-135m-instruct" and default.servers == list(cs.SERVERS)
+    cmd, _ = cs.server_command("jserve", default, 8190)
+    assert "--model" not in cmd and cmd[cmd.index("--served-model-name") + 1] == "smollm2"
+    assert cs.labels(default.model) == cs.LABELS
+
+    args = cs.parse_args(["--model", "gemma3-270m", "--cache-dir", str(tmp_path)])
+    assert args.servers == [s for s in cs.SERVERS if s != "hf"]
+    cmd, _ = cs.server_command("jserve", args, 8190)
+    assert cmd[cmd.index("--model") + 1] == "gemma3-270m" and cmd[cmd.index("--served-model-name") + 1] == "gemma3-270m"
+    cmd, _ = cs.server_command("llamacpp-q", args, 8190)
+    assert cmd[0] == str(tmp_path / "bin" / "llama-server")
+    assert cmd[cmd.index("-m") + 1] == str(tmp_path / "gemma3-270m.gguf")
+    assert cmd[cmd.index("-a") + 1] == "gemma3-270m"
+    assert cs.labels("gemma3-270m")["llamacpp-q"] == "llama.cpp Q4_K_M"
+    with pytest.raises(ValueError, match="HF copy"):
+        cs.server_command("hf", args, 8190)
+    with pytest.raises(SystemExit):
+        cs.parse_args(["--model", "gemma3-270m", "--servers", "jserve,hf"])
+    assert "leave hf out of --servers" in capsys.readouterr().err
