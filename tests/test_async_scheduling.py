@@ -13,6 +13,7 @@ import pytest
 
 from jserve.core.request import SamplingParams
 from jserve.engine import EngineConfig
+from jserve.engine.llm_engine import PLACEHOLDER
 from jserve.runtime.steps import StepRow
 from test_engine import assert_clean, make_engine, run_outputs, tiny, workload  # noqa: F401 (fixture)
 
@@ -143,3 +144,17 @@ def test_metrics_report_the_overlap(engines):
     launched = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("jserve_launched_steps ")))
     assert launched == overlapped.runner.num_launched > 0
     assert "jserve_overlapped_steps " in text and "jserve_num_recomputes 0.0" in text
+
+
+def test_requests_ending_at_the_context_length(tiny):  # noqa: F811
+    """The scheduler ends a request at max_model_len when it records the sample (a placeholder
+    here): its output still ends with the real last token, once read."""
+    prompts, _ = workload(n=10, seed=13)
+    params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True) for _ in prompts]
+    settings = dict(max_model_len=72)
+    sync, overlapped = make_engine(tiny, **settings), make_engine(tiny, async_scheduling=True, **settings)
+    a, b = run_outputs(sync, prompts, params), run_outputs(overlapped, prompts, params)
+    _same(a, b)
+    assert all(o.finish_reason == "length" and PLACEHOLDER not in o.token_ids for o in b)
+    assert all(len(p) + len(o.token_ids) == 72 for p, o in zip(prompts, b))
+    assert_clean(overlapped)

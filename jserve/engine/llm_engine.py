@@ -218,7 +218,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the current output of every request that changed."""
         if self.async_scheduling:
-            return self._outputs(self._step_overlapped())
+            return self._step_overlapped()
         plan = self.scheduler.schedule()
         changed: dict[str, _Group] = {}
         if plan.num_steps > 1:
@@ -248,9 +248,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ async scheduling
 
-    def _step_overlapped(self) -> dict[str, "_Group"]:
+    def _step_overlapped(self) -> list[RequestOutput]:
         """One iteration with async scheduling (see the module's notes): plan and launch the next
-        step, then read the one in flight, then record the new step's samples as placeholders."""
+        step, then read the one in flight, then record the new step's samples as placeholders
+        (after the outputs are taken: a request the update ends at the context length shows its
+        last token once it is read)."""
         changed: dict[str, _Group] = {}
         inflight, self._inflight = self._inflight, None
         plan = self.scheduler.schedule()
@@ -265,12 +267,13 @@ class LLMEngine:
         if inflight is not None:
             self._read(inflight, changed)
         if launched is not None:
+            outputs = self._outputs(changed)
             self.num_steps += 1
             took = self.scheduler.update(plan, {c.request.request_id: PLACEHOLDER for c in plan.chunks if c.samples})
             row = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
             self._inflight = _Launched(plan, launched, [(r, len(r.output_token_ids) - 1, row[r.request_id])
                                                         for r in took])
-            return changed
+            return outputs
         # Nothing launched: the plan runs now, with the tokens just read (those of requests that
         # ended meanwhile are dropped).
         keep = [i for i, c in enumerate(plan.chunks) if self.scheduler.get_request(c.request.request_id) is c.request]
@@ -282,7 +285,7 @@ class LLMEngine:
             self.num_sync_steps += 1
             self.num_steps += 1
             self._take(plan, self.runner.execute(self._step_rows(plan)), changed)
-        return changed
+        return self._outputs(changed)
 
     def _may_launch(self, plan: StepPlan) -> bool:
         """Whether a plan can run before the step in flight is read: no row needs the tokens
