@@ -34,7 +34,7 @@ from jserve.core import buckets
 from jserve.core.stop import MAX_DEVICE_STOP_IDS
 from jserve.model import model_graphdef, quant
 from jserve.model.config import ModelConfig
-from jserve.runtime import backends, device_steps, overlap, step_rows
+from jserve.runtime import backends, device_steps, overlap, step_rows, warmup
 from jserve.runtime.backends import Backend
 from jserve.runtime.distributed import STEP_KINDS, STEP_OP, STOP_OP, broadcast
 from jserve.runtime.lazy_buckets import BucketCompiler
@@ -664,111 +664,14 @@ class Runner:
         """Compile every bucket now (the steps write only into the null page). With `lazy`, only
         the largest shape of each kind of step, which serves any call, and the others on a
         background thread (`jserve.runtime.lazy_buckets`; one process only: in a multi-process
-        run the others compile what process 0 runs, so every shape is compiled now)."""
-        from tqdm import tqdm
+        run the others compile what process 0 runs, so every shape is compiled now). See
+        `jserve.runtime.warmup`."""
+        warmup.warm_up(self, progress=progress, lazy=lazy)
 
-        lazy = lazy and not self.multiprocess
-        shapes = [("decode", b, 1) for b in self.batch_buckets]
-        shapes += [("mixed", b, t) for b, t in self.mixed_shapes()]
-        if self.decode_steps > 1:
-            shapes += [("decode_steps", b, self.decode_steps) for b in self.batch_buckets]
-        if self.num_speculative_tokens:
-            shapes += [("verify", b, self.num_speculative_tokens + 1) for b in self.verify_buckets]
-        now = shapes
-        if lazy:  # per kind its largest shape (the most rows, of the most tokens)
-            now = [max(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
-        for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
-            self._warm(kind, B, T)
-        self.records.clear()
-        self.total_real_tokens = self.total_padded_tokens = 0
-        self.mark_idle()
-        self.warmed_up = True
-        if lazy:
-            self._start_lazy([s for s in shapes if s not in now], now)
-
-    def _padding_rows(self, kind: str, B: int, T: int) -> list[list[StepRow]]:
-        """Rows of one shape (B rows per group; a mixed step's T tokens in all) per group, writing
-        only into the null page."""
-        table = [0] * self.max_pages
-        if kind == "decode_steps":
-            return [[StepRow(0, [0], table, num_steps=T)] * B]
-        if kind == "verify":
-            return [[StepRow(0, [0], table, draft_ids=[0] * (T - 1))] * B]
-        if kind == "mixed":  # B - 1 decode rows and a chunk of the other tokens
-            return [[StepRow(0, [0], table)] * (B - 1) + [StepRow(0, [0] * (T - B + 1), table)]] * self.dp
-        return [[StepRow(0, [0] * T, table)] * B] * self.dp
-
-    def _warm(self, kind: str, B: int, T: int) -> None:
-        """Run one shape (B rows per group) on padding rows: it compiles."""
-        groups = self._padding_rows(kind, B, T)
-        if kind == "decode_steps":
-            self.execute_decode_steps(groups[0])
-        elif kind == "verify":
-            self.execute_verify(groups[0])
-        else:
-            rows = [r for g in groups for r in g]
-            self._run(rows, [list(range(g * B, (g + 1) * B)) for g in range(self.dp)], {}, kind)
-            if self.launchable:  # the feed of this shape's tokens, for overlapped steps
-                tokens = np.zeros((B, 1) if kind == "decode" else (1, T), np.int32)
-                dst, src = overlap.feed_indices([], [], self.feed_rows, tokens.size)
-                jax.block_until_ready(self._feed(self._tokens(self._place(tokens)), self._last_feed, dst, src))
-
-    def _start_lazy(self, later: list[tuple], now: list[tuple]) -> None:
-        """Serve from the shapes `now` (compiled), compile those `later` ahead on a thread, the
-        smallest first (fewest padded tokens: the shapes a lightly loaded server runs most, and
-        those whose fallback pads the most)."""
-        later.sort(key=lambda s: (s[1] * s[2], s))
-        kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv)
-        for kind, B, T in later:  # the jitted functions exist before the thread starts
-            if kind in ("decode", "mixed"):
-                self.step_fn(self.dp * (B if kind == "decode" else 1), T)
-            elif kind == "verify":
-                self._verify_fn(B, T)
-
-        def job(kind: str, B: int, T: int):
-            return lambda: self._compile_ahead(kind, B, T, kv_spec)
-
-        def key(kind: str, B: int, T: int) -> tuple:  # as `_count` names the shape: its global batch
-            return kind, B * self._groups(kind), T
-
-        self.lazy = BucketCompiler(ready=[key(*s) for s in now])
-        self.lazy.start([(key(*s), job(*s)) for s in later])
-
-    def _compile_ahead(self, kind: str, B: int, T: int, kv_spec) -> None:
-        """Lower and compile one shape (B rows per group) with the inputs a call of it passes, so
-        that its first call finds the executable in JAX's caches (on the lazy buckets' thread)."""
-        groups = self._padding_rows(kind, B, T)
-        if kind == "decode_steps":
-            self._decode_steps.lower(self.params, kv_spec, *self._decode_steps_inputs(groups[0], B)).compile()
-            return
-        if kind == "verify":
-            self._verify_fn(B, T).lower(self.params, kv_spec, *self._verify_inputs(groups[0], B)).compile()
-            return
-        placed = [r for g in groups for r in g]
-        if kind == "mixed":
-            packed = step_rows.pack_ragged(groups, B, T, max_pages=self.max_pages, page_size=self.page_size)
-        else:
-            packed = self._pack(placed, B * self.dp, T)
-        B *= self.dp
-        (tokens, positions, meta, last), sampling, history = self._place((packed, *self._sampling(placed, B)))
-        tokens = self._tokens(tokens)
-        forward = self.step_fn(*tokens.shape).lower(self.params, kv_spec, tokens, positions, meta, last)
-        forward.compile()
-        logits = forward.out_info[0]
-        if self.mesh is not None:
-            from jax.sharding import NamedSharding
-            from jax.sharding import PartitionSpec as P
-
-            sharding = NamedSharding(self.mesh, P())
-        else:
-            sharding = jax.sharding.SingleDeviceSharding(_device_of(self.params))
-        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
-        sample = self._sample.lower(logits, sampling, history, self.masks.device(B, [])).compile()
-        if self.launchable:
-            prev = jax.ShapeDtypeStruct(sample.out_info["feed"].shape, sample.out_info["feed"].dtype,
-                                        sharding=sample.output_shardings["feed"])
-            dst, src = overlap.feed_indices([], [], self.feed_rows, tokens.size)
-            self._feed.lower(tokens, prev, dst, src).compile()
+    @property
+    def device(self):
+        """The device the params live on (one device; the default one if uncommitted)."""
+        return _device_of(self.params)
 
     def close(self) -> None:
         """Stop the lazy buckets' thread (after the shape it is compiling)."""

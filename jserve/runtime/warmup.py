@@ -1,0 +1,129 @@
+"""Warm-up: compile a runner's step shapes before it serves, all of them or (lazy buckets) the
+largest of each kind now and the others ahead on a background thread (`lazy_buckets.py`).
+
+Functions over a `jserve.runtime.runner.Runner` (its friend module: they run its private steps on
+padding rows that write only into the null page); `Runner.warmup` calls `warm_up`.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jserve.runtime import overlap, step_rows
+from jserve.runtime.lazy_buckets import BucketCompiler
+from jserve.runtime.steps import StepRow
+
+
+def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
+    """Compile every bucket now (the steps write only into the null page). With `lazy`, only
+    the largest shape of each kind of step, which serves any call, and the others on a
+    background thread (`jserve.runtime.lazy_buckets`; one process only: in a multi-process
+    run the others compile what process 0 runs, so every shape is compiled now)."""
+    lazy = lazy and not runner.multiprocess
+    shapes = [("decode", b, 1) for b in runner.batch_buckets]
+    shapes += [("mixed", b, t) for b, t in runner.mixed_shapes()]
+    if runner.decode_steps > 1:
+        shapes += [("decode_steps", b, runner.decode_steps) for b in runner.batch_buckets]
+    if runner.num_speculative_tokens:
+        shapes += [("verify", b, runner.num_speculative_tokens + 1) for b in runner.verify_buckets]
+    now = shapes
+    if lazy:  # per kind its largest shape (the most rows, of the most tokens)
+        now = [max(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
+    for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
+        warm(runner, kind, B, T)
+    runner.records.clear()
+    runner.total_real_tokens = runner.total_padded_tokens = 0
+    runner.mark_idle()
+    runner.warmed_up = True
+    if lazy:
+        start_lazy(runner, [s for s in shapes if s not in now], now)
+
+
+def padding_rows(runner, kind: str, B: int, T: int) -> list[list[StepRow]]:
+    """Rows of one shape (B rows per group; a mixed step's T tokens in all) per group, writing
+    only into the null page."""
+    table = [0] * runner.max_pages
+    if kind == "decode_steps":
+        return [[StepRow(0, [0], table, num_steps=T)] * B]
+    if kind == "verify":
+        return [[StepRow(0, [0], table, draft_ids=[0] * (T - 1))] * B]
+    if kind == "mixed":  # B - 1 decode rows and a chunk of the other tokens
+        return [[StepRow(0, [0], table)] * (B - 1) + [StepRow(0, [0] * (T - B + 1), table)]] * runner.dp
+    return [[StepRow(0, [0] * T, table)] * B] * runner.dp
+
+
+def warm(runner, kind: str, B: int, T: int) -> None:
+    """Run one shape (B rows per group) on padding rows: it compiles."""
+    groups = padding_rows(runner, kind, B, T)
+    if kind == "decode_steps":
+        runner.execute_decode_steps(groups[0])
+    elif kind == "verify":
+        runner.execute_verify(groups[0])
+    else:
+        rows = [r for g in groups for r in g]
+        runner._run(rows, [list(range(g * B, (g + 1) * B)) for g in range(runner.dp)], {}, kind)
+        if runner.launchable:  # the feed of this shape's tokens, for overlapped steps
+            tokens = np.zeros((B, 1) if kind == "decode" else (1, T), np.int32)
+            dst, src = overlap.feed_indices([], [], runner.feed_rows, tokens.size)
+            jax.block_until_ready(runner._feed(runner._tokens(runner._place(tokens)), runner._last_feed, dst, src))
+
+
+def start_lazy(runner, later: list[tuple], now: list[tuple]) -> None:
+    """Serve from the shapes `now` (compiled), compile those `later` ahead on a thread, the
+    smallest first (fewest padded tokens: the shapes a lightly loaded server runs most, and
+    those whose fallback pads the most)."""
+    later.sort(key=lambda s: (s[1] * s[2], s))
+    kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), runner.kv)
+    for kind, B, T in later:  # the jitted functions exist before the thread starts
+        if kind in ("decode", "mixed"):
+            runner.step_fn(runner.dp * (B if kind == "decode" else 1), T)
+        elif kind == "verify":
+            runner._verify_fn(B, T)
+
+    def job(kind: str, B: int, T: int):
+        return lambda: compile_ahead(runner, kind, B, T, kv_spec)
+
+    def key(kind: str, B: int, T: int) -> tuple:  # as `_count` names the shape: its global batch
+        return kind, B * runner._groups(kind), T
+
+    runner.lazy = BucketCompiler(ready=[key(*s) for s in now])
+    runner.lazy.start([(key(*s), job(*s)) for s in later])
+
+
+def compile_ahead(runner, kind: str, B: int, T: int, kv_spec) -> None:
+    """Lower and compile one shape (B rows per group) with the inputs a call of it passes, so
+    that its first call finds the executable in JAX's caches (on the lazy buckets' thread)."""
+    groups = padding_rows(runner, kind, B, T)
+    if kind == "decode_steps":
+        runner._decode_steps.lower(runner.params, kv_spec, *runner._decode_steps_inputs(groups[0], B)).compile()
+        return
+    if kind == "verify":
+        runner._verify_fn(B, T).lower(runner.params, kv_spec, *runner._verify_inputs(groups[0], B)).compile()
+        return
+    placed = [r for g in groups for r in g]
+    if kind == "mixed":
+        packed = step_rows.pack_ragged(groups, B, T, max_pages=runner.max_pages, page_size=runner.page_size)
+    else:
+        packed = runner._pack(placed, B * runner.dp, T)
+    B *= runner.dp
+    (tokens, positions, meta, last), sampling, history = runner._place((packed, *runner._sampling(placed, B)))
+    tokens = runner._tokens(tokens)
+    forward = runner.step_fn(*tokens.shape).lower(runner.params, kv_spec, tokens, positions, meta, last)
+    forward.compile()
+    logits = forward.out_info[0]
+    if runner.mesh is not None:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        sharding = NamedSharding(runner.mesh, P())
+    else:
+        sharding = jax.sharding.SingleDeviceSharding(runner.device)
+    logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
+    sample = runner._sample.lower(logits, sampling, history, runner.masks.device(B, [])).compile()
+    if runner.launchable:
+        prev = jax.ShapeDtypeStruct(sample.out_info["feed"].shape, sample.out_info["feed"].dtype,
+                                    sharding=sample.output_shardings["feed"])
+        dst, src = overlap.feed_indices([], [], runner.feed_rows, tokens.size)
+        runner._feed.lower(tokens, prev, dst, src).compile()
