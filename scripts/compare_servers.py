@@ -435,7 +435,7 @@ def format_table(rows: list[dict], title: str = "") -> str:
                      f"{f(r['vs_llamacpp_f32'], '.2f'):>8}{f(r.get('vs_peer'), '.2f'):>8}{f(r['vs_hf'], '.2f'):>8}"
                      f"{r['failed']:>6}")
     lines.append("(ms for TTFT/TPOT; 'vs' columns: output tok/s over the same run of llama.cpp F32, of llama.cpp "
-                 "at the same precision (jserve int4 / Q4_1, int8 / Q8_0, fp32 / F32), of HF)")
+                 "at the same precision (jserve int4 / the GGUF as shipped, int8 / Q8_0, fp32 / F32), of HF)")
     return "\n".join(lines)
 
 
