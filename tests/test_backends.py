@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import DATA
+from arch_helpers import IdTokenizer, load_arch
 from jserve.core.request import SamplingParams
 from jserve.model import DenseAttention, XlaOps, init_cache, model_graphdef, model_params
-from jserve.model.checkpoint import read_params
 from jserve.runtime import backends
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepRow
@@ -37,11 +36,6 @@ BACKENDS = {
 }
 
 
-def _load(arch):
-    config, params = read_params(DATA / "arch" / arch)
-    return config, {k: jnp.asarray(v) for k, v in params.items()}
-
-
 def _model_logprobs(config, params, ids):
     """Log-probabilities at every position from the model's own unrolled layers."""
     T = len(ids)
@@ -56,7 +50,7 @@ def _model_logprobs(config, params, ids):
 @pytest.mark.parametrize("arch", ["smollm2", "qwen2", "mistral"])
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_backend_stacks_match_the_models_own_layers(arch, name):
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     kernel, options = BACKENDS[name]
     backend = backends.create(kernel, **options)
     runner = Runner(config, params, num_pages=24, page_size=4, max_model_len=32, backend=backend,
@@ -85,7 +79,7 @@ def test_scanned_stack_has_no_cache_sized_copy_and_one_layer_body():
     """The XLA backend's decode step: the layers in one while loop whose body is compiled once
     (the HLO does not grow with depth), the folded pages carried through it and written in place
     (donated, aliased to the output, never copied)."""
-    config, params = _load("llama3")
+    config, params = load_arch("llama3")
     num_pages, page = 64, 4
     sizes = {}
     for layers in (config.num_layers, 4 * config.num_layers):
@@ -109,25 +103,6 @@ def test_scanned_stack_has_no_cache_sized_copy_and_one_layer_body():
     assert loops == deep_loops >= 1 and deep_size < 1.05 * small, sizes
 
 
-class _Tok:
-    """Just enough tokenizer for the engine's logprob entries and detokenizer."""
-
-    eos_token_ids = ()
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-    def detokenizer(self, prompt, skip_special_tokens=True):
-        class Detok:
-            def add(self, ids):
-                return "".join(f" {i}" for i in ids)
-
-            def flush(self):
-                return ""
-
-        return Detok()
-
-
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_prompt_logprobs_on_the_paged_runner_match_the_model(backend):
     """Prompt logprobs come from the engine's own prefill chunks (no second runner): each
@@ -136,8 +111,8 @@ def test_prompt_logprobs_on_the_paged_runner_match_the_model(backend):
     from jserve.core.request import SamplingParams
     from jserve.engine import EngineConfig, build_engine
 
-    config, params = _load("smollm2")
-    engine = build_engine(config, params, _Tok(), [], EngineConfig(
+    config, params = load_arch("smollm2")
+    engine = build_engine(config, params, IdTokenizer(), [], EngineConfig(
         max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, num_pages=64,
         backend=backend, warmup=False))
     ids = [int(t) for t in np.random.default_rng(1).integers(3, config.vocab_size, 19)]

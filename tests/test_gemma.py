@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from arch_helpers import IdTokenizer, finish, load_arch
 from conftest import DATA
 from jserve.core.request import SamplingParams
 from jserve.engine import EngineConfig, build_engine
@@ -39,45 +40,12 @@ BACKENDS = {
 }
 
 
-class _Tok:
-    """Just enough tokenizer for the engine's outputs."""
-
-    eos_token_ids = ()
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-    def detokenizer(self, prompt, skip_special_tokens=True):
-        class Detok:
-            def add(self, ids):
-                return "".join(f" {i}" for i in ids)
-
-            def flush(self):
-                return ""
-
-        return Detok()
-
-
-def _load(arch):
-    config, params = read_params(DATA / "arch" / arch)
-    return config, {k: jnp.asarray(v) for k, v in params.items()}
-
-
 def _engine(config, params, backend, **kw):
     """`backend`: a name, or (name, options) for a backend built here (without a mesh)."""
     built = backend if isinstance(backend, str) else backends.create(backend[0], **backend[1])
     settings = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, num_pages=64,
                     backend=built, warmup=False)
-    return build_engine(config, params, _Tok(), [], EngineConfig(**{**settings, **kw}))
-
-
-def _finish(engine):
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    return outs
+    return build_engine(config, params, IdTokenizer(), [], EngineConfig(**{**settings, **kw}))
 
 
 def test_gemma_configs_parse():
@@ -229,7 +197,7 @@ def test_gguf_of_the_same_weights_reads_as_the_hf_folder(arch, tmp_path):
 def test_paged_engine_logprobs_match_transformers(arch, name):
     """The 24-token reference input through the paged engine (chunks of 8 over pages of 4, so the
     window of 8 spans three pages): every position's log-probabilities are transformers'."""
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     ref = np.load(DATA / "arch" / arch / "reference.npz")
     engine = _engine(config, params, BACKENDS[name])
     if name == "native":
@@ -237,7 +205,7 @@ def test_paged_engine_logprobs_match_transformers(arch, name):
     ids = [int(t) for t in ref["input_ids"][0]]
     want = np.asarray(jax.nn.log_softmax(jnp.asarray(ref["logits"][0]), axis=-1))
     engine.add_request("a", ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5))
-    got = _finish(engine)["a"].prompt_logprobs
+    got = finish(engine)["a"].prompt_logprobs
     assert got[0] is None and len(got) == len(ids)
     worst = 0.0
     for q, entry in enumerate(got[1:]):  # position q predicts token q + 1
@@ -254,14 +222,14 @@ def test_paged_greedy_decode_with_chunked_prefill_and_preemption(arch, backend):
     """transformers' greedy tokens from the engine: prompts prefilled in chunks of 4, six
     sequences, up to four at a time, over 11 pages of 4 tokens (each needs 5), so some are
     preempted and recomputed."""
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     ref = np.load(DATA / "arch" / arch / "reference.npz")
     engine = _engine(config, params, (backend, {}), max_num_batched_tokens=4, num_pages=12, max_num_seqs=4,
                      enable_prefix_caching=False)
     prompt = [int(t) for t in ref["input_ids"][0, :10]]
     for i in range(6):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    outs = _finish(engine)
+    outs = finish(engine)
     for i in range(6):
         assert list(outs[str(i)].outputs[0].token_ids) == ref["greedy_ids"][0].tolist(), i
     stats = engine.stats()
@@ -277,7 +245,7 @@ def test_scanned_gemma_stack_grows_with_the_period_not_the_depth():
 
     from jserve.runtime.runner import Runner
 
-    config, params = _load("gemma3")
+    config, params = load_arch("gemma3")
 
     def deepen(layers):  # layers 0, 1, 2 repeated, then layer 3
         order = jnp.asarray([i % 3 for i in range(layers - 1)] + [3])
@@ -317,9 +285,9 @@ def test_scanned_gemma_stack_grows_with_the_period_not_the_depth():
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_gemma_greedy_on_a_mesh(arch):
     """Tensor and data parallel (the extra norms replicated, heads split) give transformers' tokens."""
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     ref = np.load(DATA / "arch" / arch / "reference.npz")
     engine = _engine(config, params, "reference", mesh="dp=2,tp=2")  # by name: build_engine gives it the mesh
     engine.add_request("a", [int(t) for t in ref["input_ids"][0, :10]],
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert list(_finish(engine)["a"].outputs[0].token_ids) == ref["greedy_ids"][0].tolist()
+    assert list(finish(engine)["a"].outputs[0].token_ids) == ref["greedy_ids"][0].tolist()

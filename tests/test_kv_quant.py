@@ -365,10 +365,11 @@ def test_paged_attention_layouts_write_and_read_scales_alike(kernel):
 def test_folded_int8_cache_is_written_in_place_by_the_scanned_step():
     """The XLA backend's decode step over an int8 cache: codes and scales carried through the
     layer loop, donated and aliased to the output (4 buffers), never copied."""
+    from arch_helpers import load_arch
     from jserve.runtime.runner import Runner
-    from test_backends import _decode_hlo, _load
+    from test_backends import _decode_hlo
 
-    config, params = _load("llama3")
+    config, params = load_arch("llama3")
     num_pages, page, K, L, D = 64, 4, config.num_kv_heads, config.num_layers, config.head_dim
     runner = Runner(config, params, num_pages=num_pages, page_size=page, max_model_len=32, backend="reference",
                     batch_buckets=(4,), token_buckets=(8,), max_num_batched_tokens=8, kv_dtype=jnp.int8)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from arch_helpers import IdTokenizer, finish, load_arch
 from conftest import DATA
 from jserve.core.request import SamplingParams
 from jserve.engine import EngineConfig, build_engine
@@ -29,28 +30,6 @@ from jserve.runtime import backends
 MOES = ["qwen3_moe", "mixtral", "qwen2_moe"]
 
 
-class _Tok:
-    eos_token_ids = ()
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-    def detokenizer(self, prompt, skip_special_tokens=True):
-        class Detok:
-            def add(self, ids):
-                return "".join(f" {i}" for i in ids)
-
-            def flush(self):
-                return ""
-
-        return Detok()
-
-
-def _load(arch):
-    config, params = read_params(DATA / "arch" / arch)
-    return config, {k: jnp.asarray(v) for k, v in params.items()}
-
-
 def _forward(config, params, ids, layout="list", grouped="ragged_dot"):
     B, T = ids.shape
     stacked = layout == "stacked"
@@ -59,15 +38,6 @@ def _forward(config, params, ids, layout="list", grouped="ragged_dot"):
     cache = init_cache(config.num_layers, B, config.num_kv_heads, T, config.head_dim, stacked=stacked)
     ops = XlaOps(DenseAttention(config.sliding_window, stacked=stacked), scan=stacked, grouped_matmul=grouped)
     return np.asarray(model(jnp.asarray(ids), positions, cache, positions, ops)[0])
-
-
-def _finish(engine):
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    return outs
 
 
 # ------------------------------------------------------------------------------ configs
@@ -166,7 +136,7 @@ def test_gather_decode_reads_only_the_selected_experts():
 @pytest.mark.parametrize("arch", MOES)
 def test_logits_match_transformers(arch, layout, grouped):
     ref = np.load(DATA / "arch" / arch / "reference.npz")
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     logits = _forward(config, params, ref["input_ids"], layout, grouped)
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
 
@@ -174,7 +144,7 @@ def test_logits_match_transformers(arch, layout, grouped):
 @pytest.mark.parametrize("arch", MOES)
 def test_cached_greedy_decode_matches_transformers(arch):
     ref = np.load(DATA / "arch" / arch / "reference.npz")
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     model = nnx.merge(model_graphdef(config), model_params(config, params))
     ops = XlaOps(DenseAttention(config.sliding_window), grouped_matmul="gather")
     step = jax.jit(lambda tokens, positions, cache: model(tokens, positions, cache, positions, ops,
@@ -192,7 +162,7 @@ def test_cached_greedy_decode_matches_transformers(arch):
 def _engine(config, params, backend, **kw):
     settings = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=4, page_size=4, num_pages=12,
                     backend=backends.create(backend), warmup=False, enable_prefix_caching=False)
-    return build_engine(config, params, _Tok(), [], EngineConfig(**{**settings, **kw}))
+    return build_engine(config, params, IdTokenizer(), [], EngineConfig(**{**settings, **kw}))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -202,7 +172,7 @@ def test_paged_greedy_decode_with_chunked_prefill_and_preemption(arch, backend):
     on the native attention; XLA backend: the scanned stack): prompts prefilled in chunks of 4, six
     sequences, up to four at a time, over 11 pages of 4 tokens (each needs 5), so some are
     preempted and recomputed."""
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     ref = np.load(DATA / "arch" / arch / "reference.npz")
     engine = _engine(config, params, backend)
     if backend == "cpu":
@@ -210,7 +180,7 @@ def test_paged_greedy_decode_with_chunked_prefill_and_preemption(arch, backend):
     prompt = [int(t) for t in ref["input_ids"][0, :10]]
     for i in range(6):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    outs = _finish(engine)
+    outs = finish(engine)
     for i in range(6):
         assert list(outs[str(i)].outputs[0].token_ids) == ref["greedy_ids"][0].tolist(), i
     stats = engine.stats()
@@ -340,12 +310,12 @@ def test_parse_mesh_with_ep_and_dense_models_refuse_it():
     with pytest.raises(ValueError, match="ep=2 splits a mixture of experts.*dense"):
         check_experts(dense, {"dp": 1, "tp": 1, "ep": 2})
     with pytest.raises(ValueError, match="ep=3 does not divide the model's 8 experts"):
-        check_experts(_load("mixtral")[0], {"ep": 3})
+        check_experts(load_arch("mixtral")[0], {"ep": 3})
 
 
 @pytest.fixture(scope="module")
 def moe_reference():
-    config, params = _load("qwen2_moe")  # experts, a shared expert, q/k/v biases
+    config, params = load_arch("qwen2_moe")  # experts, a shared expert, q/k/v biases
     prompts = [np.random.RandomState(i).randint(0, 256, n).tolist() for i, n in enumerate([5, 17, 30, 3])]
     kw = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, page_size=4, num_pages=80,
               enable_prefix_caching=False, warmup=False)
@@ -353,11 +323,11 @@ def moe_reference():
 
 
 def _generate(config, params, mesh, prompts, kw):
-    engine = build_engine(config, params, _Tok(), [], EngineConfig(mesh=mesh, **kw))
+    engine = build_engine(config, params, IdTokenizer(), [], EngineConfig(mesh=mesh, **kw))
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sp)
-    outs = _finish(engine)
+    outs = finish(engine)
     return [outs[str(i)].outputs[0] for i in range(len(prompts))], engine
 
 
@@ -384,8 +354,8 @@ def test_step_hlo_never_gathers_the_experts(backend):
     """The compiled decode step on ep=2,tp=2: the expert weights stay split (no all-gather makes
     an array of their full expert count with their hidden and width dims), and the MoE's psum is
     there (an all-reduce per layer beside tp's)."""
-    config, params = _load("mixtral")
-    engine = build_engine(config, params, _Tok(), [],
+    config, params = load_arch("mixtral")
+    engine = build_engine(config, params, IdTokenizer(), [],
                           EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=4,
                                        num_pages=40, warmup=False, mesh="ep=2,tp=2",
                                        backend=backends.create(backend)))
@@ -405,7 +375,7 @@ def test_step_hlo_never_gathers_the_experts(backend):
 def test_plan_reports_expert_bytes_per_device():
     from jserve.runtime.sharding import param_bytes_per_device
 
-    config = _load("mixtral")[0]
+    config = load_arch("mixtral")[0]
     whole = param_bytes_per_device(config, 1, itemsize=4)
     split = param_bytes_per_device(config, 2, 2, itemsize=4)
     for name in moe.EXPERT_WEIGHTS:

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from arch_helpers import IdTokenizer, finish, load_arch
 from conftest import DATA
 from jserve.core.page_table import PageTable
 from jserve.core.plan import Request, RequestStatus
@@ -40,51 +41,20 @@ PHIS = ["phi3", "phi3_longrope"]
 ORIG = 12  # phi3_longrope's original_max_position_embeddings
 
 
-class _Tok:
-    eos_token_ids = ()
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-    def detokenizer(self, prompt, skip_special_tokens=True):
-        class Detok:
-            def add(self, ids):
-                return "".join(f" {i}" for i in ids)
-
-            def flush(self):
-                return ""
-
-        return Detok()
-
-
-def _load(arch):
-    config, params = read_params(DATA / "arch" / arch)
-    return config, {k: jnp.asarray(v) for k, v in params.items()}
-
-
 def _hf_config(arch):
     return json.loads((DATA / "arch" / arch / "config.json").read_text())
-
-
-def _finish(engine):
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    return outs
 
 
 def _engine(config, params, backend="reference", **kw):
     settings = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=4, page_size=4, num_pages=64,
                     backend=backends.create(backend), warmup=False, enable_prefix_caching=False)
-    return build_engine(config, params, _Tok(), [], EngineConfig(**{**settings, **kw}))
+    return build_engine(config, params, IdTokenizer(), [], EngineConfig(**{**settings, **kw}))
 
 
 def _greedy(engine, prompts):
     for i, p in enumerate(prompts):
         engine.add_request(str(i), [int(t) for t in p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    outs = _finish(engine)
+    outs = finish(engine)
     return [list(outs[str(i)].outputs[0].token_ids) for i in range(len(prompts))]
 
 
@@ -187,7 +157,7 @@ def _forward(config, params, ids, layout="list"):
 @pytest.mark.parametrize("arch", PHIS)
 def test_logits_match_transformers(arch, layout):
     ref = np.load(DATA / "arch" / arch / "reference.npz")
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     np.testing.assert_allclose(_forward(config, params, ref["input_ids"], layout), ref["logits"], atol=1e-4, rtol=0)
     if "logits_short" in ref:  # the first 12 tokens alone: the short factors
         short = _forward(config, params, ref["input_ids"][:, :ORIG], layout)
@@ -199,7 +169,7 @@ def test_cached_greedy_decode_matches_transformers():
     """phi3 (no LongRoPE): prefill + single-token steps over the contiguous cache (the window of 8
     slides past the 10-token prompt)."""
     ref = np.load(DATA / "arch" / "phi3" / "reference.npz")
-    config, params = _load("phi3")
+    config, params = load_arch("phi3")
     model = nnx.merge(model_graphdef(config), model_params(config, params))
     ops = XlaOps(DenseAttention(config.sliding_window))
     step = jax.jit(lambda tokens, positions, cache: model(tokens, positions, cache, positions, ops,
@@ -225,7 +195,7 @@ def test_paged_greedy_decode_with_chunked_prefill_and_preemption(arch, backend):
     tokens free pages too), so some are preempted and recomputed. phi3_longrope: the 10-token
     prompt's sequences pass 12 tokens while decoding (each is recomputed there, by the long
     factors), and the 16-token prompt's are long from their first chunk (positions 0..3 included)."""
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     ref = np.load(DATA / "arch" / arch / "reference.npz")
     cases = [(10, ref["greedy_ids"][0].tolist())]
     if "greedy_long_ids" in ref:
@@ -247,7 +217,7 @@ def test_paged_engine_prompt_logprobs_match_transformers(arch):
     """Every position's log-probabilities of the 24-token input (chunks of 8 over pages of 4): a
     LongRoPE sequence longer than 12 is long at each position, its chunks before 12 included; the
     first 12 tokens alone are short."""
-    config, params = _load(arch)
+    config, params = load_arch(arch)
     ref = np.load(DATA / "arch" / arch / "reference.npz")
     cases = [("logits", 24)] + ([("logits_short", ORIG)] if "logits_short" in ref else [])
     for key, n in cases:
@@ -255,7 +225,7 @@ def test_paged_engine_prompt_logprobs_match_transformers(arch):
         ids = [int(t) for t in ref["input_ids"][0, :n]]
         want = np.asarray(jax.nn.log_softmax(jnp.asarray(ref[key][0]), axis=-1))
         engine.add_request("a", ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5))
-        got = _finish(engine)["a"].prompt_logprobs
+        got = finish(engine)["a"].prompt_logprobs
         diff = [abs(entry[ids[q + 1]].logprob - want[q][ids[q + 1]]) for q, entry in enumerate(got[1:])]
         assert len(diff) == n - 1 and max(diff) < 1e-4, (key, max(diff))
 
@@ -264,7 +234,7 @@ def test_prefix_cache_never_shares_pages_across_longrope_sides():
     """With prefix caching, a 16-token prompt (long) and the same ids' first 10 (short) share their
     first two pages' tokens but not their rotation: each still decodes as transformers does, in
     either order; the same short prompt again hits the cache."""
-    config, params = _load("phi3_longrope")
+    config, params = load_arch("phi3_longrope")
     ref = np.load(DATA / "arch" / "phi3_longrope" / "reference.npz")
     short, long = ref["input_ids"][0, :10], ref["input_ids"][0, :16]
     want = {10: ref["greedy_ids"][0].tolist(), 16: ref["greedy_long_ids"][0].tolist()}
@@ -276,14 +246,14 @@ def test_prefix_cache_never_shares_pages_across_longrope_sides():
         # one's first two pages, or the long prompt the recomputed short sequence's.
         assert engine.page_table.num_prefix_hit_tokens == 8
         engine.add_request("again", [int(t) for t in short], SamplingParams(temperature=0, max_tokens=1))
-        _finish(engine)  # the short side's two pages, from the short sequence's first prefill
+        finish(engine)  # the short side's two pages, from the short sequence's first prefill
         assert engine.page_table.num_prefix_hit_tokens == 16
 
 
 def test_multi_step_decode_and_speculation_stop_at_the_switch():
     """A multi-step decode call (4 steps) and a speculative step's drafts never run a sequence
     across 12 tokens: the recompute follows the call, and the tokens are transformers'."""
-    config, params = _load("phi3_longrope")
+    config, params = load_arch("phi3_longrope")
     ref = np.load(DATA / "arch" / "phi3_longrope" / "reference.npz")
     prompt = ref["input_ids"][0, :10]
     for kw in ({"num_scheduler_steps": 4},
@@ -300,7 +270,7 @@ def test_fused_native_layers_run_full_rotary_longrope():
     per-token tables, attention factor included) gives the reference backend's tokens and
     logprobs, across the switch at 12 tokens and from a long prompt (no transformers reference:
     phi3_longrope's weights with all 16 dims rotating)."""
-    config, params = _load("phi3_longrope")
+    config, params = load_arch("phi3_longrope")
     s = config.rope_scaling
     full = dataclasses.replace(config, rotary_dim=None, rope_scaling=dataclasses.replace(
         s, short_factor=s.short_factor + (1.5, 1.2), long_factor=s.long_factor + (60.0, 80.0)))
@@ -312,7 +282,7 @@ def test_fused_native_layers_run_full_rotary_longrope():
         for i, n in enumerate((10, 16)):
             engine.add_request(str(i), [int(t) for t in ref["input_ids"][0, :n]],
                                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3))
-        outs[backend] = [o.outputs[0] for _, o in sorted(_finish(engine).items())]
+        outs[backend] = [o.outputs[0] for _, o in sorted(finish(engine).items())]
     for got, want in zip(outs["cpu"], outs["reference"]):
         assert got.token_ids == want.token_ids
         np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)],

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from arch_helpers import load_arch
 from jserve.engine import quality_gate
 from jserve.engine.config import EngineConfig
 from jserve.model import quant
 from jserve.model.checkpoint import convert, load_checkpoint
 from jserve.model.quant_record import quality_report_path, write_quality_report
-from test_backends import WANTS_LOGPROBS, StepRow, _load, _model_logprobs
+from test_backends import WANTS_LOGPROBS, StepRow, _model_logprobs
 from test_checkpoint import tiny_hf_folder  # noqa: F401 (fixture)
 
 FORMATS = [("int8", 0, True), ("int8", 32, True), ("int4", 32, True), ("int4", 32, False),
@@ -116,7 +117,7 @@ def test_quantized_model_on_the_xla_backend_matches_the_model_on_dequantized_wei
     from jserve.runtime import backends
     from jserve.runtime.runner import Runner
 
-    config, params = _load("smollm2")
+    config, params = load_arch("smollm2")
     qparams = quant.quantize_params(config, {k: np.asarray(v) for k, v in params.items()},
                                     quant.QuantSpec.parse(scheme))
     assert quant.is_quantized(qparams["embed"]) and qparams["embed"].shape == params["embed"].shape[::-1]
@@ -224,7 +225,7 @@ def test_quantized_steps_lower_for_tpu_and_gpu(platform, kernel, scheme):
     from jserve.runtime import backends
     from jserve.runtime.runner import Runner
 
-    config, _ = _load("smollm2")  # with the Mosaic GPU kernel's head_dim
+    config, _ = load_arch("smollm2")  # with the Mosaic GPU kernel's head_dim
     config = dataclasses.replace(config, head_dim=64, num_heads=2, num_kv_heads=1, hidden_size=128)
     params = {k: np.ones(s, np.float32) if "norm" in k else _weight(s, i)
               for i, (k, s) in enumerate(param_shapes(config).items())}

@@ -1,0 +1,45 @@
+"""What the per-architecture tests share: the tiny checkpoints under tests/data/arch, a tokenizer
+that spells token ids, and running an engine to the end."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from conftest import DATA
+
+
+class IdTokenizer:
+    """Just enough tokenizer for the engine's outputs: text is the token ids, space-separated."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def detokenizer(self, prompt, skip_special_tokens=True):
+        class Detok:
+            def add(self, ids):
+                return "".join(f" {i}" for i in ids)
+
+            def flush(self):
+                return ""
+
+        return Detok()
+
+
+def load_arch(arch: str):
+    """The tiny checkpoint tests/data/arch/`arch`: its config and its params on the device."""
+    from jserve.model.checkpoint import read_params
+
+    config, params = read_params(DATA / "arch" / arch)
+    return config, {k: jnp.asarray(v) for k, v in params.items()}
+
+
+def finish(engine) -> dict:
+    """Step `engine` until every request is done; request id -> its final output."""
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return outs
