@@ -197,6 +197,9 @@ def test_dp_groups_route_shared_prefixes_together():
     assert public <= set(dir(dps)), public - set(dir(dps))
     assert dps.get_request("c").request_id == "c" and dps.get_request("zzz") is None
     assert {r.request_id for r in dps.running + dps.waiting} == {"a", "b", "c"}
+    b = dps.get_request("b")  # async scheduling's placeholder patch reaches b's group's page table
+    dps.patch_token(b, 0, 11)
+    assert b.output_token_ids == [11] and dps.schedulers[1].page_table._seq("b").token_ids[3] == 11
     dps.abort_request("a")
     assert dps.group_of("a") is None and dps.num_running == 1 and dps.num_waiting == 1
 

@@ -110,6 +110,12 @@ class DataParallelScheduler:
         g = self._group.get(request_id)
         return 0 if g is None else self.schedulers[g].release_lookahead(request_id)
 
+    def patch_token(self, request: Request, index: int, token: int) -> None:
+        """The request's group's `Scheduler.patch_token`; a finished request (no longer in a group)
+        gets its output's value only, as `Scheduler.patch_token` gives it."""
+        g = self._group.get(request.request_id)
+        self.schedulers[0 if g is None else g].patch_token(request, index, token)
+
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         changed = []
         for g, s in enumerate(self.schedulers):
