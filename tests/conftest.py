@@ -44,7 +44,15 @@ def pytest_configure(config):
     # device 0 as before. Must be set before JAX creates its CPU client.
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+        flags = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    # The suite is bound by XLA:CPU compilations (tiny models, many shapes): LLVM at -O0 compiles
+    # them about 1.4x faster (tests/test_runner.py + tests/test_multi_step.py, empty caches:
+    # 280 s -> 203 s, every test passing) with the same numbers (no fast math at either level).
+    # Tests only: a served model compiles at XLA's default level. The child processes tests start
+    # inherit it.
+    if "xla_backend_optimization_level" not in flags:
+        flags = f"{flags} --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] = flags
     # One persistent compilation cache for the whole run (and across runs on the same machine):
     # engines built by different tests compile the same shapes.
     os.environ.setdefault("JSERVE_COMPILATION_CACHE", str(Path.home() / ".cache" / "jserve" / "jax-tests"))
@@ -70,38 +78,62 @@ def _memory_maps() -> int:
 
 
 _PEAK_MAPS = [0, ""]  # the most memory mappings seen after a test, and that test
+_MAPS_LOG = os.environ.get("JSERVE_TEST_MAPS_LOG")  # a file: each test's mappings and time, for diagnosis
+
+
+def _log_maps(line: str) -> None:
+    if _MAPS_LOG:
+        with open(_MAPS_LOG, "a") as f:
+            f.write(line + "\n")
+
+
+_GC = {"count": 0, "seconds": 0.0, "cleared": 0}  # collections the suite ran for the mappings
+
+
+def _collect(clear_caches: bool = False) -> None:
+    import gc
+
+    start = time.perf_counter()
+    if clear_caches:
+        import jax
+
+        jax.clear_caches()
+        _GC["cleared"] += 1
+    gc.collect()
+    _GC["count"] += 1
+    _GC["seconds"] += time.perf_counter() - start
 
 
 def pytest_runtest_teardown(item, nextitem):
+    """Past 15000 memory mappings after a test, collect garbage: the engines of finished tests
+    are garbage in reference cycles (every Runner, measured: gc frees all of them), and each holds
+    its executables' mappings; one test module makes about 4000 per test (test_speculative.py).
+    Past 45000 after that (executables something still holds), drop JAX's caches too."""
     maps = _memory_maps()
     if maps > _PEAK_MAPS[0]:
         _PEAK_MAPS[:] = [maps, item.nodeid]
-    if maps > 20000:  # engines of finished tests in reference cycles: collect them now (see below)
-        import gc
-
-        gc.collect()
-        if _memory_maps() > 40000:  # still near the limit: drop every compiled executable too
-            import jax
-
-            jax.clear_caches()
-            gc.collect()
+    _log_maps(f"{time.time():.1f} {maps} {item.nodeid}")
+    if maps > 15000:
+        _collect()
+        if _memory_maps() > 45000:
+            _collect(clear_caches=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _free_executables():
-    """At each test module's end, drop its engines and JAX's compiled executables.
+def _free_executables(request):
+    """At each test module's end, drop its engines (and their compiled executables).
 
-    Every loaded XLA:CPU executable holds a few memory mappings for its code (about 7 to 18), and
-    the kernel allows 65530 per process (vm.max_map_count). One pytest process runs the whole
-    suite: executables kept alive by JAX's caches, or by engines in reference cycles that the
-    garbage collector has not reached yet, used to pass that limit at two thirds of the suite,
-    and LLVM then crashed (segfault or abort) in whatever compilation or cache read came next.
-    The persistent compilation cache makes the next module's recompilations cheap.
+    Every loaded XLA:CPU executable holds a few memory mappings for each of its kernels (three
+    per kernel: code, constants, data), and the kernel allows 65530 per process
+    (vm.max_map_count). One pytest process runs the whole suite: engines in reference cycles
+    that the garbage collector had not reached yet passed that limit within
+    tests/test_speculative.py (63121 mappings, then a segfault in the next compilation, without
+    these collections), and LLVM then crashes in whatever compilation or cache read comes next.
+    The terminal summary prints the peak and what the collections cost.
     """
     yield
-    import gc
-
-    gc.collect()
+    _collect()
+    _log_maps(f"{time.time():.1f} {_memory_maps()} module-end {request.module.__name__}")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -111,7 +143,9 @@ def pytest_terminal_summary(terminalreporter):
         except (OSError, ValueError):
             limit = 0
         terminalreporter.write_line(f"memory mappings after a test: at most {_PEAK_MAPS[0]} (after "
-                                    f"{_PEAK_MAPS[1]}; the kernel's limit is {limit or 'unknown'})")
+                                    f"{_PEAK_MAPS[1]}; the kernel's limit is {limit or 'unknown'}); "
+                                    f"{_GC['count']} collections took {_GC['seconds']:.1f} s, "
+                                    f"{_GC['cleared']} cleared JAX's caches")
 
 
 def pytest_unconfigure(config):
