@@ -17,6 +17,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from arch_helpers import finish
 from conftest import DATA
 from jserve.core.request import SamplingParams, StructuredOutputsParams
 from jserve.engine import EngineConfig, build_engine
@@ -223,12 +224,7 @@ def _engine(wide, tokenizer, **kw):
 def _run(engine, requests):
     for rid, (ids, params) in requests.items():
         engine.add_request(rid, ids, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return finish(engine)
 
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
