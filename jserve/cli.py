@@ -73,9 +73,9 @@ def _generate(args: argparse.Namespace) -> int:
     template = load_chat_template(args.chat_template)  # a bad file or template fails before loading
     if args.chat_template is not None and not args.chat:
         raise ValueError("--chat-template applies to --chat prompts: add --chat")
+    check_model(args.model, keep_quantized=getattr(args, "quantization", None) == "gguf")
+    leader = distributed.from_args(args)  # (sets args.mesh in a multi-process run: before the settings)
     settings = engine_kwargs(args)  # --seed is the request's
-    check_model(args.model, keep_quantized=settings.get("quantization") == "gguf")
-    leader = distributed.from_args(args)
     # One prompt: compile only the shapes it needs instead of warming every bucket.
     llm = LLM(args.model, dtype=args.dtype, warmup=False, chat_template=template, **settings)
     if not leader:

@@ -12,6 +12,7 @@ and the quality report the gate reads, `jserve.model.quant_record`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -72,8 +73,10 @@ def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32", ke
     if named is not None:
         out = root / (named.name + suffix)
         if not is_checkpoint(out):
-            logger.info("converting the model %s into %s", named.name, out)
-            convert(gguf_path(named.name), out, dtype=dtype, keep_quantized=keep_quantized)
+            with _conversion_lock(out):
+                if not is_checkpoint(out):  # (another process may have converted it meanwhile)
+                    logger.info("converting the model %s into %s", named.name, out)
+                    convert(gguf_path(named.name), out, dtype=dtype, keep_quantized=keep_quantized)
         return out
     p = Path(model)
     if is_checkpoint(p):
@@ -85,10 +88,27 @@ def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32", ke
     if p.is_file() and p.suffix == ".gguf" or (p / "config.json").is_file():
         out = root / ((p.stem if p.is_file() else p.name) + suffix)
         if not is_checkpoint(out):
-            convert(p, out, dtype=dtype, keep_quantized=keep_quantized)
+            with _conversion_lock(out):
+                if not is_checkpoint(out):
+                    convert(p, out, dtype=dtype, keep_quantized=keep_quantized)
         return out
     raise ValueError(f"model {str(model)!r} is neither a jserve checkpoint, a Hugging Face folder, "
                      f"a .gguf file, nor a converted model under {root}")
+
+
+@contextlib.contextmanager
+def _conversion_lock(out: Path):
+    """One process at a time converts into `out` (servers or test workers starting together on one
+    checkpoint root): an exclusive `flock` on `<out>.lock`, held until the conversion ends."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def check_model(model: str | os.PathLike | None, *, keep_quantized: bool = False) -> None:
@@ -245,6 +265,9 @@ def load_checkpoint(path: str | os.PathLike, *, shardings: Mapping[str, Any] | C
     if dtype is not None and dtype != stored:
         logger.info("casting the checkpoint's %s weights to %s while restoring", stored, dtype)
     dtype = numpy_dtype(dtype or stored)
+    if shardings is None and not host and jax.process_count() > 1:
+        raise ValueError(f"{path}: in a run of {jax.process_count()} processes the weights need shardings over "
+                         f"the mesh (LLM(mesh=...)); one device's arrays are not addressable by the others")
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     quantized = (generation.get("quantization") or {}).get("weights", {})
     if quantized and shardings is not None:
