@@ -163,3 +163,39 @@ def test_default_checkpoint_root_is_the_checkouts(monkeypatch):
 
     monkeypatch.delenv("JSERVE_CHECKPOINTS", raising=False)
     assert default_checkpoint_root() == Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+def test_processes_resolving_one_model_together_convert_it_once(tmp_path, monkeypatch):
+    """Two resolvers of one unconverted folder (servers or test workers starting together): the
+    second waits for the first's conversion (a flock) and then uses it."""
+    import threading
+    import time
+
+    from jserve.model import checkpoint
+
+    source = tmp_path / "some-model"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    monkeypatch.setenv("JSERVE_CHECKPOINTS", str(tmp_path / "root"))
+    converting, conversions = [], []
+
+    def slow_convert(src, out, **kw):  # writes a checkpoint's three parts, slowly
+        converting.append(1)
+        assert len(converting) == 1, "two conversions at once"
+        time.sleep(0.5)
+        (out / "params").mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "generation.json").write_text("{}")
+        conversions.append(out)
+        converting.pop()
+        return out
+
+    monkeypatch.setattr(checkpoint, "convert", slow_convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(checkpoint.resolve_model(source))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [tmp_path / "root" / "some-model"] * 2
+    assert conversions == [tmp_path / "root" / "some-model"]

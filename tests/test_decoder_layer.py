@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 from pathlib import Path
 
@@ -157,7 +158,7 @@ def test_fused_layers_split_long_rows_and_keep_a_sliding_window():
 
 
 @pytest.mark.parametrize("arch,needs", [("x86-64-v3", "avx2"), ("x86-64", None)])
-def test_each_simd_build_matches_the_model(arch, needs, tmp_path):
+def test_each_simd_build_matches_the_model(arch, needs):
     # The builds this machine does not pick (AVX2 on an AVX-512 machine, plain C++: 24-column
     # panels), in a fresh process: the CI machine may be either kind.
     if platform.machine() not in ("x86_64", "AMD64") or (needs and needs not in _cpu_flags().split()):
@@ -173,7 +174,7 @@ t._assert_fused_matches(t.TINY, jnp.float32, [5, 30, None, 0, 17])
 t._assert_fused_matches(t.TINY, jnp.bfloat16, [300, 2], seed=2)
 t._assert_fused_matches(t.QTINY, jnp.float32, [5, 30, None, 0, 17], quantized=("int4", 32, False))
 t._assert_fused_matches(t.QTINY, jnp.float32, [4, 1], quantized=("int8", 0, True))
-""", tmp_path, JSERVE_NATIVE_ARCH=arch)
+""", os.environ["JSERVE_KERNEL_CACHE"], JSERVE_NATIVE_ARCH=arch)  # the run's cache: builds keyed by arch
 
 
 def test_unsupported_models_keep_the_model_path():

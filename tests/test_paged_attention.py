@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,14 +267,14 @@ def test_native_kernel_stays_inside_the_table_and_the_pool():
     np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
 
 
-def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
+def test_loading_the_native_kernel_keeps_subnormal_floats():
     # Linking with -ffast-math once pulled in crtfastmath.o, which set flush-to-zero process-wide
     # on load (hypothesis then refused to run in the same process).
     code = ("import sys\n"
             "from pallas_kernels.native import paged_attention as native\n"
             "assert native.available(), native.unavailable_reason()\n"
             "assert sys.float_info.min / 2 > 0, 'flush-to-zero is on'\n")
-    run_python(code, tmp_path)
+    run_python(code, os.environ["JSERVE_KERNEL_CACHE"])  # (the library as this run built it)
 
 
 def test_without_a_compiler_the_cpu_backend_falls_back_to_pallas(tmp_path):

@@ -73,10 +73,11 @@ def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32", ke
     if named is not None:
         out = root / (named.name + suffix)
         if not is_checkpoint(out):
+            source = gguf_path(named.name)  # (a missing package fails here, before anything is written)
             with _conversion_lock(out):
                 if not is_checkpoint(out):  # (another process may have converted it meanwhile)
                     logger.info("converting the model %s into %s", named.name, out)
-                    convert(gguf_path(named.name), out, dtype=dtype, keep_quantized=keep_quantized)
+                    convert(source, out, dtype=dtype, keep_quantized=keep_quantized)
         return out
     p = Path(model)
     if is_checkpoint(p):
