@@ -117,7 +117,7 @@ def pytest_runtest_teardown(item, nextitem):
     maps = _memory_maps()
     if maps > _PEAK_MAPS[0]:
         _PEAK_MAPS[:] = [maps, item.nodeid]
-    _log_maps(f"{time.time():.1f} {maps} {item.nodeid}")
+    _log_maps(f"{time.time():.1f} {maps} {item.nodeid} {os.environ.get('PYTEST_XDIST_WORKER', '')}")
     if maps > 15000:
         _collect()
         if _memory_maps() > 45000:
