@@ -159,8 +159,8 @@ def _warmup(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from jserve.engine.build import resolve_max_model_len
     from jserve.engine.config import EngineConfig
-    from jserve.engine.llm_engine import resolve_max_model_len
     from jserve.model.checkpoint import read_model_config, read_quantization
     from jserve.runtime.backends import NativeCpuBackend, XlaBackend
     from jserve.runtime.kv_cache import device_memory_bytes, dtype_bytes, plan_memory

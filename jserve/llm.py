@@ -70,8 +70,8 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
                  shardings: Any = None, compilation_cache: str | os.PathLike | bool | None = None,
                  chat_template: str | None = None, **settings: Any):
+        from jserve.engine.build import build_engine, resolve_max_model_len
         from jserve.engine.config import EngineConfig
-        from jserve.engine.llm_engine import build_engine, resolve_max_model_len
         from jserve.model.checkpoint import load_checkpoint, resolve_model
         from jserve.text.chat_template import compile_chat_template
         from jserve.text.tokenizer import Tokenizer

@@ -21,8 +21,8 @@ import pytest
 
 from jserve.core.request import SamplingParams, StructuredOutputsParams
 from jserve.core.speculative import SpeculativeConfig
+from jserve.engine.build import build_engine
 from jserve.engine.config import EngineConfig
-from jserve.engine.llm_engine import build_engine
 from jserve.engine.speculative import NgramProposer, ngram_lookup
 from jserve.runtime.steps import StepRow
 from test_engine import make_engine, run_outputs, tiny, workload  # noqa: F401 (tiny: a fixture)

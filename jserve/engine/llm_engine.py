@@ -36,9 +36,8 @@ from jserve.core.plan import Request, RequestStatus, ScheduledChunk, SchedulerPr
 from jserve.core.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from jserve.core.scheduler import Scheduler
 from jserve.core.stop import Stop, StopPolicy
-from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from jserve.engine.speculative import DraftModelProposer, NgramProposer, Speculator
-from jserve.model import quant
+from jserve.engine.config import EngineConfig
+from jserve.engine.speculative import DraftModelProposer, build_speculator
 from jserve.runtime.runner import Runner
 from jserve.runtime.steps import StepOutput, StepRow
 from jserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
@@ -125,7 +124,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, runner.config.vocab_size, sorted(self.eos_token_ids))
         self.num_structured_requests = 0
         self.num_grammar_errors = 0  # sampled tokens a grammar refused (a bug if ever > 0)
-        self.speculator = _speculator(config, runner, draft_runner, self.scheduler)
+        self.speculator = build_speculator(config, runner, draft_runner, self.scheduler)
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling and not runner.launchable:
             raise ValueError(f"async_scheduling runs on one data-parallel group in one process; this "
@@ -562,122 +561,3 @@ def _sub_plan(plan: StepPlan, index: Sequence[int]) -> StepPlan:
     chunks = [plan.chunks[i] for i in index]
     return StepPlan(chunks=chunks, preempted=[], num_batched_tokens=sum(c.num_tokens for c in chunks),
                     groups=[plan.groups[i] for i in index])
-
-
-def _speculator(config: EngineConfig, runner: Runner, draft_runner: Runner | None, scheduler) -> Speculator | None:
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    if spec.method == "draft_model":
-        if draft_runner is None:
-            raise ValueError("speculative_config method 'draft_model' needs the draft model's runner")
-        if (draft_runner.num_pages, draft_runner.page_size) != (runner.num_pages, runner.page_size):
-            raise ValueError(f"the draft runner's pages ({draft_runner.num_pages} x {draft_runner.page_size}) must "
-                             f"mirror the target's ({runner.num_pages} x {runner.page_size})")
-        proposer: Any = DraftModelProposer(spec, draft_runner)
-    else:
-        proposer = NgramProposer(spec)
-    limit = spec.disable_by_batch_size or runner.backend.speculative_batch_limit or runner.verify_buckets[-1]
-    # No more rows than the runner compiled a verify step for.
-    return Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len, proposer,
-                      min(limit, runner.verify_buckets[-1]), recompute_past=runner.config.long_rope_after)
-
-
-DEFAULT_CPU_KV_BYTES = 512 * 2**20
-
-
-def resolve_max_model_len(config: EngineConfig, model_config) -> EngineConfig:
-    """The config with its context length settled: the model's (at most DEFAULT_MAX_MODEL_LEN)
-    when none is given; ValueError naming a length the model cannot take."""
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        return dataclasses.replace(config, max_model_len=min(limit, DEFAULT_MAX_MODEL_LEN))
-    if not 2 <= config.max_model_len <= limit:
-        raise ValueError(f"max_model_len must be an integer in [2, {limit}] (the model's context), "
-                         f"got {config.max_model_len!r}")
-    return config
-
-
-def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
-                 config: EngineConfig, quantization: dict[str, Any] | None = None,
-                 draft: tuple[Any, dict] | None = None) -> LLMEngine:
-    """Size the page pool, build the runner (warming it up if asked) and the engine.
-    `quantization`: the weights' quantization record (with its quality report), for reports.
-    `draft`: the draft model's (config, params) for speculative decoding with a draft model; its
-    runner gets as many pages as the target's, of the same size (the KV budget covers both)."""
-    from jserve.core import buckets
-    from jserve.runtime import backends
-    from jserve.runtime.kv_cache import device_memory_bytes, kv_page_dtype, plan_memory
-
-    config = resolve_max_model_len(config, model_config)
-    spec = config.speculative_config
-    mesh, dp, plan_config = None, 1, model_config
-    if config.mesh is not None:
-        from jserve.runtime.sharding import device_share, make_mesh, mesh_sizes, params_per_device, place_params
-
-        mesh = make_mesh(config.mesh)
-        dp, tp = mesh_sizes(mesh)["dp"], mesh_sizes(mesh)["tp"]
-        plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
-    config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
-    weight_dtype = quant.float_dtype(params)
-    kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else kv_page_dtype(config.kv_cache_dtype)
-    backend = backends.create(config.backend, mesh=mesh)  # resolved here, once
-    page_size = config.page_size if config.page_size is not None else backend.default_page_size
-    num_pages = config.num_pages
-    if num_pages is None:
-        device = None if config.kv_cache_bytes is not None else device_memory_bytes()
-        budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
-            None if device is not None else DEFAULT_CPU_KV_BYTES)
-        weight_bytes = quant.param_bytes(params) if mesh is None else (
-            params_per_device(model_config, tp) * weight_dtype.itemsize)
-        if draft is not None:
-            weight_bytes += quant.param_bytes(draft[1])  # the draft model's weights share the device
-        # The budget (explicit, or the device's memory) is per device; each dp group has its own.
-        plan = plan_memory(plan_config, weight_dtype_bytes=weight_dtype.itemsize, kv_dtype=kv_dtype.name,
-                           page_size=page_size, context=config.max_model_len, device_bytes=device,
-                           memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
-                           max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
-        num_pages = plan.num_pages * dp
-        if draft is not None:  # the same number of pages again, in the draft model's KV layout
-            target_page, draft_page = (c.kv_bytes_per_token(kv_dtype.itemsize) for c in (plan_config, draft[0]))
-            num_pages = max(2, num_pages * target_page // (target_page + draft_page))
-    if mesh is not None:
-        # Pad/replicate heads for tp and put every weight in its sharding (jserve.runtime.sharding).
-        model_config, params = place_params(model_config, params, mesh, layout=backend.param_layout)
-        num_pages -= num_pages % dp
-    seqs = config.max_num_seqs // dp
-    batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < seqs] + [seqs]
-    runner = Runner(model_config, params, num_pages=num_pages, page_size=page_size,
-                    max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
-                    batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
-                    mesh=mesh, decode_steps=config.num_scheduler_steps,
-                    num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-                    max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None)
-    draft_runner = None
-    if spec is not None and spec.method == "draft_model":
-        if draft is None:
-            raise ValueError("speculative_config method 'draft_model': the draft model was not loaded")
-        draft_config, draft_params = draft
-        if draft_config.max_position_embeddings < config.max_model_len:
-            raise ValueError(f"the draft model's context ({draft_config.max_position_embeddings}) is shorter than "
-                             f"max_model_len ({config.max_model_len}): give a shorter max_model_len or another draft")
-        if draft_config.vocab_size != model_config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the "
-                             f"target's ({model_config.vocab_size}): a draft needs the same tokenizer")
-        # A backend of its own: a backend keeps what it learnt preparing its model's weights.
-        draft_runner = Runner(draft_config, draft_params, num_pages=num_pages, page_size=page_size,
-                              max_model_len=config.max_model_len, kv_dtype=kv_dtype,
-                              backend=backends.create(config.backend),
-                              batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens,
-                              decode_steps=spec.num_speculative_tokens + 1)
-        if config.warmup:
-            draft_runner.warmup()
-    if runner.multiprocess:
-        import jax
-
-        if config.warmup and jax.process_index() == 0:
-            runner.warmup()  # the other processes compile the same shapes in Runner.follow()
-        return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
-    if config.warmup:
-        runner.warmup(lazy=config.lazy_buckets)
-    return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)

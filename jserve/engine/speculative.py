@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from jserve.core.plan import Request, ScheduledChunk
+from jserve.core.plan import Request, ScheduledChunk, SchedulerProtocol
 from jserve.core.request import GREEDY
 from jserve.core.scheduler import tokens_before_recompute
 from jserve.core.speculative import SpeculativeConfig
 from jserve.core.stop import tokens_left
 from jserve.runtime.steps import StepRow
+
+if TYPE_CHECKING:
+    from jserve.engine.config import EngineConfig
+    from jserve.runtime.runner import Runner
 
 
 def ngram_lookup(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
@@ -213,3 +217,25 @@ class Speculator:
             # Tokens each verified row gained per step: 1 + its accepted drafts.
             "spec_mean_accepted_length": 1 + self.num_accepted / self.num_verify_rows if self.num_verify_rows else 0.0,
         }
+
+
+def build_speculator(config: EngineConfig, runner: Runner, draft_runner: Runner | None,
+                     scheduler: SchedulerProtocol) -> Speculator | None:
+    """The engine's speculator for `config.speculative_config` (None without one); `draft_runner`:
+    the draft model's runner, for method "draft_model" (its pages must mirror `runner`'s)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        if draft_runner is None:
+            raise ValueError("speculative_config method 'draft_model' needs the draft model's runner")
+        if (draft_runner.num_pages, draft_runner.page_size) != (runner.num_pages, runner.page_size):
+            raise ValueError(f"the draft runner's pages ({draft_runner.num_pages} x {draft_runner.page_size}) must "
+                             f"mirror the target's ({runner.num_pages} x {runner.page_size})")
+        proposer: Any = DraftModelProposer(spec, draft_runner)
+    else:
+        proposer = NgramProposer(spec)
+    limit = spec.disable_by_batch_size or runner.backend.speculative_batch_limit or runner.verify_buckets[-1]
+    # No more rows than the runner compiled a verify step for.
+    return Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len, proposer,
+                      min(limit, runner.verify_buckets[-1]), recompute_past=runner.config.long_rope_after)
