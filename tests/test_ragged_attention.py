@@ -1,7 +1,7 @@
 """Ragged paged attention (`pallas_kernels.paged_attention.ragged`): the XLA reference against a
-dense float64 attention written here, the TPU kernel (Pallas TPU interpret mode, "cpu_pallas") and
-the "cpu" path against the reference on mixed batches, the GPU kernel's schedule in the Mosaic GPU
-interpreter, both kernels lowered for their platforms with jax.export, and input validation.
+dense float64 attention written here, the TPU kernel (in Pallas' TPU interpreter, and in the generic
+interpreter as "cpu_pallas" runs it) and the "cpu" path against the reference on mixed batches, the
+GPU kernel's schedule in the Mosaic GPU interpreter, both kernels lowered for their platforms with jax.export, and input validation.
 
 No test here needs a TPU or a GPU (the ids say mosaic_tpu / mosaic_cuda, not the bare marker words).
 """
@@ -136,7 +136,9 @@ GRID = {
 }
 
 
-@pytest.mark.parametrize("backend", ["cpu_pallas", "cpu"])
+# "tpu_interpreter": the TPU kernel in Pallas' TPU interpreter (simulated DMAs and semaphores,
+# NaN-filled VMEM), the strict check; "cpu_pallas" runs the same kernel in the generic interpreter.
+@pytest.mark.parametrize("backend", ["cpu_pallas", "tpu_interpreter", "cpu"])
 @pytest.mark.parametrize("case", list(GRID))
 def test_backends_match_reference(case, backend):
     rows, groups, page_size, dtype, kv_dtype, soft_cap, sliding_window, max_rows = GRID[case]
@@ -144,7 +146,10 @@ def test_backends_match_reference(case, backend):
     args, kw, kv_rows = make_batch(rng, rows, page_size=page_size, groups=groups, dtype=dtype,
                                    kv_dtype=kv_dtype, max_rows=max_rows)
     opts = dict(sm_scale=SM_SCALE, soft_cap=soft_cap, sliding_window=sliding_window, **kw)
-    out = ragged_paged_attention(*args, backend=backend, **opts)
+    if backend == "tpu_interpreter":
+        out = ragged_tpu.ragged_paged_attention_tpu(*args, interpret="tpu", **opts)
+    else:
+        out = ragged_paged_attention(*args, backend=backend, **opts)
     want = ragged_paged_attention(*args, backend="reference", **opts)
     assert out.shape == args[0].shape and out.dtype == jnp.dtype(dtype)
     np.testing.assert_allclose(as_f64(out), as_f64(want), **TOL[jnp.dtype(dtype)])

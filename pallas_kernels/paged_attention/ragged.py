@@ -14,7 +14,10 @@ Backends:
 - "tpu": `ragged_tpu.py`, a Mosaic kernel over blocks of the flattened token axis.
 - "gpu": `ragged_gpu.py`, the Hopper kernel of `gpu.py` run on a device-side work list of
   (row, 64-row tile) items; dtypes / head sizes / page sizes it does not take run "reference".
-- "cpu_pallas": the TPU kernel in Pallas' TPU interpret mode.
+- "cpu_pallas": the TPU kernel in Pallas' generic interpreter (`interpret="generic"`: its DMAs run
+  as plain copies). Pallas' TPU interpreter, which simulates every DMA and semaphore and checks
+  for races, is the strict check the kernel tests run; it took 64 s per mixed step of the default
+  model (30 layers, docs/performance.md), too slow to serve from.
 - "cpu": the same work list as "gpu" (one item per tile of `64 // groups` tokens of one row, the
   native kernel's own tile) handed to `paged_prefill_attention(..., backend="cpu")`, i.e. the
   native C++ kernel (Pallas interpret mode without a compiler). Chosen over the reference because
@@ -209,7 +212,8 @@ def ragged_paged_attention(
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     groups = q.shape[1] // num_kv_heads
     if backend in ("tpu", "cpu_pallas"):
-        return ragged_tpu.ragged_paged_attention_tpu(*args, interpret=backend == "cpu_pallas", **kw)
+        return ragged_tpu.ragged_paged_attention_tpu(*args, interpret="generic" if backend == "cpu_pallas" else False,
+                                                     **kw)
     if backend == "gpu" and ragged_gpu.supports(k_pages.dtype, head_dim, page_size):
         return ragged_paged_attention_gpu(*args, **kw)
     if backend == "cpu":

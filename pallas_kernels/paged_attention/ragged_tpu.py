@@ -1,8 +1,8 @@
 """Ragged paged attention on TPU (Mosaic): blocks of the flattened token axis, each walking the
 rows that intersect it, with double-buffered page DMAs across rows.
 
-NOT RUN ON A TPU: checked on CPU in Pallas' TPU interpret mode (DMAs, semaphores, SMEM, NaN-filled
-uninitialised VMEM) and by lowering for TPU with `jax.export`, which runs Pallas' lowering to
+NOT RUN ON A TPU: checked on CPU in Pallas' TPU interpret mode (`interpret="tpu"`: DMAs,
+semaphores, SMEM, NaN-filled uninitialised VMEM) and by lowering for TPU with `jax.export`, which runs Pallas' lowering to
 Mosaic but not Mosaic's own layout passes (those run in libtpu); `scripts/bench_ragged_attention.py
 --backend tpu` is the check to run on a TPU VM.
 
@@ -277,13 +277,19 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
                                sm_scale: float, soft_cap: float | None, sliding_window: int | None,
                                k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
                                pages_per_block: int | None = None, block_rows: int | None = None,
-                               interpret: bool = False) -> jax.Array:
+                               interpret: bool | str = False) -> jax.Array:
     """`ragged.ragged_paged_attention`'s contract on the Mosaic TPU kernel (inputs validated).
 
     `block_rows` packed query rows per grid step (default 128; rounded to the query dtype's
-    sublane tile), `pages_per_block` pages per key block (default 128 keys' worth), `interpret`
-    runs it in Pallas' TPU interpret mode (uninitialised VMEM filled with NaN).
+    sublane tile), `pages_per_block` pages per key block (default 128 keys' worth). `interpret`:
+    False compiles it with Mosaic; True or "tpu" runs it in Pallas' TPU interpreter (simulated
+    DMAs and semaphores, uninitialised VMEM filled with NaN: the strict check, about 0.3 s a call
+    even on a tiny batch); "generic" in Pallas' generic interpreter (DMAs become plain copies, no
+    race or uninitialised-read checks; the same kernel code and index math, as fast as XLA runs
+    it: what the "cpu_pallas" serving backend uses).
     """
+    if interpret not in (False, True, "tpu", "generic"):
+        raise ValueError(f"interpret must be False, True, 'tpu' or 'generic', got {interpret!r}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     max_rows, max_pages = page_indices.shape
@@ -340,7 +346,7 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=True if interpret == "generic" else pltpu.InterpretParams() if interpret else False,
     )(kv_lens, cu, page_indices.reshape(-1), first_row, end_row, qp, k_pages, v_pages, *scales)
     out = out[:, :total_rows].reshape(num_kv_heads, num_tokens, groups, head_dim)
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
