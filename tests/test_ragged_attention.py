@@ -1,7 +1,8 @@
 """Ragged paged attention (`pallas_kernels.paged_attention.ragged`): the XLA reference against a
 dense float64 attention written here, the TPU kernel (in Pallas' TPU interpreter, and in the generic
 interpreter as "cpu_pallas" runs it) and the "cpu" path against the reference on mixed batches, the
-GPU kernel's schedule in the Mosaic GPU interpreter, both kernels lowered for their platforms with jax.export, and input validation.
+GPU kernel's schedule in the Mosaic GPU interpreter, both kernels lowered for their platforms with
+jax.export, and input validation.
 
 No test here needs a TPU or a GPU (the ids say mosaic_tpu / mosaic_cuda, not the bare marker words).
 """

@@ -2,9 +2,9 @@
 rows that intersect it, with double-buffered page DMAs across rows.
 
 NOT RUN ON A TPU: checked on CPU in Pallas' TPU interpret mode (`interpret="tpu"`: DMAs,
-semaphores, SMEM, NaN-filled uninitialised VMEM) and by lowering for TPU with `jax.export`, which runs Pallas' lowering to
-Mosaic but not Mosaic's own layout passes (those run in libtpu); `scripts/bench_ragged_attention.py
---backend tpu` is the check to run on a TPU VM.
+semaphores, SMEM, NaN-filled uninitialised VMEM) and by lowering for TPU with `jax.export`, which
+runs Pallas' lowering to Mosaic but not Mosaic's own layout passes (those run in libtpu);
+`scripts/bench_ragged_attention.py --backend tpu` is the check to run on a TPU VM.
 
 Layout: the queries of KV head h, packed token-major as in `common.pack_rows` but over the
 flattened token axis (packed row `t * groups + i` is token t, query head `h * groups + i`),
