@@ -83,6 +83,9 @@ class LLM:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
         if dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
+        from jserve.runtime import backends
+
+        backends.prebuild(engine_config.backend)  # the native kernels build while the model loads
         dummy = engine_config.load_format == "dummy"
         self.path = _model_folder(model) if dummy else resolve_model(
             model, dtype=dtype or "float32", keep_quantized=engine_config.quantization == "gguf")

@@ -66,3 +66,33 @@ def test_the_shipped_kernels_agree_with_their_python_side():
         if not lib.available():
             pytest.skip(f"no native build: {lib.unavailable_reason()}")
     assert decoder_layer._PER_LAYER == 11 and decoder_layer._K_PAGES == 9  # 2 norms, 7 weights, K, V
+
+
+def test_prebuild_builds_each_library_once_on_its_own_thread(library, monkeypatch):
+    """`backends.prebuild("cpu")` starts one thread per native library of the backend; a caller's
+    `available()` meanwhile waits for that build instead of starting another."""
+    import threading
+
+    from jserve.runtime import backends
+    from pallas_kernels.native import decoder_layer, matmul, paged_attention
+
+    assert backends.prebuild("reference") == [] and backends.prebuild("cpu_pallas") == []
+    builds, started = [], threading.Event()
+    build = library._build
+
+    def slow_build():
+        builds.append(threading.current_thread().name)
+        started.set()
+        threading.Event().wait(0.5)  # the main thread asks meanwhile
+        return build()
+
+    monkeypatch.setattr(library, "_build", slow_build)
+    for module in (paged_attention, matmul, decoder_layer):
+        monkeypatch.setattr(module, "available", library.available)
+    threads = backends.prebuild("cpu")
+    assert len(threads) == 3 and all(t.daemon for t in threads)
+    assert started.wait(30)
+    assert library.available()  # waits for the thread's build
+    for t in threads:
+        t.join(30)
+    assert len(builds) == 1 and builds[0].startswith("jserve-build-")
