@@ -71,6 +71,14 @@ def pytest_configure(config):
 
         config._jserve_kernel_dir = os.environ["JSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(
             prefix="jserve-kernels-")
+        if os.environ.get("PYTEST_XDIST_WORKER") is None:
+            # Built once here, side by side, before any worker starts (the controller runs no
+            # test): else each xdist worker built all three on its first native test (about
+            # 40 s of compiler time each).
+            from jserve.runtime import backends
+
+            for t in backends.prebuild("cpu"):
+                t.join()
 
 
 def _memory_maps() -> int:

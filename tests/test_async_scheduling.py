@@ -26,7 +26,8 @@ def _same(a, b):
 
 @pytest.fixture(scope="module")
 def engines(tiny):  # noqa: F811
-    return make_engine(tiny), make_engine(tiny, async_scheduling=True)
+    """Warmed up (once for the module): assert_clean checks that nothing compiles after it."""
+    return make_engine(tiny, warmup=True), make_engine(tiny, async_scheduling=True, warmup=True)
 
 
 def _both(engines, prompts, params):
@@ -109,7 +110,7 @@ def test_abort_while_a_step_is_in_flight_gives_every_page_back(tiny):  # noqa: F
 
 def test_a_fed_row_takes_the_sample_on_the_device(tiny):  # noqa: F811
     """Runner level: a decode row fed from a launched step equals the row given its token."""
-    engine = make_engine(tiny, async_scheduling=True)
+    engine = make_engine(tiny, async_scheduling=True, warmup=True)
     runner = engine.runner
     pages = list(range(1, 9))
     first = runner.launch([StepRow(0, [5, 6, 7], pages), StepRow(0, [9], pages[4:])])

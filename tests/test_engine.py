@@ -27,9 +27,11 @@ def tiny(smollm2_checkpoint):
 
 
 def make_engine(tiny, eos=(), **kw):
+    """The tiny engine; not warmed up unless `warmup=True` (a test that checks that nothing compiles
+    after warm-up asks for it: tracing every bucket costs a test 10 to 20 s)."""
     config, params, tokenizer = tiny
     defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, page_size=4, num_pages=200,
-                    backend="cpu", warmup=True)
+                    backend="cpu", warmup=False)
     return build_engine(config, params, tokenizer, list(eos), EngineConfig(**{**defaults, **kw}))
 
 
@@ -65,16 +67,18 @@ def alone(tiny):
 
 
 def assert_clean(engine):
+    """No page held, the pool whole, the scheduler consistent; and after a warm-up, nothing compiled."""
     stats = engine.stats()
     assert stats["pages_in_use"] == 0
     assert stats["pages_free"] + stats["pages_cached"] == stats["num_pages"] - 1
-    assert stats["compilations_after_warmup"] == 0
+    if engine.runner.warmed_up:
+        assert stats["compilations_after_warmup"] == 0
     engine.scheduler.check_invariants()
     return stats
 
 
 def test_64_mixed_requests_in_one_run_equal_each_alone(tiny, alone):
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, warmup=True)
     prompts, params = workload()
     assert run(engine, prompts, params) == alone
     stats = assert_clean(engine)

@@ -241,8 +241,8 @@ def logprob_values(outputs):
 @pytest.fixture(scope="module")
 def engines(tiny):
     """Single-step and 4-step engines with an EOS id the tiny model does sample."""
-    single = make_engine(tiny, eos=[17])
-    multi = make_engine(tiny, eos=[17], num_scheduler_steps=4)
+    single = make_engine(tiny, eos=[17], warmup=True)
+    multi = make_engine(tiny, eos=[17], num_scheduler_steps=4, warmup=True)
     return single, multi
 
 
