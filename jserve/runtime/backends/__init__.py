@@ -49,10 +49,10 @@ def create(name: str | Backend | None = None, *, mesh: Any = None, **options: An
 
 def prebuild(name: str | Backend | None = None) -> list[threading.Thread]:
     """Start building the native kernels backend `name` will use, each on a daemon thread, so
-    their C++ compilations (about 30 s on a 2-core machine with an empty kernel cache) run
-    beside each other and beside the checkpoint's loading; the backend's own `available()` calls
-    then wait for those builds instead of starting them one after another. Nothing to do (no
-    threads) for an XLA backend."""
+    their C++ compilations (about 40 s one after another on a 2-core machine with an empty
+    kernel cache, docs/performance.md) run beside each other and beside the checkpoint's
+    loading; the backend's own `available()` calls then wait for those builds instead of
+    starting them one after another. Nothing to do (no threads) for an XLA backend."""
     if isinstance(name, Backend) or (name or default_name()) != "cpu":
         return []
     from pallas_kernels.native import decoder_layer, matmul, paged_attention
