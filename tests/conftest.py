@@ -126,10 +126,10 @@ def pytest_runtest_teardown(item, nextitem):
     all of them), and each holds its executables' mappings; one test module makes about 4000 per
     test (test_speculative.py). Past 40000 after that (executables something still holds: JAX's
     caches of jitted kernels, session fixtures), drop JAX's caches too. The next collection
-    waits for 15000 mappings or 6000 more than this one left, whichever is more (at most 46000): a collection
-    costs about 1.5 s in a worker's full heap, and once the live mappings passed 15000 for good a
-    fixed threshold collected after every test (CI, 2026-12-03: 272 collections, 397 s on one
-    worker of two)."""
+    waits for 15000 mappings or 6000 more than this one left, whichever is more (at most
+    46000): a collection costs about 1.5 s in a worker's full heap, and once the live mappings
+    passed 15000 for good a fixed threshold collected after every test (CI, 2026-12-03: 272
+    collections, 397 s on one worker of two; 14 and 34 s with this rule, peak 38907)."""
     maps = _memory_maps()
     if maps > _PEAK_MAPS[0]:
         _PEAK_MAPS[:] = [maps, item.nodeid]
