@@ -68,6 +68,7 @@ def run_once(backend: str, args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
     return {"backend": backend, "ready": ready, "first_token": first, "log": log.name,
             "exit_code": proc.returncode}
 
