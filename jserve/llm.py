@@ -72,7 +72,7 @@ class LLM:
                  chat_template: str | None = None, **settings: Any):
         from jserve.engine.build import build_engine, resolve_max_model_len
         from jserve.engine.config import EngineConfig
-        from jserve.model.checkpoint import load_checkpoint, resolve_model
+        from jserve.model.checkpoint import load_checkpoint, read_quantization, resolve_model
         from jserve.text.chat_template import compile_chat_template
         from jserve.text.tokenizer import Tokenizer
 
@@ -85,8 +85,10 @@ class LLM:
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
         from jserve.runtime import backends
 
-        backends.prebuild(engine_config.backend)  # the native kernels build while the model loads
         dummy = engine_config.load_format == "dummy"
+        quantized = engine_config.quantization is not None or (not dummy and read_quantization(model) is not None)
+        backends.prebuild(engine_config.backend, quantized_weights=quantized,  # built while the model loads
+                          quantized_kv=engine_config.kv_cache_dtype in ("int8", "fp8"))
         self.path = _model_folder(model) if dummy else resolve_model(
             model, dtype=dtype or "float32", keep_quantized=engine_config.quantization == "gguf")
         mesh = engine_config.mesh

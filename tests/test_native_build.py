@@ -80,11 +80,11 @@ def test_prebuild_builds_each_library_once_on_its_own_thread(library, monkeypatc
     builds, started = [], threading.Event()
     build = library._build
 
-    def slow_build():
+    def slow_build(quantized=False):
         builds.append(threading.current_thread().name)
         started.set()
         threading.Event().wait(0.5)  # the main thread asks meanwhile
-        return build()
+        return build(quantized)
 
     monkeypatch.setattr(library, "_build", slow_build)
     for module in (paged_attention, matmul, decoder_layer):
@@ -96,3 +96,29 @@ def test_prebuild_builds_each_library_once_on_its_own_thread(library, monkeypatc
     for t in threads:
         t.join(30)
     assert len(builds) == 1 and builds[0].startswith("jserve-build-")
+
+
+def test_the_float_build_refuses_quantized_weights_and_the_quantized_build_runs_them():
+    """The float-only build (all a float model waits for at a cold start) refuses a quantized
+    weight by name; `matmul_packed` sends one to the build with the quantized kernels."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.native import matmul
+
+    if not matmul.available():
+        pytest.skip(f"no native build: {matmul.unavailable_reason()}")
+    width, k = matmul.panel(), 32
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, k)), jnp.float32)
+    codes = jnp.asarray(np.random.default_rng(1).integers(-127, 128, size=(1, k, width)), jnp.int8)
+    scales = jnp.full((1, 1, 1, width), 0.5, jnp.float32)
+    out = jax.ShapeDtypeStruct((2, width), jnp.float32)
+    float_call = jax.ffi.ffi_call(matmul.TARGET_MANY, [out], vmap_method="sequential")
+    with pytest.raises(Exception, match="float kernels only"):
+        jax.block_until_ready(float_call(x, codes, scales))
+    quantized = matmul._LIBRARY.target(matmul.TARGET_MANY, True)
+    assert quantized == f"{matmul.TARGET_MANY}_quantized"
+    got, = jax.ffi.ffi_call(quantized, [out], vmap_method="sequential")(x, codes, scales)
+    want = np.asarray(x) @ (np.asarray(codes, np.float32)[0] * 0.5)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)

@@ -204,9 +204,10 @@ def test_bad_quantized_weights_are_refused():
         native.pack_quantized(quant.quantize(np.ones((4, 8, 6), np.float32), "int8"))
     with pytest.raises(ValueError, match="2-D int8 or int4"):
         native.pack_quantized(quant.quantize(np.ones((8, 6), np.float32), "fp8"))
-    # Past the Python checks, the kernel's own: scales of the wrong shape for the codes.
+    # Past the Python checks, the kernel's own (its build with the quantized kernels): scales of
+    # the wrong shape for the codes.
     out = jax.ShapeDtypeStruct((2, w.codes.shape[0] * native.panel()), jnp.float32)
-    bad = jax.ffi.ffi_call(native.TARGET_MANY, out)
+    bad = jax.ffi.ffi_call(native._LIBRARY.target(native.TARGET_MANY, quantized=True), out)
     with pytest.raises(Exception, match="quantized packed weight"):
         jax.block_until_ready(bad(jnp.ones((2, 64)), w.codes, w.scales[:, :1, :, :-1]))
     with pytest.raises(Exception, match="as many results as weights"):

@@ -8,6 +8,12 @@ headers that ship with jaxlib, with `-march=native` (or `-march=$JSERVE_NATIVE_A
 (`pallas_kernels/native/*.h`), the jaxlib version, the flags and the CPU's flags. Without a
 compiler, or if the build fails, `available()` is False and says why once
 in the log; every caller keeps a pure-XLA path for that case.
+
+Each source builds in two variants (`variant.h`): the float kernels only (`-DJSERVE_NATIVE_QUANT=0`,
+about half the compile time: what a float model needs, and all a cold start of the default model
+waits for), registered under the target names; and with the quantized kernels too, built the first
+time a quantized weight or page needs them (`target(name, quantized=True)`), registered under
+`<name>_quantized`.
 """
 
 from __future__ import annotations
@@ -51,17 +57,18 @@ class NativeLibrary:
         self.constants = dict(constants or {})
         self.include_dir = include_dir
         self.what, self.fallback = what, fallback
-        self._lock = threading.Lock()
-        self._ok: bool | None = None
-        self._error: str | None = None
-        self._handle: ctypes.CDLL | None = None
+        self._locks = {False: threading.Lock(), True: threading.Lock()}  # per variant: quantized?
+        self._ok: dict[bool, bool] = {}
+        self._error: dict[bool, str] = {}
+        self._handle: dict[bool, ctypes.CDLL] = {}
 
-    def available(self) -> bool:
-        """Build (once per machine and source), load and register; False if that failed."""
-        with self._lock:
-            if self._ok is None:
+    def available(self, quantized: bool = False) -> bool:
+        """Build (once per machine, source and variant), load and register; False if that failed.
+        `quantized`: the variant with the quantized kernels too."""
+        with self._locks[quantized]:
+            if quantized not in self._ok:
                 try:
-                    handle = ctypes.cdll.LoadLibrary(str(self._build()))
+                    handle = ctypes.cdll.LoadLibrary(str(self._build(quantized)))
                     for symbol, want in self.constants.items():
                         fn = getattr(handle, symbol)
                         fn.restype, fn.argtypes = ctypes.c_int, []
@@ -69,33 +76,44 @@ class NativeLibrary:
                             raise RuntimeError(f"{self.source.name}'s {symbol}() is {fn()}, the Python "
                                                f"side expects {want}")
                     for target, symbol in self.targets.items():
-                        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
-                                                    platform="cpu")
-                    self._ok, self._handle = True, handle
+                        jax.ffi.register_ffi_target(_target_name(target, quantized),
+                                                    jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+                    self._ok[quantized], self._handle[quantized] = True, handle
                 except Exception as e:  # no compiler, a failed build, an FFI mismatch: fall back
-                    self._ok, self._error = False, f"{type(e).__name__}: {e}"
-                    logger.warning("%s unavailable, %s: %s", self.what, self.fallback, self._error)
-            return self._ok
+                    self._ok[quantized], self._error[quantized] = False, f"{type(e).__name__}: {e}"
+                    logger.warning("%s%s unavailable, %s: %s", self.what, " (quantized kernels)" * quantized,
+                                   self.fallback, self._error[quantized])
+            return self._ok[quantized]
 
-    def unavailable_reason(self) -> str | None:
-        return self._error
+    def unavailable_reason(self, quantized: bool = False) -> str | None:
+        return self._error.get(quantized)
+
+    def target(self, name: str, quantized: bool) -> str:
+        """The FFI target to call for target `name`: the float build's, or (`quantized`: a
+        quantized weight or page among the arguments) the quantized build's, built on first use;
+        RuntimeError if that build is unavailable."""
+        if not self.available(quantized):
+            raise RuntimeError(f"{self.what}{' (quantized kernels)' * quantized} unavailable: "
+                               f"{self.unavailable_reason(quantized)}")
+        return _target_name(name, quantized)
 
     def function(self, symbol: str, restype=ctypes.c_int):
         """A plain C function the library exports (`extern "C"`), once `available()`."""
         if not self.available():
-            raise RuntimeError(f"{self.what} unavailable: {self._error}")
-        fn = getattr(self._handle, symbol)
+            raise RuntimeError(f"{self.what} unavailable: {self.unavailable_reason()}")
+        fn = getattr(self._handle[False], symbol)
         fn.restype, fn.argtypes = restype, []
         return fn
 
-    def _build(self) -> Path:
+    def _build(self, quantized: bool = False) -> Path:
         source = self.source.read_bytes()
         headers = [h.read_bytes() for h in sorted(self.include_dir.glob("*.h"))]  # sources include them
-        parts = [source, *headers, jaxlib.__version__, " ".join(flags()), _cpu_flags(), platform.machine()]
+        options = (*flags(), f"-DJSERVE_NATIVE_QUANT={int(quantized)}")
+        parts = [source, *headers, jaxlib.__version__, " ".join(options), _cpu_flags(), platform.machine()]
         key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts))
         cache = Path(os.environ.get("JSERVE_KERNEL_CACHE",
                                     Path.home() / ".cache" / "jserve" / "kernels"))
-        lib = cache / f"{self.name}_{key.hexdigest()[:16]}.so"
+        lib = cache / f"{self.name}{'_quantized' * quantized}_{key.hexdigest()[:16]}.so"
         if lib.exists():
             return lib
         compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -108,7 +126,7 @@ class NativeLibrary:
         # Compile and link in two steps: linking with -ffast-math would add crtfastmath.o, whose
         # constructor turns on flush-to-zero for the whole process when the library loads.
         obj = tmp + ".o"
-        for cmd in ([compiler, *flags(), "-c", "-I", jax.ffi.include_dir(), "-I", str(self.include_dir),
+        for cmd in ([compiler, *options, "-c", "-I", jax.ffi.include_dir(), "-I", str(self.include_dir),
                      str(self.source), "-o", obj],
                     [compiler, "-shared", obj, "-o", tmp]):
             done = subprocess.run(cmd, capture_output=True, text=True)
@@ -121,6 +139,10 @@ class NativeLibrary:
         os.replace(tmp, lib)
         logger.info("built the %s: %s", self.what, lib)
         return lib
+
+
+def _target_name(name: str, quantized: bool) -> str:
+    return f"{name}_quantized" if quantized else name
 
 
 def _cpu_flags() -> str:

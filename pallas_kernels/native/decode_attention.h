@@ -27,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+#include "variant.h"
+
 namespace jserve_native {
 
 constexpr int kMaxGroups = 16;   // query heads per KV head

@@ -75,13 +75,14 @@ _LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("decoder_laye
                                     "JserveMaxHeadDim": native_attention.MAX_HEAD_DIM})
 
 
-def available() -> bool:
-    """Build (once per machine and source), load and register the kernel; False if that failed."""
-    return _LIBRARY.available()
+def available(quantized: bool = False) -> bool:
+    """Build (once per machine and source), load and register the kernel; False if that failed.
+    `quantized`: its build with the quantized kernels too (`build.NativeLibrary`)."""
+    return _LIBRARY.available(quantized)
 
 
-def unavailable_reason() -> str | None:
-    return _LIBRARY.unavailable_reason()
+def unavailable_reason(quantized: bool = False) -> str | None:
+    return _LIBRARY.unavailable_reason(quantized)
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -123,7 +124,7 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
         aliases[_META + per_layer * i + _K_PAGES] = 1 + 2 * i
         aliases[_META + per_layer * i + _K_PAGES + 1] = 2 + 2 * i
     call = jax.ffi.ffi_call(
-        TARGET, (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
+        _LIBRARY.target(TARGET, layers[0].quantized), (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
                  *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),
         input_output_aliases=aliases, vmap_method="sequential")
     i32 = lambda a: a.astype(jnp.int32)  # noqa: E731

@@ -36,13 +36,14 @@ _LIBRARY = NativeLibrary("matmul", Path(__file__).with_name("matmul.cc"),
                          what="native CPU matmul", fallback="using XLA's dot")
 
 
-def available() -> bool:
-    """Build (once per machine and source), load and register the kernel; False if that failed."""
-    return _LIBRARY.available()
+def available(quantized: bool = False) -> bool:
+    """Build (once per machine and source), load and register the kernel; False if that failed.
+    `quantized`: its build with the quantized kernels too (`build.NativeLibrary`)."""
+    return _LIBRARY.available(quantized)
 
 
-def unavailable_reason() -> str | None:
-    return _LIBRARY.unavailable_reason()
+def unavailable_reason(quantized: bool = False) -> str | None:
+    return _LIBRARY.unavailable_reason(quantized)
 
 
 @functools.cache
@@ -246,7 +247,8 @@ def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Arra
     flat = x.reshape(math.prod(lead), x.shape[-1]).astype(jnp.float32)
     shapes = [jax.ShapeDtypeStruct((flat.shape[0], (w.codes if isinstance(w, PackedQuantized) else w).shape[0]
                                     * width), jnp.float32) for w in packed]
-    outs = jax.ffi.ffi_call(target, shapes if target == TARGET_MANY else shapes[0],
-                            vmap_method="sequential")(flat, *args)
-    outs = outs if target == TARGET_MANY else (outs,)
+    many = target == TARGET_MANY
+    target = _LIBRARY.target(target, any(isinstance(w, PackedQuantized) for w in packed))
+    outs = jax.ffi.ffi_call(target, shapes if many else shapes[0], vmap_method="sequential")(flat, *args)
+    outs = outs if many else (outs,)
     return tuple((o if o.shape[1] == n else o[:, :n]).reshape(*lead, n) for o, n in zip(outs, ns))

@@ -32,6 +32,10 @@ inline xla::ffi::ErrorOr<Job> PackedJob(const xla::ffi::AnyBuffer& w, const xla:
     }
     return Job{w.untyped_data(), w.element_type() == ffi::DataType::BF16, wd[0], out};
   }
+#if !JSERVE_NATIVE_QUANT
+  return ffi::Error::InvalidArgument(what + " is quantized: this build has the float kernels only "
+                                     "(JSERVE_NATIVE_QUANT=0; the caller picks the quantized build)");
+#endif
   const bool int4 = w.element_type() == ffi::DataType::U8;
   const std::string layout = what + " must be a quantized packed weight: codes int8 [N / P, K, P] or uint8 "
                              "[N / P, K / 2, P] (int4) and scales [N / P, K / G, S, P] float32 or float16 "

@@ -11,6 +11,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "variant.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -575,12 +577,17 @@ inline void JobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const floa
         PackedPanel(M, K, x, static_cast<const float*>(job.w) + p * K * kPanel, o, ldo);
       }
       return;
+#if JSERVE_NATIVE_QUANT
     case Codes::kInt8:
       return QuantJobPanel<Codes::kInt8>(job, p, M, K, x, o, ldo, K);
     case Codes::kInt4:
       return QuantJobPanel<Codes::kInt4>(job, p, M, K, x, o, ldo, K / 2);
     case Codes::kUint4:
       return QuantJobPanel<Codes::kUint4>(job, p, M, K, x, o, ldo, K / 2);
+#else
+    default:  // never: PackedJob refuses quantized weights in this build
+      return;
+#endif
   }
 }
 

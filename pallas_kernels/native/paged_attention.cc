@@ -388,12 +388,20 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     case ffi::BF16:
       return Run<uint16_t>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens,
                            page_indices, out, groups, sm_scale, soft_cap, sliding_window);
+#if JSERVE_NATIVE_QUANT
     case ffi::S8:
       return Run<int8_t>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens,
                          page_indices, out, groups, sm_scale, soft_cap, sliding_window);
     case ffi::F8E4M3FN:
       return Run<Fp8>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens, page_indices,
                       out, groups, sm_scale, soft_cap, sliding_window);
+#else
+    case ffi::S8:
+    case ffi::F8E4M3FN:
+      return ffi::Error::InvalidArgument(
+          "paged attention: quantized pages, and this build has the float kernels only "
+          "(JSERVE_NATIVE_QUANT=0; the caller picks the quantized build)");
+#endif
     default:
       return ffi::Error::InvalidArgument(
           "paged attention: pages must be float32, bfloat16, int8 or float8_e4m3fn");

@@ -24,7 +24,8 @@ _LIBRARY = NativeLibrary("paged_attention", Path(__file__).with_name("paged_atte
 
 
 # float pages, and quantized codes (with float32 scales per token and KV head)
-PAGE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
+QUANTIZED_PAGE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # the quantized build's
+PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), *QUANTIZED_PAGE_DTYPES)
 
 
 def supports(groups: int, head_dim: int, dtype=jnp.float32) -> bool:
@@ -33,13 +34,14 @@ def supports(groups: int, head_dim: int, dtype=jnp.float32) -> bool:
     return groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and jnp.dtype(dtype) in PAGE_DTYPES
 
 
-def available() -> bool:
-    """Build (once per machine and source), load and register the kernel; False if that failed."""
-    return _LIBRARY.available()
+def available(quantized: bool = False) -> bool:
+    """Build (once per machine and source), load and register the kernel; False if that failed.
+    `quantized`: its build with the quantized kernels too (`build.NativeLibrary`)."""
+    return _LIBRARY.available(quantized)
 
 
-def unavailable_reason() -> str | None:
-    return _LIBRARY.unavailable_reason()
+def unavailable_reason(quantized: bool = False) -> str | None:
+    return _LIBRARY.unavailable_reason(quantized)
 
 
 def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -56,7 +58,8 @@ def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         raise RuntimeError(f"native CPU attention kernel unavailable: {unavailable_reason()}")
     if k_scales is None:  # float pages: the kernel takes empty scales
         k_scales = v_scales = jnp.zeros((0,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_rows.shape, jnp.float32),
+    quantized = jnp.dtype(k_pages.dtype) in QUANTIZED_PAGE_DTYPES
+    call = jax.ffi.ffi_call(_LIBRARY.target(TARGET, quantized), jax.ShapeDtypeStruct(q_rows.shape, jnp.float32),
                             vmap_method="sequential")
     return call(q_rows.astype(jnp.float32), k_pages, v_pages, k_scales, v_scales, q_start, q_lens, page_indices,
                 groups=np.int32(groups), sm_scale=np.float32(sm_scale),

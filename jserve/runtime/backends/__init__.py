@@ -47,18 +47,25 @@ def create(name: str | Backend | None = None, *, mesh: Any = None, **options: An
     raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
 
 
-def prebuild(name: str | Backend | None = None) -> list[threading.Thread]:
+def prebuild(name: str | Backend | None = None, *, quantized_weights: bool = False,
+             quantized_kv: bool = False) -> list[threading.Thread]:
     """Start building the native kernels backend `name` will use, each on a daemon thread, so
-    their C++ compilations (about 40 s one after another on a 2-core machine with an empty
+    their C++ compilations (about 25 s one after another on a 2-core machine with an empty
     kernel cache, docs/performance.md) run beside each other and beside the checkpoint's
     loading; the backend's own `available()` calls then wait for those builds instead of
-    starting them one after another. Nothing to do (no threads) for an XLA backend."""
+    starting them one after another. The float kernels always; the builds with the quantized
+    kernels too for quantized weights (the matmul and the decoder layer) and KV pages (the
+    attention). Nothing to do (no threads) for an XLA backend."""
     if isinstance(name, Backend) or (name or default_name()) != "cpu":
         return []
     from pallas_kernels.native import decoder_layer, matmul, paged_attention
 
-    threads = [threading.Thread(target=m.available, name=f"jserve-build-{m.__name__.rsplit('.', 1)[-1]}",
-                                daemon=True) for m in (paged_attention, matmul, decoder_layer)]
+    builds = [(m, False) for m in (paged_attention, matmul, decoder_layer)]
+    builds += [(m, True) for m in (matmul, decoder_layer) if quantized_weights]
+    builds += [(paged_attention, True)] if quantized_kv else []
+    threads = [threading.Thread(target=m.available, args=(quantized,), daemon=True,
+                                name=f"jserve-build-{m.__name__.rsplit('.', 1)[-1]}{'-quantized' * quantized}")
+               for m, quantized in builds]
     for t in threads:
         t.start()
     return threads
