@@ -276,3 +276,80 @@ def test_lookup_is_the_longest_common_prefix_of_full_pages(prompt, query, page_s
     while common < min(len(prompt), len(query) - 1) and prompt[common] == query[common]:
         common += 1
     assert pt.lookup_prefix(query) == common // page_size * page_size
+
+
+# Sliding window: the pages behind a window every layer shares are given back.
+
+def _decode(pt: PageTable, rid, tokens) -> None:
+    for t in tokens:
+        pt.append_tokens(rid, [t])
+        assert pt.allocate_slots(rid, 1)
+        pt.mark_computed(rid, 1)
+        pt.check_invariants()
+
+
+def test_pages_behind_the_window_are_given_back():
+    pt = PageTable(12, 4, sliding_window=6)
+    assert pt.allocate_prompt("a", list(range(9))) == 0
+    pt.mark_computed("a", 7)  # the next query (position 7) reads keys 2..7: every page
+    pt.check_invariants()
+    assert NULL_PAGE not in pt.page_ids("a") and pt.num_window_released_pages == 0
+    pt.mark_computed("a", 2)  # the next query (9) reads keys 4..9: not page 0 (keys 0..3)
+    pt.check_invariants()
+    assert pt.page_ids("a")[0] == NULL_PAGE and pt.num_window_released_pages == 1
+    _decode(pt, "a", range(9, 15))  # the next query (15) reads keys 10..15: pages 2 and 3
+    ids = pt.page_ids("a")
+    assert len(ids) == 4 and ids[:2] == [NULL_PAGE] * 2 and NULL_PAGE not in ids[2:]
+    assert pt.num_window_released_pages == 2 and pt.pool.num_used_pages == 2
+    pt.free("a")
+    pt.check_invariants()
+    assert pt.pool.num_free_pages == 11
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(1, 10), page_size=st.integers(1, 4),
+       chunks=st.lists(st.integers(1, 6), min_size=1, max_size=8))
+def test_exactly_the_pages_no_later_query_reads_are_given_back(window, page_size, chunks):
+    """After each step, every page given back lies wholly before the window of the next query
+    (keys k > q - window for a query at q >= num_computed), and the first page kept does not."""
+    pt = PageTable(64, page_size, sliding_window=window)
+    tokens = list(range(sum(chunks)))
+    assert pt.allocate_prompt("a", tokens, num_new_tokens=chunks[0]) == 0
+    done = 0
+    for i, chunk in enumerate(chunks):
+        if i:
+            assert pt.allocate_slots("a", chunk)
+        pt.mark_computed("a", chunk)
+        done += chunk
+        pt.check_invariants()
+        ids = pt.page_ids("a")
+        released = sum(p == NULL_PAGE for p in ids)
+        assert ids[:released] == [NULL_PAGE] * released
+        assert not released or released * page_size - 1 <= done - window  # the last key given back: out of reach
+        if released < len(ids):
+            assert (released + 1) * page_size - 1 > done - window  # the next page is still read
+    pt.free("a")
+    pt.check_invariants()
+    assert pt.pool.num_free_pages == 63
+
+
+def test_window_pages_given_back_stay_cached_for_a_prefix_hit():
+    pt = PageTable(16, 2, enable_prefix_caching=True, sliding_window=3)
+    prompt = list(range(11))
+    run_prompt(pt, "a", prompt)  # 11 computed: (11 - 3) // 2 = 4 pages given back, still cached
+    assert pt.page_ids("a")[:4] == [NULL_PAGE] * 4 and pt.pool.num_cached_pages == 4
+    assert pt.lookup_prefix(prompt) == 10  # every full page, the given-back ones too
+    num_cached = pt.allocate_prompt("b", prompt)
+    assert num_cached == 10
+    assert pt.page_ids("b")[:4] == [NULL_PAGE] * 4  # a hit past the window gives them back at once
+    pt.mark_computed("b", 1)
+    pt.check_invariants()
+    pt.free("a")
+    pt.free("b")
+    pt.check_invariants()
+    assert pt.pool.num_used_pages == 0
+
+
+def test_a_bad_window_is_refused():
+    with pytest.raises(ValueError, match="sliding_window"):
+        PageTable(8, 4, sliding_window=0)

@@ -36,6 +36,14 @@ Speculative decoding takes lookahead pages the same way for a step's draft token
 confirm become slots one by one (`append_tokens`, `allocate_slots(rid, 1)`, `mark_computed`), and
 `release_lookahead` gives back the pages of those it rejected.
 
+Sliding window (`sliding_window`: every layer attends to the last `sliding_window` positions
+only, as Mistral's and Phi-3's do): once a request has computed past a page by the window, no
+later query of it reads that page (a query at q reads keys k > q - window), so `mark_computed`
+gives the page back and puts the null page in its place in the request's list; the attention
+masks that place out by position. The list keeps its length (slot `i` is still page
+`i // page_size`). With prefix caching a full page given back stays cached until evicted. A
+model whose layers differ (Gemma's full and sliding layers share each page) keeps every page.
+
 A request always computes at least its last prompt token, and writes never touch a cached page:
 so a prompt of `m` full pages, all cached, reuses `m - 1` of them and recomputes the last page
 (as vLLM does) rather than copying a cached page to rewrite one slot of it.
@@ -47,7 +55,7 @@ import operator
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from jserve.core.page_pool import PagePool, check_count, hash_page, iter_page_hashes
+from jserve.core.page_pool import NULL_PAGE, PagePool, check_count, hash_page, iter_page_hashes
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -69,6 +77,7 @@ class _Sequence:
     num_computed: int
     num_allocated: int
     page_hashes: list[bytes]  # chained hashes of the full computed pages (prefix caching only)
+    num_released: int = 0  # leading pages given back behind the sliding window (now the null page)
 
 
 class _PromptPlan(NamedTuple):
@@ -83,10 +92,17 @@ class _PromptPlan(NamedTuple):
 class PageTable:
     """Per-request page lists over a `PagePool`: admission with prefix reuse, growth, fork, free."""
 
-    def __init__(self, num_pages: int, page_size: int = 16, *, enable_prefix_caching: bool = False):
+    def __init__(self, num_pages: int, page_size: int = 16, *, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None):
+        """`sliding_window`: the window every layer of the model attends through (None: some layer
+        sees every position): pages behind it are given back as requests compute past them."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.pool = PagePool(num_pages, page_size)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.num_window_released_pages = 0  # pages given back behind the sliding window, in all
         self._seqs: dict[Hashable, _Sequence] = {}
         # Prefix-cache counters, counted at successful admission: hit rate = hit / query tokens.
         self.num_prefix_queries = 0
@@ -187,6 +203,8 @@ class PageTable:
             token_ids=plan.token_ids, cache_salt=cache_salt, page_ids=plan.cached_pages + fresh,
             num_computed=num_cached, num_allocated=num_cached + plan.num_new_tokens,
             page_hashes=plan.cached_hashes)
+        if self.sliding_window is not None:  # a cached prefix longer than the window
+            self._release_behind_window(self._seqs[request_id])
         if self.enable_prefix_caching:
             self.num_prefix_queries += 1
             self.num_prefix_query_tokens += len(plan.token_ids)
@@ -257,15 +275,32 @@ class PageTable:
             raise ValueError(f"num_new_tokens={num_new_tokens} exceeds the {num_pending} allocated, "
                              "uncomputed tokens")
         seq.num_computed += num_new_tokens
-        if not self.enable_prefix_caching:
-            return
         size = self.page_size
-        for i in range(len(seq.page_hashes), seq.num_computed // size):
-            parent = seq.page_hashes[-1] if seq.page_hashes else None
-            page_hash = hash_page(parent, seq.token_ids[i * size:(i + 1) * size], seq.cache_salt)
-            seq.page_hashes.append(page_hash)
-            # False when another page already holds this prefix: that one stays the cached copy.
-            self.pool.register(seq.page_ids[i], page_hash)
+        if self.enable_prefix_caching:
+            for i in range(len(seq.page_hashes), seq.num_computed // size):
+                parent = seq.page_hashes[-1] if seq.page_hashes else None
+                page_hash = hash_page(parent, seq.token_ids[i * size:(i + 1) * size], seq.cache_salt)
+                seq.page_hashes.append(page_hash)
+                # False when another page already holds this prefix: that one stays the cached copy.
+                self.pool.register(seq.page_ids[i], page_hash)
+        if self.sliding_window is not None:
+            self._release_behind_window(seq)
+
+    def _behind_window(self, seq: _Sequence) -> int:
+        """How many leading pages no later query of `seq` reads: a query at q >= num_computed
+        reads keys k > q - sliding_window, so page i, whose last key is (i + 1) * page_size - 1,
+        is read by none once that key is <= num_computed - sliding_window."""
+        reach = seq.num_computed - self.sliding_window + 1  # keys below it are read by no later query
+        return min(len(seq.page_ids), max(0, reach // self.page_size))
+
+    def _release_behind_window(self, seq: _Sequence) -> None:
+        dead = self._behind_window(seq)
+        if dead > seq.num_released:
+            pages = seq.page_ids[seq.num_released:dead]
+            seq.page_ids[seq.num_released:dead] = [NULL_PAGE] * len(pages)
+            seq.num_released = dead
+            self.num_window_released_pages += len(pages)
+            self.pool.release(reversed(pages))
 
     def release_lookahead(self, request_id: Hashable) -> int:
         """Gives back the request's pages past those its known tokens need (a speculative step's
@@ -286,7 +321,7 @@ class PageTable:
         seq = self._seq(request_id)
         del self._seqs[request_id]
         # Last page first: a prefix's tail is evicted before its head, which every reuse needs.
-        self.pool.release(reversed(seq.page_ids))
+        self.pool.release(reversed(seq.page_ids[seq.num_released:]))
 
     def check_invariants(self) -> None:
         """Asserts the bookkeeping is consistent (tests call it after every operation)."""
@@ -295,12 +330,16 @@ class PageTable:
             assert 0 <= seq.num_computed <= seq.num_allocated <= len(seq.token_ids), request_id
             # Pages past the slots are lookahead pages (multi-step decode): never indexed.
             assert len(seq.page_ids) >= _cdiv(seq.num_allocated, self.page_size), request_id
-            assert len(set(seq.page_ids)) == len(seq.page_ids), f"{request_id!r} holds a page twice"
-            owners.update(seq.page_ids)
+            held = seq.page_ids[seq.num_released:]
+            # Given back behind the window: exactly the pages no later query reads, none held.
+            assert seq.num_released == (0 if self.sliding_window is None else self._behind_window(seq)), request_id
+            assert set(seq.page_ids[:seq.num_released]) <= {NULL_PAGE}, f"{request_id!r} kept a page behind the window"
+            assert len(set(held)) == len(held), f"{request_id!r} holds a page twice"
+            owners.update(held)
             expected = (list(iter_page_hashes(seq.token_ids[:seq.num_computed], self.page_size,
                                               seq.cache_salt)) if self.enable_prefix_caching else [])
             assert seq.page_hashes == expected, f"{request_id!r}: stale page hashes"
-            for i, page in enumerate(seq.page_ids):
+            for i, page in enumerate(seq.page_ids[seq.num_released:], seq.num_released):
                 page_hash = self.pool.page_hash(page)
                 # An indexed page is full and computed for every owner, so no write ever reaches it.
                 assert page_hash is None or page_hash == (seq.page_hashes[i:i + 1] or [None])[0], (

@@ -104,7 +104,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_policy = StopPolicy(self.eos_token_ids, runner.config.vocab_size)
         dp = runner.dp
-        self.page_tables = [PageTable(runner.pages_per_group, runner.page_size,
+        # Pages behind a window every layer shares are given back, unless a draft model (whose
+        # attention may see every position) reads the same pages.
+        window = runner.config.shared_window if draft_runner is None else None
+        self.page_tables = [PageTable(runner.pages_per_group, runner.page_size, sliding_window=window,
                                       enable_prefix_caching=config.enable_prefix_caching) for _ in range(dp)]
         self.page_table = self.page_tables[0]
         self.scheduler: SchedulerProtocol
@@ -513,6 +516,7 @@ class LLMEngine:
             "pages_free": sum(p.num_free_pages for p in pools),
             "num_pages": self.runner.num_pages,
             "prefix_cache_hit_tokens": sum(t.num_prefix_hit_tokens for t in self.page_tables),
+            "pages_released_behind_window": sum(t.num_window_released_pages for t in self.page_tables),
             "prefix_cache_query_tokens": sum(t.num_prefix_query_tokens for t in self.page_tables),
             "padded_token_fraction": (padded - real) / padded if padded else 0.0,
             "num_running": self.scheduler.num_running,

@@ -162,6 +162,15 @@ class ModelConfig:
         window (and rotary base) is then its own, not one for the whole stack."""
         return len({self.layer_is_sliding(i) for i in range(self.num_layers)}) > 1
 
+    @property
+    def shared_window(self) -> int | None:
+        """The sliding window every layer attends through (Mistral, Phi-3), or None when some
+        layer sees every position (Gemma's full layers): the page table gives back the pages
+        behind a shared window (`jserve.core.page_table`)."""
+        if self.sliding_window is None or self.mixed_layers or not self.layer_is_sliding(0):
+            return None
+        return self.sliding_window
+
     def layer_period(self) -> int:
         """The smallest p such that layer i's kind is layer (i mod p)'s for every i below
         (num_layers // p) * p: a scanned stack runs groups of p layers, each of a fixed kind, and

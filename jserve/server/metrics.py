@@ -47,6 +47,8 @@ class ServerMetrics:
         self.pages_used = gauge("jserve_kv_pages_used", "KV pages held by requests")
         self.pages_cached = gauge("jserve_kv_pages_cached", "free KV pages still holding prefix-cache entries")
         self.pages_total = gauge("jserve_kv_pages_total", "KV pages in the pool")
+        self.window_pages = gauge("jserve_kv_pages_released_behind_window", "KV pages given back behind a "
+                                  "sliding window every layer shares, since start")
         self.kv_usage = gauge("jserve_kv_cache_usage_ratio", "used / total KV pages")
         self.prefix_hit_rate = gauge("jserve_prefix_cache_hit_rate", "prompt tokens found in the prefix cache "
                                                                      "/ prompt tokens looked up")
@@ -139,6 +141,7 @@ class ServerMetrics:
         self.pages_cached.set(stats.get("pages_cached", 0))
         total = stats.get("num_pages", 0)
         self.pages_total.set(total)
+        self.window_pages.set(stats.get("pages_released_behind_window", 0))
         self.kv_usage.set(stats.get("pages_in_use", 0) / total if total else 0.0)
         query = stats.get("prefix_cache_query_tokens", 0)
         self.prefix_hit_rate.set(stats.get("prefix_cache_hit_tokens", 0) / query if query else 0.0)
