@@ -13,4 +13,6 @@ python -m ruff check jserve pallas_kernels tests scripts  # lint (pyproject.toml
 # A worker process per core (at most 4; JSERVE_TEST_WORKERS=N sets it, 0 runs in this process), each
 # running whole test files (module fixtures build their engines once); the slowest tests are listed.
 workers="${JSERVE_TEST_WORKERS:-$(n=$(nproc); echo $(( n < 4 ? n : 4 )))}"
-exec python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile --durations=15 "$@"
+# --max-worker-restart=0: a worker that dies (the kernel's OOM killer, a segfault) ends the run with
+# an error; pytest-xdist 3.8 hung after restarting one (2026-12-04).
+exec python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile --max-worker-restart=0 --durations=15 "$@"

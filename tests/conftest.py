@@ -90,7 +90,17 @@ def _memory_maps() -> int:
         return 0
 
 
+def _rss() -> int:
+    """This process's resident memory in bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
 _PEAK_MAPS = [0, ""]  # the most memory mappings seen after a test, and that test
+_PEAK_RSS = [0, ""]  # the most resident memory seen after a test, and that test
 _MAPS_LOG = os.environ.get("JSERVE_TEST_MAPS_LOG")  # a file: each test's mappings and time, for diagnosis
 
 
@@ -118,6 +128,8 @@ def _collect(clear_caches: bool = False) -> None:
 
 
 _NEXT_COLLECTION = [15000]  # the mappings past which the next test's teardown collects
+_GIB = 1 << 30
+_NEXT_RSS = [4 * _GIB]  # the resident bytes past which it collects
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -129,23 +141,32 @@ def pytest_runtest_teardown(item, nextitem):
     waits for 15000 mappings or 6000 more than this one left, whichever is more (at most
     46000): a collection costs about 1.5 s in a worker's full heap, and once the live mappings
     passed 15000 for good a fixed threshold collected after every test (CI, 2026-12-03: 272
-    collections, 397 s on one worker of two; 14 and 34 s with this rule, peak 38907)."""
-    maps = _memory_maps()
+    collections, 397 s on one worker of two; 14 and 34 s with this rule, peak 38907).
+
+    Resident memory has the same rule: collect past 4 GiB or 2 GiB more than the last collection
+    left (at most 7 GiB), and drop JAX's caches too if more than 6 GiB remain. Two workers and
+    the processes some tests start share the machine's memory: on a 23 GiB machine the kernel
+    killed a worker holding 12 GiB beside another of 9.7 GiB and a 2.3 GiB `jserve warmup`
+    (2026-12-04), and pytest-xdist then hung."""
+    maps, rss = _memory_maps(), _rss()
     if maps > _PEAK_MAPS[0]:
         _PEAK_MAPS[:] = [maps, item.nodeid]
-    _log_maps(f"{time.time():.1f} {maps} {item.nodeid} {os.environ.get('PYTEST_XDIST_WORKER', '')}")
-    _maybe_collect(maps)
+    if rss > _PEAK_RSS[0]:
+        _PEAK_RSS[:] = [rss, item.nodeid]
+    _log_maps(f"{time.time():.1f} {maps} {rss >> 20}M {item.nodeid} {os.environ.get('PYTEST_XDIST_WORKER', '')}")
+    _maybe_collect(maps, rss)
 
 
-def _maybe_collect(maps: int) -> None:
-    """`pytest_runtest_teardown`'s rule, for `maps` mappings now."""
-    if maps > _NEXT_COLLECTION[0]:
+def _maybe_collect(maps: int, rss: int) -> None:
+    """`pytest_runtest_teardown`'s rule, for `maps` mappings and `rss` resident bytes now."""
+    if maps > _NEXT_COLLECTION[0] or rss > _NEXT_RSS[0]:
         _collect()
-        left = _memory_maps()
-        if left > 40000:
+        left, rss = _memory_maps(), _rss()
+        if left > 40000 or rss > 6 * _GIB:
             _collect(clear_caches=True)
-            left = _memory_maps()
+            left, rss = _memory_maps(), _rss()
         _NEXT_COLLECTION[0] = min(max(15000, left + 6000), 46000)  # well below the kernel's 65530
+        _NEXT_RSS[0] = min(max(4 * _GIB, rss + 2 * _GIB), 7 * _GIB)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -162,8 +183,8 @@ def _free_executables(request):
     The terminal summary prints the peak and what the collections cost.
     """
     yield
-    _maybe_collect(_memory_maps())  # the module's fixtures are garbage now; collected by the same rule
-    _log_maps(f"{time.time():.1f} {_memory_maps()} module-end {request.module.__name__}")
+    _maybe_collect(_memory_maps(), _rss())  # the module's fixtures are garbage now; the same rule
+    _log_maps(f"{time.time():.1f} {_memory_maps()} {_rss() >> 20}M module-end {request.module.__name__}")
 
 
 _WORKERS: dict[str, tuple] = {}  # under pytest-xdist: each worker's (peak, test, collections), on the controller
@@ -172,7 +193,7 @@ _WORKERS: dict[str, tuple] = {}  # under pytest-xdist: each worker's (peak, test
 def pytest_sessionfinish(session):
     output = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker: report to the controller
     if output is not None:
-        output["jserve_maps"] = (*_PEAK_MAPS, _GC["count"], _GC["seconds"], _GC["cleared"])
+        output["jserve_maps"] = (*_PEAK_MAPS, _GC["count"], _GC["seconds"], _GC["cleared"], *_PEAK_RSS)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -187,11 +208,12 @@ def pytest_terminal_summary(terminalreporter):
         limit = int(Path("/proc/sys/vm/max_map_count").read_text())
     except (OSError, ValueError):
         limit = 0
-    reports = dict(_WORKERS) or {"": (*_PEAK_MAPS, _GC["count"], _GC["seconds"], _GC["cleared"])}
-    for worker, (peak, test, count, seconds, cleared) in sorted(reports.items()):
+    reports = dict(_WORKERS) or {"": (*_PEAK_MAPS, _GC["count"], _GC["seconds"], _GC["cleared"], *_PEAK_RSS)}
+    for worker, (peak, test, count, seconds, cleared, rss, rss_test) in sorted(reports.items()):
         if peak:
             terminalreporter.write_line(f"{worker + ': ' if worker else ''}memory mappings after a test: at most "
                                         f"{peak} (after {test}; the kernel's limit is {limit or 'unknown'}); "
+                                        f"resident memory at most {rss / 2**30:.1f} GiB (after {rss_test}); "
                                         f"{count} collections took {seconds:.1f} s, {cleared} cleared JAX's caches")
 
 
