@@ -105,6 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
             out = llm.generate(args.prompt, params)[0]
     finally:
         llm.runner.stop_followers()
+        llm.close()  # its memory now, not at a later garbage collection (in-process callers, tests)
     completion = out.outputs[0]
     if args.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": completion.token_ids,

@@ -123,12 +123,15 @@ class LLM:
                                    draft=draft)
         self.runner = self.engine.runner
         self._next_id = 0
+        self._closed = False
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for one prompt or a list; each prompt is text, token ids, or
         `{"prompt": text}` / `{"prompt_token_ids": ids}`. Returns one RequestOutput per prompt."""
+        if self._closed:
+            raise RuntimeError("this LLM is closed (LLM.close): load the model again to generate")
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
         encoded = [self._encode(item) for item in items]
@@ -177,6 +180,21 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         """Engine counters: preemptions, compilations after warm-up, pages in use / cached, ..."""
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Free the model now: stop the background compilation thread and delete the weights' and
+        KV pages' device buffers (the draft model's too), instead of leaving them to a later
+        garbage collection (an engine sits in reference cycles). `generate` and `chat` then
+        raise; closing twice is harmless. `with LLM(...) as llm:` closes at the block's end."""
+        for runner in (self.runner, *self.engine._draft_runners()):
+            runner.close(free_memory=True)
+        self._closed = True
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _encode(self, item: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(item, str):

@@ -43,6 +43,13 @@ def test_convert_restore_and_generate_from_hf_folder(tiny_hf_folder, tmp_path):
     got = llm.generate([[int(t) for t in ref["input_ids"][0, :10]]],
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert got.outputs[0].token_ids == ref["greedy_ids"][0].tolist()
+    # close() frees the weights and pages now; the LLM refuses to generate after it
+    with llm:
+        pass
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves((llm.runner.params, llm.runner.kv)))
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1, 2, 3]])
+    llm.close()  # twice: harmless
 
 
 def test_llm_dtype_casts_a_stored_checkpoint(tiny_hf_folder, tmp_path):

@@ -554,10 +554,16 @@ class Runner(MultiTokenSteps):
         """The device the params live on (one device; the default one if uncommitted)."""
         return _device_of(self.params)
 
-    def close(self) -> None:
-        """Stop the lazy buckets' thread (after the shape it is compiling)."""
+    def close(self, *, free_memory: bool = False) -> None:
+        """Stop the lazy buckets' thread (after the shape it is compiling); `free_memory`: delete
+        the params' and KV pages' device buffers too (the runner cannot step after that; for the
+        owner of those params, `LLM.close`)."""
         if self.lazy is not None:
             self.lazy.stop()
+        if free_memory:
+            for leaf in jax.tree.leaves((self.params, self.kv)):
+                if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                    leaf.delete()
 
 
 def _rows_sharding(mesh):
