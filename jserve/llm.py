@@ -186,7 +186,7 @@ class LLM:
         KV pages' device buffers (the draft model's too), instead of leaving them to a later
         garbage collection (an engine sits in reference cycles). `generate` and `chat` then
         raise; closing twice is harmless. `with LLM(...) as llm:` closes at the block's end."""
-        for runner in (self.runner, *self.engine._draft_runners()):
+        for runner in (self.runner, *self.engine.draft_runners()):
             runner.close(free_memory=True)
         self._closed = True
 

@@ -336,7 +336,8 @@ def test_exactly_the_pages_no_later_query_reads_are_given_back(window, page_size
 def test_window_pages_given_back_stay_cached_for_a_prefix_hit():
     pt = PageTable(16, 2, enable_prefix_caching=True, sliding_window=3)
     prompt = list(range(11))
-    run_prompt(pt, "a", prompt)  # 11 computed: (11 - 3) // 2 = 4 pages given back, still cached
+    # 11 computed: keys 0..8 out of reach, (11 - 3 + 1) // 2 = 4 pages given back, still cached
+    run_prompt(pt, "a", prompt)
     assert pt.page_ids("a")[:4] == [NULL_PAGE] * 4 and pt.pool.num_cached_pages == 4
     assert pt.lookup_prefix(prompt) == 10  # every full page, the given-back ones too
     num_cached = pt.allocate_prompt("b", prompt)

@@ -510,7 +510,7 @@ class LLMEngine:
             # The prompt-logprob step compiles on first use (not warmed up): counted here.
             "compilations_after_warmup": self.runner.num_compilations_after_warmup + (
                 self.runner.num_score_compilations) + sum(
-                r.num_compilations_after_warmup for r in self._draft_runners()),
+                r.num_compilations_after_warmup for r in self.draft_runners()),
             "pages_in_use": sum(p.num_used_pages for p in pools),
             "pages_cached": sum(p.num_cached_pages for p in pools),
             "pages_free": sum(p.num_free_pages for p in pools),
@@ -546,7 +546,8 @@ class LLMEngine:
                 "buckets_pending": len(lazy.pending) if lazy else 0,
                 "buckets_failed": len(lazy.failed) if lazy else 0}
 
-    def _draft_runners(self) -> list[Runner]:
+    def draft_runners(self) -> list[Runner]:
+        """The draft model's runner (speculative method "draft_model"), else none."""
         proposer = self.speculator.proposer if self.speculator is not None else None
         return [proposer.runner] if isinstance(proposer, DraftModelProposer) else []
 

@@ -167,9 +167,7 @@ class ModelConfig:
         """The sliding window every layer attends through (Mistral, Phi-3), or None when some
         layer sees every position (Gemma's full layers): the page table gives back the pages
         behind a shared window (`jserve.core.page_table`)."""
-        if self.sliding_window is None or self.mixed_layers or not self.layer_is_sliding(0):
-            return None
-        return self.sliding_window
+        return self.sliding_window if self.layer_is_sliding(0) and not self.mixed_layers else None
 
     def layer_period(self) -> int:
         """The smallest p such that layer i's kind is layer (i mod p)'s for every i below
