@@ -6,11 +6,9 @@ import bisect
 from typing import Sequence
 
 # Batch 1 has its own bucket: one row's matmuls are matrix-vector products, which XLA:CPU runs
-# near memory bandwidth, so a row of its own beats one row padded to 2 (docs/performance.md).
-# With a dense cache a one-row scatter became cache-sized copies (batch 1 decode slower than
-# batch 2); the paged step's HLO still has a copy of each layer's pool, but it is done in place
-# (the pages are donated), so batch-1 step time does not grow with the pool. A backend without
-# the native attention kernel drops batch 1 (`Backend.batch_buckets`: batch 2 serves it).
+# near memory bandwidth, so a row of its own beats one row padded to 2. The paged step writes its
+# pages in place (they are donated), so a one-row step does not grow with the pool. A backend
+# without the native attention kernel drops batch 1 (`Backend.batch_buckets`: batch 2 serves it).
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 

@@ -1,52 +1,10 @@
 """Page table: the KV-cache pages each request owns, with refcounts and a prefix cache.
 
 Pure Python (neither jax nor numpy): the scheduler drives it, the runner only reads `page_ids()`.
-
 The pages themselves (free, used, cached; the null page 0) are `jserve.core.page_pool.PagePool`'s.
-
-`PageTable` keeps three counts per request, `num_computed_tokens <= num_allocated_tokens <=
-num_tokens`: tokens whose K/V is written, tokens that have a slot, tokens known (prompt + sampled).
-The scheduler's contract:
-
-1. Admit: `n = lookup_prefix(prompt, cache_salt=salt)` says how many leading tokens are cached;
-   pick a chunk `k <= len(prompt) - n` and call `allocate_prompt(rid, prompt, num_new_tokens=k,
-   cache_salt=salt)`. It shares the cached pages (they count as computed) and gives slots to the
-   next `k` tokens. None means the pool is short and nothing changed (`can_allocate_prompt` asks).
-2. Each step, for `k` more known tokens to compute: `allocate_slots(rid, k)`. False: short,
-   nothing changed (preempt someone).
-3. After the step ran: `mark_computed(rid, k)`. Pages that are now full and computed enter the
-   prefix cache under sha256(parent page hash, the page's token ids, cache salt): tenants with
-   different salts never share a page.
-4. After sampling: `append_tokens(rid, [token])`; its slot comes with the next `allocate_slots`.
-5. `free(rid)` on finish, abort or preemption (re-admit with prompt + output as the prompt; the
-   prefix cache saves the recompute).
-
-Pages are shared only through the prefix cache, and only full ones: a write never lands in a
-shared page, so nothing is ever copied on write (parallel samples share their prompt's full
-pages through the cache and compute their own last partial page).
-
-Lookahead (multi-step decode): `allocate_slots(rid, 1, num_lookahead=n - 1)` also takes the pages
-for the `n - 1` tokens the device will sample and feed back within one call, before they are
-known. The request then holds pages past its allocated slots; each later step's
-`allocate_slots(rid, 1)` (after `append_tokens`) finds its slot in them and takes no page. Pages
-held past the slots are released with the others by `free`, or by `release_lookahead`.
-
-Speculative decoding takes lookahead pages the same way for a step's draft tokens
-(`allocate_slots(rid, 0, num_lookahead=m)` after the step's own slot); the drafts its samples
-confirm become slots one by one (`append_tokens`, `allocate_slots(rid, 1)`, `mark_computed`), and
-`release_lookahead` gives back the pages of those it rejected.
-
-Sliding window (`sliding_window`: every layer attends to the last `sliding_window` positions
-only, as Mistral's and Phi-3's do): once a request has computed past a page by the window, no
-later query of it reads that page (a query at q reads keys k > q - window), so `mark_computed`
-gives the page back and puts the null page in its place in the request's list; the attention
-masks that place out by position. The list keeps its length (slot `i` is still page
-`i // page_size`). With prefix caching a full page given back stays cached until evicted. A
-model whose layers differ (Gemma's full and sliding layers share each page) keeps every page.
-
-A request always computes at least its last prompt token, and writes never touch a cached page:
-so a prompt of `m` full pages, all cached, reuses `m - 1` of them and recomputes the last page
-(as vLLM does) rather than copying a cached page to rewrite one slot of it.
+`PageTable`'s docstring is the scheduler's contract (admit, allocate, mark computed, append, free;
+lookahead pages for multi-step decode and speculative drafts; pages given back behind a sliding
+window). See docs/architecture.md, "One request, from HTTP to the kernel and back".
 """
 
 import collections
@@ -90,7 +48,52 @@ class _PromptPlan(NamedTuple):
 
 
 class PageTable:
-    """Per-request page lists over a `PagePool`: admission with prefix reuse, growth, fork, free."""
+    """Per-request page lists over a `PagePool`: admission with prefix reuse, growth, fork, free.
+
+    `PageTable` keeps three counts per request, `num_computed_tokens <= num_allocated_tokens <=
+    num_tokens`: tokens whose K/V is written, tokens that have a slot, tokens known (prompt + sampled).
+    The scheduler's contract:
+
+    1. Admit: `n = lookup_prefix(prompt, cache_salt=salt)` says how many leading tokens are cached;
+       pick a chunk `k <= len(prompt) - n` and call `allocate_prompt(rid, prompt, num_new_tokens=k,
+       cache_salt=salt)`. It shares the cached pages (they count as computed) and gives slots to the
+       next `k` tokens. None means the pool is short and nothing changed (`can_allocate_prompt` asks).
+    2. Each step, for `k` more known tokens to compute: `allocate_slots(rid, k)`. False: short,
+       nothing changed (preempt someone).
+    3. After the step ran: `mark_computed(rid, k)`. Pages that are now full and computed enter the
+       prefix cache under sha256(parent page hash, the page's token ids, cache salt): tenants with
+       different salts never share a page.
+    4. After sampling: `append_tokens(rid, [token])`; its slot comes with the next `allocate_slots`.
+    5. `free(rid)` on finish, abort or preemption (re-admit with prompt + output as the prompt; the
+       prefix cache saves the recompute).
+
+    Pages are shared only through the prefix cache, and only full ones: a write never lands in a
+    shared page, so nothing is ever copied on write (parallel samples share their prompt's full
+    pages through the cache and compute their own last partial page).
+
+    Lookahead (multi-step decode): `allocate_slots(rid, 1, num_lookahead=n - 1)` also takes the pages
+    for the `n - 1` tokens the device will sample and feed back within one call, before they are
+    known. The request then holds pages past its allocated slots; each later step's
+    `allocate_slots(rid, 1)` (after `append_tokens`) finds its slot in them and takes no page. Pages
+    held past the slots are released with the others by `free`, or by `release_lookahead`.
+
+    Speculative decoding takes lookahead pages the same way for a step's draft tokens
+    (`allocate_slots(rid, 0, num_lookahead=m)` after the step's own slot); the drafts its samples
+    confirm become slots one by one (`append_tokens`, `allocate_slots(rid, 1)`, `mark_computed`), and
+    `release_lookahead` gives back the pages of those it rejected.
+
+    Sliding window (`sliding_window`: every layer attends to the last `sliding_window` positions
+    only, as Mistral's and Phi-3's do): once a request has computed past a page by the window, no
+    later query of it reads that page (a query at q reads keys k > q - window), so `mark_computed`
+    gives the page back and puts the null page in its place in the request's list; the attention
+    masks that place out by position. The list keeps its length (slot `i` is still page
+    `i // page_size`). With prefix caching a full page given back stays cached until evicted. A
+    model whose layers differ (Gemma's full and sliding layers share each page) keeps every page.
+
+    A request always computes at least its last prompt token, and writes never touch a cached page:
+    so a prompt of `m` full pages, all cached, reuses `m - 1` of them and recomputes the last page
+    (as vLLM does) rather than copying a cached page to rewrite one slot of it.
+    """
 
     def __init__(self, num_pages: int, page_size: int = 16, *, enable_prefix_caching: bool = False,
                  sliding_window: int | None = None):

@@ -2,18 +2,12 @@
 
 A quantized checkpoint (`jserve convert --quantize`) stores the report of `jserve eval` against
 its float source in generation.json's `quantization.report`; a float checkpoint quantized at load
-(`LLM(quantization=...)`) finds it in `quality/<label>.json` beside its params, written by
-`jserve eval --quantization ... --save`. `check` prints the report's summary and refuses a
-model with no report, or one beyond the thresholds, unless the gate is "warn" or "off".
-
-The thresholds bound the mean KL divergence of the quantized model's next-token distribution
-from the float model's, and its top-1 agreement, on the shipped evaluation text. The defaults
-per scheme were chosen from measurements on the default model, side by side with llama.cpp's
-own quantizations (docs/performance.md, "Quantization quality"): each passes what int8, int8 in
-groups and fp8 measured there, and int4's refuses round-to-nearest int4 of that 135M model,
-whose perplexity rises by a quarter or more. A GGUF's own quantized weights are evaluated
-against the same file read as floats: that report checks the kernels, not the quantization,
-whose original float weights are not in the file.
+(`LLM(quantization=...)`) finds it in `quality/<label>.json`, written by `jserve eval --save`.
+`check` logs the report's summary and refuses a model with no report, or one beyond the
+thresholds (mean KL from the float model, top-1 agreement), unless the gate is "warn" or "off".
+The defaults per scheme come from docs/performance.md's "Quantization quality"; a GGUF's own
+weights are checked against the same file read as floats (the kernels, not the quantization).
+See docs/architecture.md, "Quantization".
 """
 
 from __future__ import annotations

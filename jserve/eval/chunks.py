@@ -1,17 +1,8 @@
 """Cutting a token stream into scoring chunks the way llama.cpp's `llama-perplexity` does.
 
-llama.cpp (tools/perplexity/perplexity.cpp, `perplexity` and `kl_divergence`):
-
-- the text is tokenized once, with the model's BOS when its vocabulary adds one;
-- it is cut into `n_chunk = len(tokens) // n_ctx` chunks of `n_ctx` consecutive tokens (the
-  tail is dropped; `--chunks N` takes the first N), each evaluated from an empty KV cache at
-  positions 0..n_ctx-1;
-- where the model adds BOS, each chunk's first token is replaced by BOS (its original token is
-  kept for nothing else: it is never a target);
-- `first = n_ctx / 2`: the logits at positions first..n_ctx-2 are scored against the tokens at
-  first+1..n_ctx-1, so each chunk scores `n_ctx - 1 - first` tokens (255 of 512).
-
-llama.cpp needs at least 2 * n_ctx tokens; so does `chunk_tokens`.
+`chunk_tokens` gives the `Chunks` to score; its docstring spells out llama.cpp's rules
+(tools/perplexity/perplexity.cpp). See docs/architecture.md, "Quantization", for where `jserve
+eval` fits.
 """
 
 from __future__ import annotations
@@ -49,7 +40,21 @@ class Chunks:
 def chunk_tokens(tokens: Sequence[int], ctx: int = 512, *, bos: int | None = None,
                  max_chunks: int | None = None) -> Chunks:
     """`tokens` (the whole text, tokenized with BOS where the model adds one) cut as llama.cpp
-    cuts them; `bos` the BOS id where the model adds one (it replaces each chunk's first token)."""
+    cuts them; `bos` the BOS id where the model adds one (it replaces each chunk's first token).
+
+    llama.cpp (tools/perplexity/perplexity.cpp, `perplexity` and `kl_divergence`):
+
+    - the text is tokenized once, with the model's BOS when its vocabulary adds one;
+    - it is cut into `n_chunk = len(tokens) // n_ctx` chunks of `n_ctx` consecutive tokens (the
+      tail is dropped; `--chunks N` takes the first N), each evaluated from an empty KV cache at
+      positions 0..n_ctx-1;
+    - where the model adds BOS, each chunk's first token is replaced by BOS (its original token is
+      kept for nothing else: it is never a target);
+    - `first = n_ctx / 2`: the logits at positions first..n_ctx-2 are scored against the tokens at
+      first+1..n_ctx-1, so each chunk scores `n_ctx - 1 - first` tokens (255 of 512).
+
+    llama.cpp needs at least 2 * n_ctx tokens; so does `chunk_tokens`.
+    """
     if ctx < 4 or ctx % 2:
         raise ValueError(f"ctx must be an even number >= 4, got {ctx}")
     tokens = np.asarray(tokens, np.int32)

@@ -1,22 +1,9 @@
 """Per-token statistics from two models' logits, and their summaries, as llama.cpp reports them.
 
-Per scored token (`token_stats`), from float64 log-softmaxes of the full vocabulary:
-
-- nll: -log p(target) for each model (perplexity = exp(mean nll));
-- kl: KL(R || Q) = sum_v p_R(v) (log p_R(v) - log p_Q(v)), R the reference (llama.cpp's "base");
-- top: each model's argmax (the first index on ties, as llama.cpp's loop);
-- p: each model's probability of the target (llama.cpp's Δp = p_Q - p_R).
-
-Summaries (`summarize`) follow llama.cpp's `kl_divergence` (tools/perplexity/perplexity.cpp):
-mean, median (the mean of the two middle values for an even count), percentiles by linear
-interpolation between the sorted values at fraction * (n - 1), maximum; "same top p" is the
-fraction of tokens with equal argmaxes; RMS Δp; ln(PPL(Q) / PPL(R)) = mean nll_Q - mean nll_R.
-
-Where llama.cpp differs: it stores the base model's log-probabilities as 16-bit codes over
-[max - 16, max] (`--kl-divergence-base`), and its KL sums only the vocabulary entries whose base
-log-probability is above -16 (p > 1.1e-7), with the base log-probs so rounded; its base argmax
-(for "same top p") is taken over the rounded codes. Here everything is exact float64, so values
-agree with llama.cpp's to about the rounding of its codes (a step of 16 / 65535 in log-probability).
+`token_stats` (nll, KL(R || Q), argmaxes, target probabilities per scored token, in float64) and
+`summarize` (llama.cpp's `kl_divergence` statistics; its docstring says where llama.cpp's rounded
+16-bit base log-probabilities make its values differ slightly). See docs/architecture.md,
+"Quantization".
 """
 
 from __future__ import annotations
@@ -40,6 +27,13 @@ def token_stats(logits_q: np.ndarray, targets: np.ndarray, logits_r: np.ndarray 
 
     Returns float64/int arrays [N]: nll_q, top_q, p_q, and with R: nll_r, top_r, p_r, kl.
     Computed in blocks of ROW_BLOCK rows, so memory stays bounded whatever N.
+
+    Per scored token (`token_stats`), from float64 log-softmaxes of the full vocabulary:
+
+    - nll: -log p(target) for each model (perplexity = exp(mean nll));
+    - kl: KL(R || Q) = sum_v p_R(v) (log p_R(v) - log p_Q(v)), R the reference (llama.cpp's "base");
+    - top: each model's argmax (the first index on ties, as llama.cpp's loop);
+    - p: each model's probability of the target (llama.cpp's Δp = p_Q - p_R).
     """
     logits_q = np.asarray(logits_q)
     targets = np.asarray(targets, np.int64)
@@ -93,7 +87,19 @@ def kl_summary(kl: np.ndarray) -> dict[str, float]:
 
 
 def summarize(stats: dict[str, np.ndarray], targets: np.ndarray) -> dict[str, Any]:
-    """The report's numbers from `token_stats` over all scored tokens."""
+    """The report's numbers from `token_stats` over all scored tokens.
+
+    Summaries (`summarize`) follow llama.cpp's `kl_divergence` (tools/perplexity/perplexity.cpp):
+    mean, median (the mean of the two middle values for an even count), percentiles by linear
+    interpolation between the sorted values at fraction * (n - 1), maximum; "same top p" is the
+    fraction of tokens with equal argmaxes; RMS Δp; ln(PPL(Q) / PPL(R)) = mean nll_Q - mean nll_R.
+
+    Where llama.cpp differs: it stores the base model's log-probabilities as 16-bit codes over
+    [max - 16, max] (`--kl-divergence-base`), and its KL sums only the vocabulary entries whose base
+    log-probability is above -16 (p > 1.1e-7), with the base log-probs so rounded; its base argmax
+    (for "same top p") is taken over the rounded codes. Here everything is exact float64, so values
+    agree with llama.cpp's to about the rounding of its codes (a step of 16 / 65535 in log-probability).
+    """
     targets = np.asarray(targets)
     out: dict[str, Any] = {
         "scored_tokens": int(len(targets)),

@@ -1,23 +1,8 @@
 """The evaluation's result: `EvalReport`, its JSON (stored in quantized checkpoints and read by the
 quality gate) and its terminal table.
 
-JSON schema (format_version 1; every float a plain number, None where not measured):
-
-    {"format_version": 1,
-     "candidate": {"label", "path", "dtype", "quantization" (QuantSpec JSON or null), "weights"},
-     "reference": the same, or null when only the candidate's perplexity was measured,
-     "text": {"source", "sha256", "chars", "tokens"},
-     "ctx": 512, "first": 256, "bos": null or the BOS id put first in each chunk,
-     "chunks": N, "scored_tokens": N * (ctx - 1 - first),
-     "ppl": {"candidate", "reference"}, "nll": {"candidate", "reference"},
-     "ln_ppl_ratio": mean nll(Q) - mean nll(R),
-     "kl": {"mean", "median", "p90", "p99", "p999", "max"} (KL(R || Q) per scored token, nats),
-     "top1_agreement": fraction of scored tokens where both argmaxes agree (llama.cpp's "same top p"),
-     "top1_accuracy": {"candidate", "reference"}: argmax == the text's next token,
-     "rms_delta_p": RMS of p_Q(next) - p_R(next),
-     "greedy": {"source", "prompts", "max_tokens", "exact_match", "mean_prefix_fraction",
-                "prefix_fractions"} or null,
-     "timings_s": {...}, "backend": "...", "jserve_version": "..."}
+`EvalReport`'s docstring gives the JSON schema (format_version 1). See docs/architecture.md,
+"Quantization".
 """
 
 from __future__ import annotations
@@ -31,6 +16,24 @@ FORMAT_VERSION = 1
 
 @dataclasses.dataclass
 class EvalReport:
+    """JSON schema (format_version 1; every float a plain number, None where not measured):
+
+        {"format_version": 1,
+         "candidate": {"label", "path", "dtype", "quantization" (QuantSpec JSON or null), "weights"},
+         "reference": the same, or null when only the candidate's perplexity was measured,
+         "text": {"source", "sha256", "chars", "tokens"},
+         "ctx": 512, "first": 256, "bos": null or the BOS id put first in each chunk,
+         "chunks": N, "scored_tokens": N * (ctx - 1 - first),
+         "ppl": {"candidate", "reference"}, "nll": {"candidate", "reference"},
+         "ln_ppl_ratio": mean nll(Q) - mean nll(R),
+         "kl": {"mean", "median", "p90", "p99", "p999", "max"} (KL(R || Q) per scored token, nats),
+         "top1_agreement": fraction of scored tokens where both argmaxes agree (llama.cpp's "same top p"),
+         "top1_accuracy": {"candidate", "reference"}: argmax == the text's next token,
+         "rms_delta_p": RMS of p_Q(next) - p_R(next),
+         "greedy": {"source", "prompts", "max_tokens", "exact_match", "mean_prefix_fraction",
+                    "prefix_fractions"} or null,
+         "timings_s": {...}, "backend": "...", "jserve_version": "..."}
+    """
     candidate: dict[str, Any]
     reference: dict[str, Any] | None
     text: dict[str, Any]

@@ -1,17 +1,6 @@
 """The evaluation text: English prose extracted from the standard library's `pydoc_data/topics.py`.
 
-Every CPython ships `pydoc_data.topics.topics`, a dict from help-topic names to reStructuredText
-rendered as plain text. The extraction (`pydoc_prose`) is deterministic:
-
-1. the topics' values in sorted key order;
-2. each value split into paragraphs at blank lines;
-3. a paragraph is kept when none of its lines is indented (indented blocks are code, grammar
-   productions and tables), it is not a heading (a line underlined with `*`, `=`, `-`, `~` or `^`),
-   and it has at least 8 words;
-4. each kept paragraph's whitespace collapsed to single spaces, paragraphs joined by a blank line;
-5. paragraphs taken in order until the text reaches `DEFAULT_MAX_CHARS` characters (the paragraph
-   that crosses the limit is kept whole).
-
+`pydoc_prose` says how the prose is extracted (deterministically, from `pydoc_data.topics`).
 The text depends on the Python version (topics.py is regenerated for each release): reports carry
 its sha256 and the version, and compare only measurements made on the same text. With CPython
 3.13.0 the default is 160,073 characters, 35,605 tokens with SmolLM2's tokenizer.
@@ -63,7 +52,20 @@ def _prose_paragraphs(topic: str) -> list[str]:
 
 
 def pydoc_prose(max_chars: int | None = DEFAULT_MAX_CHARS) -> str:
-    """The default evaluation text (see the module docstring); `max_chars` None: all of it."""
+    """The default evaluation text; `max_chars` None: all of it.
+
+    Every CPython ships `pydoc_data.topics.topics`, a dict from help-topic names to reStructuredText
+    rendered as plain text. The extraction (`pydoc_prose`) is deterministic:
+
+    1. the topics' values in sorted key order;
+    2. each value split into paragraphs at blank lines;
+    3. a paragraph is kept when none of its lines is indented (indented blocks are code, grammar
+       productions and tables), it is not a heading (a line underlined with `*`, `=`, `-`, `~` or `^`),
+       and it has at least 8 words;
+    4. each kept paragraph's whitespace collapsed to single spaces, paragraphs joined by a blank line;
+    5. paragraphs taken in order until the text reaches `DEFAULT_MAX_CHARS` characters (the paragraph
+       that crosses the limit is kept whole).
+    """
     from pydoc_data.topics import topics
 
     paragraphs: list[str] = []
