@@ -1,9 +1,9 @@
 """A GGUF file's metadata and tensors, read as `gguf.GGUFReader` reads them, in a fraction of its time.
 
 `gguf.GGUFReader` builds a numpy view per metadata value, so a large vocabulary (Gemma 3's 262144
-tokens, scores and types) costs about a million of them: 12 to 30 s on a 2-core machine, before a
-single tensor is read. The header is plain length-prefixed records: `read_gguf_kv` parses the
-metadata directly (the tokenizer's reader), and the tensor infos after it are parsed here; each
+tokens, scores and types) costs about a million of them, seconds before a single tensor is read
+(docs/performance.md, "Host side"). The header is plain length-prefixed records: `read_gguf_kv`
+parses the metadata directly (the tokenizer's reader), and the tensor infos after it are parsed here; each
 tensor's `data` is the same memory-mapped view of the file GGUFReader gives (quantized types as
 their raw bytes, [..., rows, bytes per row]), so `gguf.quants.dequantize` and
 `jserve.model.quant_import` read it unchanged.

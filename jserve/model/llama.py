@@ -1,19 +1,12 @@
 """Flax NNX decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3) and Gemma 2 / 3.
 
 `DecoderLayer` is the one definition of a layer; `LlamaModel` embeds, runs the layer stack and
-the head. Gemma's differences are config-driven branches of the same layer (`ModelConfig`'s
-norm_offset, post_norms, embed_scale, hidden_act, query_pre_attn_scalar, the soft caps,
-layer_types and rope_local_theta): (1 + w) RMSNorms, norms on the attention's and the MLP's
-outputs, GeGLU, embeddings times sqrt(hidden), its own query scale, tanh soft-capping of the
-attention and output logits, and sliding-window layers interleaved with full ones, each with its
-own window and (Gemma 3) rotary base. Phi-3 is the Llama layer (its fused qkv_proj / gate_up_proj
-are split when read, `jserve.model.sources`) with partial rotary (`ModelConfig.rotary_dim`) and
-LongRoPE (`rotary_tables`: per token, the short or long factors' table, flagged in its position).
-
-How each operation runs (XLA dots or native kernels, the stack unrolled, scanned or fused) is the
-caller's `ModelOps` (`jserve.runtime.backends`); attention over the KV cache is its
-`Attention`, so the same model runs over a contiguous cache (offline generation, `XlaOps`) or a
-paged one (the engine). Checkpoints stack per-layer weights along a leading `num_layers` axis.
+the head. Gemma's and Phi-3's differences are config-driven branches of the same layer
+(`ModelConfig`; docs/architecture.md, "The model"). How each operation runs (XLA dots or native
+kernels, the stack unrolled, scanned or fused) is the caller's `ModelOps`
+(`jserve.runtime.backends`); attention over the KV cache is its `Attention`, so the same model
+runs over a contiguous cache (offline generation, `XlaOps`) or a paged one (the engine).
+Checkpoints stack per-layer weights along a leading `num_layers` axis.
 """
 
 from __future__ import annotations
@@ -110,8 +103,7 @@ def rotary_tables(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0)
     `inv_freq` [rope_dim / 2], or per token [batch, tokens, rope_dim / 2]; both times `scale`
     (LongRoPE's attention factor) where it is not 1.
 
-    (Computed inside every layer, XLA:CPU evaluated a sin and a cos table per layer and decode
-    step, in libm's sincosf; docs/performance.md.)
+    (Computed once: inside every layer, XLA:CPU evaluates a sin and a cos table per layer.)
     """
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, rope_dim/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
@@ -336,8 +328,8 @@ def xla_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
     """Float32 logits [rows, vocab] = x [rows, hidden] @ embed [vocab, hidden].T, as an XLA dot.
 
     Written E @ x.T, not x @ E.T: at one row XLA:CPU runs the former as a matrix-vector product
-    over E's contiguous rows and the latter as a transposing copy fused with the dot (much slower,
-    docs/performance.md); from two rows on both become the same dot.
+    over E's contiguous rows and the latter as a transposing copy fused with the dot (slower); from
+    two rows on both become the same dot.
     """
     flat = jax.lax.dot_general(embed, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return flat.T

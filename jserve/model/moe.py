@@ -1,40 +1,9 @@
 """Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): routing and the grouped expert matmuls.
 
-A MoE layer's weights (checkpoints stack them on a leading layer axis, as every layer weight):
-
-    w_router   [hidden, experts]               the router's logits
-    we_gate    [experts, hidden, moe_ffn]      every expert's SwiGLU, [in, out] per expert
-    we_up      [experts, hidden, moe_ffn]
-    we_down    [experts, moe_ffn, hidden]
-    ws_gate, ws_up [hidden, shared_ffn], ws_down [shared_ffn, hidden]   a shared expert (Qwen2-MoE)
-    ws_router  [hidden, 1]                     the shared expert's sigmoid gate (Qwen2-MoE)
-
-Routing (`route`): softmax over the router's logits in float32, the top-k experts, their
-probabilities renormalised to sum to 1 where the model does (`norm_topk_prob`: Qwen3-MoE's
-checkpoints, Mixtral always; not Qwen2-MoE), as transformers computes them.
-
-The experts (`routed_experts`): the (token, choice) pairs are sorted by expert, each expert's
-rows run through its own weights only, and the outputs are weighted and summed back per token.
-Two grouped matmuls compute "rows of group g times w[g]" without computing every expert for
-every token:
-
-- "ragged_dot": `jax.lax.ragged_dot` with the group sizes (TPU's and GPU's native grouped matmul).
-  XLA:CPU has none: JAX lowers it there to a dense dot of every row with every group, masked, so
-  it costs `experts` times the work; correct, and what the plain `XlaOps` uses by default.
-- "gather": the rows are laid out in tiles of one expert each (each group padded to a whole
-  number of tiles) and each tile's expert weights are gathered (`w[tile_expert]`) for a batched
-  matmul. A decode step (tiles of one row) reads just the selected experts' weights, so its
-  cost grows with the active experts, not the total; prefill tiles of rows / experts rows keep
-  the gathered weights within about twice the experts'. What the CPU backends run.
-
-Expert parallelism (`ops.mesh` with an `ep` axis): the expert weights are split on their expert
-axis over `ep` (and their width over `tp`); inside `shard_map` each device routes all of its dp
-group's tokens (the activations are replicated over ep and tp, as for attention), computes only
-the pairs routed to its own experts, and one `psum` over (ep, tp) sums the partial outputs: the
-same one all-reduce of [tokens, hidden] per layer that a tensor-parallel MLP does, and no
-expert weight ever moves. (An all-to-all dispatch would move only the routed rows, but needs the
-tokens split over ep, i.e. attention data-parallel over ep: the runner's batch layout, not the
-layer's. Here attention runs replicated over ep.)
+`moe_mlp` is the layer's MLP (its docstring lists the weights); `route` is the softmax top-k
+routing, `routed_experts` sorts the (token, choice) pairs by expert and runs them through a grouped
+matmul (`grouped_matmul`: "ragged_dot" on TPU / GPU, "gather" on a CPU), and `_mesh_experts`
+splits the experts over a mesh's `ep` axis. See docs/architecture.md, "The model".
 """
 
 from __future__ import annotations
@@ -69,7 +38,8 @@ def init_params(layer: Any, c: ModelConfig, param) -> None:
 def route(x: jax.Array, w_router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """x [tokens, hidden] -> (weights float32 [tokens, k], experts int32 [tokens, k]): the top-k
     of the softmax over the router's logits (computed in x's dtype, as transformers does),
-    renormalised to sum to 1 if `normalize`."""
+    renormalised to sum to 1 if `normalize` (`norm_topk_prob`: Qwen3-MoE's checkpoints, Mixtral
+    always; not Qwen2-MoE)."""
     probs = jax.nn.softmax((x @ w_router).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:
@@ -104,7 +74,22 @@ def gather_matmul(xs: jax.Array, w: jax.Array, group: jax.Array, sizes: jax.Arra
 
 
 def grouped_matmul(xs, w, group, sizes, impl: str):
-    """`gather_matmul`'s contract by `impl` ("ragged_dot" or "gather")."""
+    """`gather_matmul`'s contract by `impl` ("ragged_dot" or "gather").
+
+    The experts (`routed_experts`): the (token, choice) pairs are sorted by expert, each expert's
+    rows run through its own weights only, and the outputs are weighted and summed back per token.
+    Two grouped matmuls compute "rows of group g times w[g]" without computing every expert for
+    every token:
+
+    - "ragged_dot": `jax.lax.ragged_dot` with the group sizes (TPU's and GPU's native grouped matmul).
+      XLA:CPU has none: JAX lowers it there to a dense dot of every row with every group, masked, so
+      it costs `experts` times the work; correct, and what the plain `XlaOps` uses by default.
+    - "gather": the rows are laid out in tiles of one expert each (each group padded to a whole
+      number of tiles) and each tile's expert weights are gathered (`w[tile_expert]`) for a batched
+      matmul. A decode step (tiles of one row) reads just the selected experts' weights, so its
+      cost grows with the active experts, not the total; prefill tiles of rows / experts rows keep
+      the gathered weights within about twice the experts'. What the CPU backends run.
+    """
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(xs, w, sizes)
     if impl == "gather":
@@ -137,7 +122,17 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate,
 
 def _mesh_experts(mesh, x, weights, experts, w_gate, w_up, w_down, impl):
     """`routed_experts` with the experts split over the mesh's `ep` axis and their width over
-    `tp`, inside shard_map; one psum over (ep, tp) (see the module docstring)."""
+    `tp`, inside shard_map; one psum over (ep, tp).
+
+    Expert parallelism (`ops.mesh` with an `ep` axis): the expert weights are split on their expert
+    axis over `ep` (and their width over `tp`); inside `shard_map` each device routes all of its dp
+    group's tokens (the activations are replicated over ep and tp, as for attention), computes only
+    the pairs routed to its own experts, and one `psum` over (ep, tp) sums the partial outputs: the
+    same one all-reduce of [tokens, hidden] per layer that a tensor-parallel MLP does, and no
+    expert weight ever moves. (An all-to-all dispatch would move only the routed rows, but needs the
+    tokens split over ep, i.e. attention data-parallel over ep: the runner's batch layout, not the
+    layer's. Here attention runs replicated over ep.)
+    """
     from jax.sharding import PartitionSpec as P
 
     names = mesh.axis_names
@@ -165,7 +160,17 @@ def moe_mlp(layer: Any, h: jax.Array, ops: Any) -> jax.Array:
     """A MoE layer's MLP: h [batch, tokens, hidden] (after the pre-MLP norm) -> its output.
 
     `ops.grouped_matmul` ("ragged_dot" or "gather", default "ragged_dot") picks the grouped
-    matmul; `ops.mesh` (default None), when set, splits the experts over its ep and tp axes."""
+    matmul; `ops.mesh` (default None), when set, splits the experts over its ep and tp axes.
+
+    A MoE layer's weights (checkpoints stack them on a leading layer axis, as every layer weight):
+
+        w_router   [hidden, experts]               the router's logits
+        we_gate    [experts, hidden, moe_ffn]      every expert's SwiGLU, [in, out] per expert
+        we_up      [experts, hidden, moe_ffn]
+        we_down    [experts, moe_ffn, hidden]
+        ws_gate, ws_up [hidden, shared_ffn], ws_down [shared_ffn, hidden]   a shared expert (Qwen2-MoE)
+        ws_router  [hidden, 1]                     the shared expert's sigmoid gate (Qwen2-MoE)
+    """
     c: ModelConfig = layer.config
     B, T, D = h.shape
     x = h.reshape(B * T, D)

@@ -6,21 +6,9 @@ along K, the contraction axis:
 
     w[..., k, n] = scales[..., k // G, n] * q[..., k, n] (+ offsets[..., k // G, n])
 
-computed in float32 (`dequantize`, the reference every kernel is tested against). G is the
-group size (K for one scale per output channel). Codes:
-
-- "int8": signed, q in [-128, 127], stored int8 [..., K, N] (llama.cpp's Q8_0 and Q6_K repack to it).
-- "int4": stored two per byte along K, uint8 [..., K / 2, N], row 2i in the low nibble and
-  2i + 1 in the high one; symmetric codes are signed ([-8, 7], two's complement nibbles; Q4_0),
-  asymmetric ones unsigned ([0, 15]) with an offset (the group's minimum; Q4_1, Q4_K).
-- "fp8": float8_e4m3fn codes [..., K, N], one scale per output channel.
-
-Offsets are a float ("min", llama.cpp's form) rather than an integer zero point ((q - z) * s, the
-form of Qwix, AQT, AWQ and GPTQ): `d * q + m` is how GGUF's Q4_1 and Q4_K dequantize, so their
-weights repack without changing a bit; a zero point cannot represent them exactly. Scales and
-offsets are float16 where that is exact (GGUF's Q8_0, Q4_0, Q4_1, and `quantize`'s own choice:
-the scale is rounded to float16 first and the codes computed with the rounded scale), else
-float32 (Q4_K and Q6_K's products of two scales).
+in float32 (`dequantize`, the reference every kernel is tested against); G is the group size.
+`QuantizedWeight`'s docstring gives the codes per scheme and why offsets are floats. See
+docs/architecture.md, "Quantization".
 """
 
 from __future__ import annotations
@@ -44,10 +32,25 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """Codes and per-group scales (and offsets) for a weight [..., K, N]; see the module docstring.
+    """Codes and per-group scales (and offsets) for a weight [..., K, N] (the module docstring has the formula).
 
     A registered pytree: the arrays are leaves (a scanned stack slices their layer axis like any
     weight's), `scheme` and `group_size` are static.
+
+    G is the group size (K for one scale per output channel). Codes:
+
+    - "int8": signed, q in [-128, 127], stored int8 [..., K, N] (llama.cpp's Q8_0 and Q6_K repack to it).
+    - "int4": stored two per byte along K, uint8 [..., K / 2, N], row 2i in the low nibble and
+      2i + 1 in the high one; symmetric codes are signed ([-8, 7], two's complement nibbles; Q4_0),
+      asymmetric ones unsigned ([0, 15]) with an offset (the group's minimum; Q4_1, Q4_K).
+    - "fp8": float8_e4m3fn codes [..., K, N], one scale per output channel.
+
+    Offsets are a float ("min", llama.cpp's form) rather than an integer zero point ((q - z) * s, the
+    form of Qwix, AQT, AWQ and GPTQ): `d * q + m` is how GGUF's Q4_1 and Q4_K dequantize, so their
+    weights repack without changing a bit; a zero point cannot represent them exactly. Scales and
+    offsets are float16 where that is exact (GGUF's Q8_0, Q4_0, Q4_1, and `quantize`'s own choice:
+    the scale is rounded to float16 first and the codes computed with the rounded scale), else
+    float32 (Q4_K and Q6_K's products of two scales).
     """
 
     values: Any

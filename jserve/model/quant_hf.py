@@ -1,47 +1,9 @@
 """Hugging Face AWQ and GPTQ tensors repacked into jserve's `QuantizedWeight`, never through a
 float copy (numpy only; the GGUF side is `jserve.model.quant_import`).
 
-Hugging Face AWQ (`from_awq`), AutoAWQ's "gemm" checkpoint layout
------------------------------------------------------------------
-Source: AutoAWQ awq/utils/packing_utils.py (`unpack_awq`, `reverse_awq_order`, `dequantize_gemm`)
-and awq/modules/linear/gemm.py (`WQLinear_GEMM.from_linear`, the packer); vLLM's awq.py reads the
-same config keys (`w_bit`/`bits`, `q_group_size`/`group_size`, `zero_point`).
-
-- qweight int32 [K, N / 8]: 8 4-bit codes along N per int32; the nibble at bits 4i..4i+3 of
-  word j holds column 8j + AWQ_ORDER[i], AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7] (so column 8j + c
-  is nibble AWQ_REVERSE_ORDER[c], [0, 4, 1, 5, 2, 6, 3, 7]).
-- qzeros int32 [K / G, N / 8], packed the same way; scales [K / G, N] (float16).
-- w = (q - z) * s; no "+1" on the zeros.
-
-Hugging Face GPTQ (`from_gptq`), AutoGPTQ / GPTQModel / transformers+optimum
-----------------------------------------------------------------------------
-Source: AutoGPTQ auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py (`QuantLinear.pack` and its
-torch dequantization in `forward`), GPTQModel gptqmodel/utils/model.py
-(`convert_gptq_v1_to_v2_format_module`) for "gptq_v2", AutoGPTQ's quantization/gptq.py for g_idx.
-
-- qweight int32 [K * bits / 32, N]: packed along K, row r holding input rows r * 32/bits + i at
-  bits i * bits (i = 0 first, the least significant).
-- qzeros int32 [K / G, N * bits / 32]: packed along N the same way.
-- scales [K / G, N] float16; g_idx int32 [K], the group of each input row.
-- checkpoint_format "gptq" (v1, AutoGPTQ and transformers' default): the zero point is stored
-  minus one, and decoded as ((word >> shift) & mask) + 1, so a stored 15 decodes to 16 (AutoGPTQ's
-  and vLLM's kernels; GPTQModel's v1 -> v2 conversion adds 0x11111111 to the whole word and would
-  carry into the next nibble instead: such checkpoints, asymmetric with a zero of 0, are
-  ambiguous, and we follow the kernels). "gptq_v2" (GPTQModel): the zero point is stored as is.
-- w = (q - z) * s, G = K when group_size is -1.
-- desc_act (act-order) reorders input rows and records the groups in g_idx; only a g_idx equal to
-  k // G (static_groups, group_size -1, or no act-order) maps to jserve's contiguous groups.
-
-Mapping zero points to jserve's offsets
----------------------------------------
-Where every zero point is the midpoint (8 for 4-bit, 128 for 8-bit: GPTQ's sym=True), the codes
-become signed (q - mid) with no offset: exact, and the scales keep their dtype (float16; bfloat16
-and float32 scales become float32). Otherwise the weight is asymmetric, scales and offsets float32:
-4-bit codes stay unsigned with offset -(z * s); 8-bit codes become q - 128 (int8) with offset
-(128 - z) * s. With float16 or bfloat16 scales every product is exact in float32 (an 11-bit
-significand times a code of at most 9 bits), so q * s + offset equals (q - z) * s evaluated in
-float32 bit for bit; with float32 scales the two roundings (product, then sum) can differ from
-(q - z) * s's one by an ulp.
+`from_awq` (AutoAWQ's "gemm" layout) and `from_gptq` (AutoGPTQ / GPTQModel, v1 and v2) document
+their sources' packing; `_from_zero_points` how zero points become jserve's float offsets,
+exactly. See docs/architecture.md, "Quantization".
 """
 
 from __future__ import annotations
@@ -77,7 +39,19 @@ def _unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
 def _from_zero_points(q: np.ndarray, z: np.ndarray, scales: np.ndarray, bits: int, group: int,
                       require_symmetric: bool = False) -> QuantizedWeight:
     """Unsigned codes q [K, N], integer zero points z [K / G, N] and scales [K / G, N] standing for
-    (q - z) * s, as a QuantizedWeight (see the module docstring)."""
+    (q - z) * s, as a QuantizedWeight (see the module docstring).
+
+    Mapping zero points to jserve's offsets
+    ---------------------------------------
+    Where every zero point is the midpoint (8 for 4-bit, 128 for 8-bit: GPTQ's sym=True), the codes
+    become signed (q - mid) with no offset: exact, and the scales keep their dtype (float16; bfloat16
+    and float32 scales become float32). Otherwise the weight is asymmetric, scales and offsets float32:
+    4-bit codes stay unsigned with offset -(z * s); 8-bit codes become q - 128 (int8) with offset
+    (128 - z) * s. With float16 or bfloat16 scales every product is exact in float32 (an 11-bit
+    significand times a code of at most 9 bits), so q * s + offset equals (q - z) * s evaluated in
+    float32 bit for bit; with float32 scales the two roundings (product, then sum) can differ from
+    (q - z) * s's one by an ulp.
+    """
     scales = np.asarray(scales)
     mid = 1 << (bits - 1)
     scheme = "int4" if bits == 4 else "int8"
@@ -122,7 +96,20 @@ def _packed(kind: str, qweight, qzeros, scales, layout: str) -> tuple[np.ndarray
 
 def from_awq(qweight, qzeros, scales, group_size: int, bits: int = 4) -> QuantizedWeight:
     """An AutoAWQ "gemm" linear (qweight int32 [K, N / 8], qzeros int32 [K / G, N / 8], scales
-    [K / G, N]) as jserve's int4 [K, N] (asymmetric unless every zero point is 8)."""
+    [K / G, N]) as jserve's int4 [K, N] (asymmetric unless every zero point is 8).
+
+    Hugging Face AWQ (`from_awq`), AutoAWQ's "gemm" checkpoint layout
+    -----------------------------------------------------------------
+    Source: AutoAWQ awq/utils/packing_utils.py (`unpack_awq`, `reverse_awq_order`, `dequantize_gemm`)
+    and awq/modules/linear/gemm.py (`WQLinear_GEMM.from_linear`, the packer); vLLM's awq.py reads the
+    same config keys (`w_bit`/`bits`, `q_group_size`/`group_size`, `zero_point`).
+
+    - qweight int32 [K, N / 8]: 8 4-bit codes along N per int32; the nibble at bits 4i..4i+3 of
+      word j holds column 8j + AWQ_ORDER[i], AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7] (so column 8j + c
+      is nibble AWQ_REVERSE_ORDER[c], [0, 4, 1, 5, 2, 6, 3, 7]).
+    - qzeros int32 [K / G, N / 8], packed the same way; scales [K / G, N] (float16).
+    - w = (q - z) * s; no "+1" on the zeros.
+    """
     if bits != 4:
         raise ValueError(f"AWQ checkpoints are 4-bit here, got bits={bits}")
     qweight, qzeros, scales = _packed("AWQ", qweight, qzeros, scales, "[K, N / 8]")
@@ -145,6 +132,25 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, bits: int = 4, group_size: in
     for one group per output channel; `sym=True` requires every zero point to be the midpoint (a
     wrong `checkpoint_format` shows as zero points of 7 or 9). A g_idx other than k // G (act-order
     without static groups) raises: jserve's groups are contiguous along K.
+
+    Hugging Face GPTQ (`from_gptq`), AutoGPTQ / GPTQModel / transformers+optimum
+    ----------------------------------------------------------------------------
+    Source: AutoGPTQ auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py (`QuantLinear.pack` and its
+    torch dequantization in `forward`), GPTQModel gptqmodel/utils/model.py
+    (`convert_gptq_v1_to_v2_format_module`) for "gptq_v2", AutoGPTQ's quantization/gptq.py for g_idx.
+
+    - qweight int32 [K * bits / 32, N]: packed along K, row r holding input rows r * 32/bits + i at
+      bits i * bits (i = 0 first, the least significant).
+    - qzeros int32 [K / G, N * bits / 32]: packed along N the same way.
+    - scales [K / G, N] float16; g_idx int32 [K], the group of each input row.
+    - checkpoint_format "gptq" (v1, AutoGPTQ and transformers' default): the zero point is stored
+      minus one, and decoded as ((word >> shift) & mask) + 1, so a stored 15 decodes to 16 (AutoGPTQ's
+      and vLLM's kernels; GPTQModel's v1 -> v2 conversion adds 0x11111111 to the whole word and would
+      carry into the next nibble instead: such checkpoints, asymmetric with a zero of 0, are
+      ambiguous, and we follow the kernels). "gptq_v2" (GPTQModel): the zero point is stored as is.
+    - w = (q - z) * s, G = K when group_size is -1.
+    - desc_act (act-order) reorders input rows and records the groups in g_idx; only a g_idx equal to
+      k // G (static_groups, group_size -1, or no act-order) maps to jserve's contiguous groups.
     """
     if bits not in (4, 8):
         raise ValueError(f"GPTQ bits={bits} is not supported (4 and 8 are)")

@@ -5,31 +5,8 @@ the same weight in jserve's format (see `jserve.model.quant`): codes, per-group 
 asymmetric, float offsets along K, in the [K, N] (in, out) orientation. Nothing is rounded: the
 weight that `quant.dequantize` reconstructs is the one the checkpoint's own reference decodes.
 
-GGUF (`from_gguf`)
-------------------
-A GGUF linear weight is N rows of K inputs; each row is a run of blocks along K. The layouts and
-the float operation order follow `gguf.quants` (the `gguf` PyPI package, llama.cpp's
-gguf-py/gguf/quants.py), which is the bit-for-bit reference the tests compare against:
-
-- Q8_0 (34-byte blocks of 32): f16 d, 32 int8 q; w = q * d.
-  -> "int8", g32, float16 scales d.
-- Q4_0 (18 bytes / 32): f16 d, 16 bytes; byte i holds element i (low nibble) and i + 16 (high);
-  w = d * (nibble - 8).  -> "int4" g32 symmetric, signed codes nibble - 8, float16 scales.
-- Q4_1 (20 bytes / 32): f16 d, f16 m, 16 bytes as Q4_0; w = (d * nibble) + m.
-  -> "int4" g32 asymmetric, unsigned codes, float16 scales d and offsets m.
-- Q4_K (144 bytes / 256): f16 d, f16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes
-  of nibbles (32-byte chunk c: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1);
-  w = (d * sc) * q - (dmin * m), the two products in float32 first.
-  -> "int4" g32 asymmetric, float32 scales d * sc and offsets -(dmin * m) (x - y == x + (-y)
-  exactly in IEEE arithmetic, signed zeros included).
-- Q6_K (210 bytes / 256): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales,
-  f16 d; element h * 128 + r (h in 0..1) is (ql[64h + r % 64] >> 4 (r // 64)) & 15 |
-  ((qh[32h + r % 32] >> 2 (r // 32)) & 3) << 4, minus 32; w = (d * sc) * q per 16 elements.
-  -> "int8" g16, codes q - 32 in [-32, 31], float32 scales d * sc.
-
-GGUF's F32 / F16 / BF16 tensors (norms, and whatever llama.cpp kept in float) are the caller's.
-
-Hugging Face AWQ and GPTQ tensors are `jserve.model.quant_hf`'s.
+`from_gguf`'s docstring gives each GGUF block layout (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and what it
+becomes. See docs/architecture.md, "Quantization".
 """
 
 
@@ -78,6 +55,32 @@ def from_gguf(tensor_type: Any, data: np.ndarray, shape: Sequence[int]) -> Quant
     `shape`: GGUF's own shape, `tensor.shape` (ne order: K, the contiguous row axis, first, then N,
     then any outer axes), which is jserve's [K, N] orientation. A tensor with outer axes (e.g.
     experts, ne = [K, N, E]) comes back with them leading: [E, K, N].
+
+    GGUF (`from_gguf`)
+    ------------------
+    A GGUF linear weight is N rows of K inputs; each row is a run of blocks along K. The layouts and
+    the float operation order follow `gguf.quants` (the `gguf` PyPI package, llama.cpp's
+    gguf-py/gguf/quants.py), which is the bit-for-bit reference the tests compare against:
+
+    - Q8_0 (34-byte blocks of 32): f16 d, 32 int8 q; w = q * d.
+      -> "int8", g32, float16 scales d.
+    - Q4_0 (18 bytes / 32): f16 d, 16 bytes; byte i holds element i (low nibble) and i + 16 (high);
+      w = d * (nibble - 8).  -> "int4" g32 symmetric, signed codes nibble - 8, float16 scales.
+    - Q4_1 (20 bytes / 32): f16 d, f16 m, 16 bytes as Q4_0; w = (d * nibble) + m.
+      -> "int4" g32 asymmetric, unsigned codes, float16 scales d and offsets m.
+    - Q4_K (144 bytes / 256): f16 d, f16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes
+      of nibbles (32-byte chunk c: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1);
+      w = (d * sc) * q - (dmin * m), the two products in float32 first.
+      -> "int4" g32 asymmetric, float32 scales d * sc and offsets -(dmin * m) (x - y == x + (-y)
+      exactly in IEEE arithmetic, signed zeros included).
+    - Q6_K (210 bytes / 256): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales,
+      f16 d; element h * 128 + r (h in 0..1) is (ql[64h + r % 64] >> 4 (r // 64)) & 15 |
+      ((qh[32h + r % 32] >> 2 (r // 32)) & 3) << 4, minus 32; w = (d * sc) * q per 16 elements.
+      -> "int8" g16, codes q - 32 in [-32, 31], float32 scales d * sc.
+
+    GGUF's F32 / F16 / BF16 tensors (norms, and whatever llama.cpp kept in float) are the caller's.
+
+    Hugging Face AWQ and GPTQ tensors are `jserve.model.quant_hf`'s.
     """
     name = _type_name(tensor_type)
     if name not in _GGUF_BLOCKS:

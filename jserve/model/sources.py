@@ -1,17 +1,12 @@
 """Reading a Hugging Face safetensors folder or a GGUF file into checkpoint-layout params.
 
 `read_params(source)` gives (ModelConfig, {name: array}): our weight names, per-layer weights
-stacked on a leading layer axis, linears as [in, out]. HF and GGUF names map through one table
-(GGUF names to HF names, HF names to ours, with Gemma's own names for its four norms); llama.cpp's
-Q/K rotary permutation is undone, and the 1 its converter adds to Gemma's norm weights is taken
-off again (the model keeps Hugging Face's convention: `ModelConfig.norm_offset`). Phi-3's fused
-`qkv_proj` (q, k, v on the output axis) and `gate_up_proj` (gate, up), llama.cpp's `attn_qkv` and
-phi3 `ffn_up`, are split into the layer's own wq / wk / wv and w_gate / w_up (quantized ones along
-their output channels, bit for bit), so the layer, its sharding (heads split over tp) and the fused
-native kernels stay the Llama layer's; LongRoPE's factors, GGUF tensors there, go to the config. Float
-tensors come as numpy arrays in the requested dtype; pre-quantized ones (a GGUF's quantized
-tensors with `keep_quantized`, an AWQ / GPTQ folder's linears) as `QuantizedWeight`s repacked
-by `jserve.model.quant_import`, never through a float copy.
+stacked on a leading layer axis, linears as [in, out]. HF and GGUF names map through one table;
+`read_params`'s docstring says what is converted on the way (llama.cpp's rotary permutation,
+Gemma's norm weights, Phi-3's fused weights, LongRoPE's factors). Float tensors come as numpy
+arrays in the requested dtype; pre-quantized ones as `QuantizedWeight`s repacked by
+`jserve.model.quant_import` / `quant_hf`, never through a float copy. See docs/architecture.md,
+"The model" and "Quantization".
 """
 
 from __future__ import annotations
@@ -140,7 +135,17 @@ def read_params(source: str | os.PathLike, *, dtype: str = "float32", progress: 
                 keep_quantized: bool = False):
     """Read a GGUF file or a Hugging Face folder into (ModelConfig, {name: numpy array}); with
     `keep_quantized`, a GGUF's quantized matrices come as `QuantizedWeight`s, repacked without
-    a float copy (`jserve.model.quant_import.from_gguf`)."""
+    a float copy (`jserve.model.quant_import.from_gguf`).
+
+    HF and GGUF names map through one table (GGUF names to HF names, HF names to ours, with Gemma's
+    own names for its four norms); llama.cpp's Q/K rotary permutation is undone, and the 1 its
+    converter adds to Gemma's norm weights is taken off again (the model keeps Hugging Face's
+    convention: `ModelConfig.norm_offset`). Phi-3's fused `qkv_proj` (q, k, v on the output axis) and
+    `gate_up_proj` (gate, up), llama.cpp's `attn_qkv` and phi3 `ffn_up`, are split into the layer's
+    own wq / wk / wv and w_gate / w_up (quantized ones along their output channels, bit for bit), so
+    the layer, its sharding (heads split over tp) and the fused native kernels stay the Llama
+    layer's; LongRoPE's factors, GGUF tensors there, go to the config.
+    """
     src = Path(source)
     if src.is_file() and src.suffix == ".gguf":
         config, tensors, count, _ = read_gguf(src, keep_quantized=keep_quantized)
