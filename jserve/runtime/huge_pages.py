@@ -1,22 +1,11 @@
 """Back the CPU runner's weights and KV pages with transparent huge pages (Linux).
 
-Why: the decode step streams every weight and, worse, reads K/V in page-sized chunks scattered
-over the pool. With 4 KiB memory pages every chunk needs its own TLB entry and the hardware
-prefetcher stops at each 4 KiB boundary. Huge pages raise the read bandwidth of random 4 KiB
-chunks most, of larger chunks and of contiguous buffers less, and shorten the decode step with
-its pages scattered over the pool, more so with small KV pages (`docs/performance.md`).
-
-How: `madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned range around each buffer, then
-`MADV_COLLAPSE` (Linux 6.1+), which rebuilds the pages already there as huge pages at once
-(khugepaged would take minutes). Both are advice: they never change the contents, and where they
-fail (another OS, an older kernel, huge pages off, no free 2 MiB of physical memory) the memory
-stays as it was. XLA keeps a donated buffer's address from step to step (the KV pages are updated
-in place), so the advice outlives the steps.
-
-Collapsing copies every page, slowly (seconds for SmolLM2's weights and the default 512 MiB
-pool; `docs/performance.md`), so the runner does it on a background thread (`Advice`), beside the
-warm-up's compilations; the kernel keeps the pages consistent while steps use them (khugepaged
-collapses live processes' memory the same way). `JSERVE_HUGE_PAGES=0` turns it off.
+The decode step streams every weight and reads K/V in page-sized chunks scattered over the pool;
+with 4 KiB memory pages every chunk needs its own TLB entry and the hardware prefetcher stops at
+each 4 KiB boundary, so huge pages shorten the step (docs/performance.md, "Kernels"). `advise`
+asks for them (`MADV_HUGEPAGE`, then `MADV_COLLAPSE`); `Advice` does it on a background thread,
+since collapsing copies every page. Both are advice: where they fail the memory stays as it was.
+`JSERVE_HUGE_PAGES=0` turns it off.
 """
 
 from __future__ import annotations
@@ -52,6 +41,13 @@ def advise(tree: Any) -> int:
     """Ask for huge pages under every CPU array of `tree` of at least 1 MiB.
 
     Returns the bytes that `MADV_COLLAPSE` turned into huge pages (0 where unsupported).
+
+    How: `madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned range around each buffer, then
+    `MADV_COLLAPSE` (Linux 6.1+), which rebuilds the pages already there as huge pages at once
+    (khugepaged would take minutes). Both are advice: they never change the contents, and where they
+    fail (another OS, an older kernel, huge pages off, no free 2 MiB of physical memory) the memory
+    stays as it was. XLA keeps a donated buffer's address from step to step (the KV pages are updated
+    in place), so the advice outlives the steps.
     """
     return _advise(list(_buffers(tree)) if supported() else [])
 
@@ -85,6 +81,10 @@ class Advice:
 
     The buffers' addresses are taken now: a donated array is deleted by the step that reuses
     its buffer (same address, see above), so the thread never touches the arrays themselves.
+
+    Collapsing copies every page, slowly (seconds for SmolLM2's weights and the default 512 MiB
+    pool), hence the background thread, beside the warm-up's compilations; the kernel keeps the pages
+    consistent while steps use them (khugepaged collapses live processes' memory the same way).
     """
 
     def __init__(self, tree: Any):

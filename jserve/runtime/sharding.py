@@ -2,55 +2,11 @@
 (`ep`) serving.
 
 A mesh has the named axes `dp` and `tp`, and `ep` when one is given (`"dp=2,tp=4"`,
-`"ep=2,tp=2"`; a missing axis has size 1). `ep` splits a mixture-of-experts model's experts
-(see below); a dense model refuses an ep above 1.
-
-Where every weight and the KV pages live (specs of one layer's arrays; checkpoints stack them
-on a leading layer axis, which is never split):
-
-    weight                 shape                 PartitionSpec        why
-    embed                  [vocab, hidden]       (None, "tp")         lookup stays local; the tied
-                                                                      head contracts over tp (one all-reduce)
-    lm_head                [hidden, vocab]       (None, "tp")         vocabulary-parallel logits
-    wq, wk, wv             [hidden, heads*hd]    (None, "tp")         column parallel: heads split
-    bq, bk, bv             [heads*hd]            ("tp",)
-    wo                     [heads*hd, hidden]    ("tp", None)         row parallel: one all-reduce
-    w_gate, w_up           [hidden, ffn]         (None, "tp")         column parallel
-    b_gate, b_up           [ffn]                 ("tp",)
-    w_down                 [ffn, hidden]         ("tp", None)         row parallel: one all-reduce
-    norms, bo, b_down      [hidden] / [hd]       ()                   replicated (tiny)
-    k_pages, v_pages       [kv_heads, pages,     ("tp", "dp", None,   KV heads over tp, the page
-                            page_size, hd]        None)                pool split into dp groups
-
-Mixture-of-experts layers (jserve.model.moe):
-
-    w_router               [hidden, experts]     ()                   replicated (small)
-    we_gate, we_up         [experts, hidden,     ("ep", None, "tp")   experts split over ep, their
-                            moe_ffn]                                  width over tp
-    we_down                [experts, moe_ffn,    ("ep", "tp", None)
-                            hidden]
-    ws_gate, ws_up         [hidden, shared_ffn]  (None, "tp")         the shared expert: as w_gate / w_up
-    ws_down                [shared_ffn, hidden]  ("tp", None)
-    ws_router              [hidden, 1]           ()
-
-Everything else (attention, the KV pages, the activations) is replicated over `ep`: each device
-of an ep group routes all its dp group's tokens, computes the pairs routed to its own experts
-and one psum over (ep, tp) per layer sums them (no expert weight moves). Per device the experts
-take 1 / (ep * tp) of their bytes; the attention's compute is repeated on each ep device.
-
-So each decoder layer does two all-reduces over `tp` (after `wo` and after `w_down`), and the
-attention kernel runs inside `shard_map` on the device's own heads and pages, never gathered.
-A dimension that `tp` does not divide is replicated instead (the table's rule is kept
-for the rest).
-
-Heads that `tp` does not divide are *padded*, and when `tp` exceeds the KV heads, KV heads are
-*replicated* (see `HeadLayout`): the model then runs as an ordinary GQA model with more heads
-whose extra query heads have zero weights and zero output rows, so they change nothing. The
-MLP's hidden size is padded the same way (zero columns of `w_gate`/`w_up`, zero rows of `w_down`).
-
-Data parallel: each of the `dp` groups owns `num_pages / dp` pages and its own scheduler (see
-`jserve.core.dp_scheduler`), and its rows occupy one contiguous block of every batch; weights are
-replicated over `dp`.
+`"ep=2,tp=2"`; a missing axis has size 1); a dense model refuses an ep above 1. `_spec`'s
+docstring is the table of where every weight and the KV pages live (`PARTITION_RULES`), and
+`HeadLayout`'s how heads `tp` does not divide are padded or replicated. Data parallel: each of the
+`dp` groups owns `num_pages / dp` pages and its own scheduler (`jserve.core.dp_scheduler`), and
+its rows occupy one contiguous block of every batch; weights are replicated over `dp`.
 """
 
 from __future__ import annotations
@@ -67,7 +23,7 @@ from jserve.model.config import ModelConfig
 AXES = ("dp", "tp")
 ALL_AXES = ("dp", "ep", "tp")  # a mesh's axes in order; "ep" only where given
 
-# Spec of one layer's (or a global) weight, by name; see the module docstring.
+# Spec of one layer's (or a global) weight, by name; `_spec` has the table and its reasons.
 PARTITION_RULES: dict[str, tuple] = {
     "embed": (None, "tp"),
     "lm_head": (None, "tp"),
@@ -153,6 +109,11 @@ class HeadLayout:
     tp-ready layout has `kv_groups` distinct KV heads (the extra ones zero), each stored
     `replicas` times, and `q_per_kv` query heads per stored KV head; every device holds
     `physical_kv_heads / tp` KV heads and the query heads that use them.
+
+    Heads that `tp` does not divide are *padded*, and when `tp` exceeds the KV heads, KV heads are
+    *replicated* (see `HeadLayout`): the model then runs as an ordinary GQA model with more heads
+    whose extra query heads have zero weights and zero output rows, so they change nothing. The
+    MLP's hidden size is padded the same way (zero columns of `w_gate`/`w_up`, zero rows of `w_down`).
     """
 
     tp: int
@@ -315,7 +276,46 @@ def lay_out_params(config: ModelConfig, layout: HeadLayout, stacked: Mapping[str
 
 
 def _spec(name: str, shape: tuple[int, ...], tp: int, *, stacked: bool, ep: int | None = None):
-    """`ep`: the mesh's ep size, None where it has no ep axis (experts then split over tp alone)."""
+    """`ep`: the mesh's ep size, None where it has no ep axis (experts then split over tp alone).
+
+    Where every weight and the KV pages live (specs of one layer's arrays; checkpoints stack them
+    on a leading layer axis, which is never split):
+
+        weight                 shape                 PartitionSpec        why
+        embed                  [vocab, hidden]       (None, "tp")         lookup stays local; the tied
+                                                                          head contracts over tp (one all-reduce)
+        lm_head                [hidden, vocab]       (None, "tp")         vocabulary-parallel logits
+        wq, wk, wv             [hidden, heads*hd]    (None, "tp")         column parallel: heads split
+        bq, bk, bv             [heads*hd]            ("tp",)
+        wo                     [heads*hd, hidden]    ("tp", None)         row parallel: one all-reduce
+        w_gate, w_up           [hidden, ffn]         (None, "tp")         column parallel
+        b_gate, b_up           [ffn]                 ("tp",)
+        w_down                 [ffn, hidden]         ("tp", None)         row parallel: one all-reduce
+        norms, bo, b_down      [hidden] / [hd]       ()                   replicated (tiny)
+        k_pages, v_pages       [kv_heads, pages,     ("tp", "dp", None,   KV heads over tp, the page
+                                page_size, hd]        None)                pool split into dp groups
+
+    Mixture-of-experts layers (jserve.model.moe):
+
+        w_router               [hidden, experts]     ()                   replicated (small)
+        we_gate, we_up         [experts, hidden,     ("ep", None, "tp")   experts split over ep, their
+                                moe_ffn]                                  width over tp
+        we_down                [experts, moe_ffn,    ("ep", "tp", None)
+                                hidden]
+        ws_gate, ws_up         [hidden, shared_ffn]  (None, "tp")         the shared expert: as w_gate / w_up
+        ws_down                [shared_ffn, hidden]  ("tp", None)
+        ws_router              [hidden, 1]           ()
+
+    Everything else (attention, the KV pages, the activations) is replicated over `ep`: each device
+    of an ep group routes all its dp group's tokens, computes the pairs routed to its own experts
+    and one psum over (ep, tp) per layer sums them (no expert weight moves). Per device the experts
+    take 1 / (ep * tp) of their bytes; the attention's compute is repeated on each ep device.
+
+    So each decoder layer does two all-reduces over `tp` (after `wo` and after `w_down`), and the
+    attention kernel runs inside `shard_map` on the device's own heads and pages, never gathered.
+    A dimension that `tp` does not divide is replicated instead (the table's rule is kept
+    for the rest).
+    """
     from jax.sharding import PartitionSpec as P
 
     rule = PARTITION_RULES.get(name)

@@ -8,11 +8,8 @@ hands out a `GrammarMatcher` per sequence (a copy of the compiled one). Each ste
 of word `t // 32` set where token t is allowed (llguidance's layout, which the sampler unpacks);
 the engine feeds each sampled token back with `GrammarMatcher.consume`.
 
-Why llguidance: it is a Rust library with an abi3 wheel and no Python dependencies; it computes
-a 49k-vocabulary mask in microseconds (docs/performance.md: scripts/bench_grammar_libs.py), takes
-JSON schema, regex, choice, Lark and GBNF; xgrammar, the other well-kept one, needs torch.
-Matchers are used on the engine thread only (compilation runs in a small pool of its own), which
-is what keeps concurrent requests apart: each sequence owns its matcher, nothing is shared.
+llguidance (not xgrammar, which needs torch): docs/performance.md, "Structured outputs".
+See docs/architecture.md, "Structured outputs".
 """
 
 from __future__ import annotations
@@ -174,6 +171,12 @@ class GrammarCompiler:
     `compile` runs the library's compilation in a pool of `workers` threads and waits at most
     `timeout` seconds from its start (the library bounds its own work too: llguidance's parser
     limits), and at most `queue_timeout` for a free thread (`GrammarBusy`).
+
+    Why llguidance: it is a Rust library with an abi3 wheel and no Python dependencies; it computes
+    a 49k-vocabulary mask in microseconds, takes JSON schema, regex, choice, Lark and GBNF; xgrammar,
+    the other well-kept one, needs torch. Matchers are used on the engine thread only (compilation
+    runs in a small pool of its own), which is what keeps concurrent requests apart: each sequence
+    owns its matcher, nothing is shared.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *, cache_size: int = 256,
@@ -185,7 +188,7 @@ class GrammarCompiler:
         self.queue_timeout = 3 * timeout  # the most a constraint waits for a free compiler thread
         self._llg_tok: Any = None
         self._lock = threading.RLock()  # a done callback may run in compile(), under it
-        self._tokenizer_lock = threading.Lock()  # the library's tokenizer is built once (~0.3 s)
+        self._tokenizer_lock = threading.Lock()  # the library's tokenizer is built once
         self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
         self._cache_size = cache_size
         # compilations under way, by key: their future and (once a worker took it up) their start

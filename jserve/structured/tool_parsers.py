@@ -3,25 +3,9 @@
 For OpenAI's `/v1/chat/completions` with `tools` and `tool_choice: "auto"`: the model writes its calls in the format
 its chat template taught it, and these parsers turn them into OpenAI `tool_calls`. Two formats:
 
-- ``hermes`` (Hermes 2 Pro, Qwen2.5 / Qwen3 and many ChatML models): each call is
-  ``<tool_call>{"name": "fn", "arguments": {...}}</tool_call>`` (whitespace around the JSON varies, `arguments` may
-  be an object or a JSON string holding one); calls may follow one another, and text around them is content. A call
-  whose closing tag never came is still a call when its JSON is complete and nothing but whitespace follows it.
-- ``llama3_json`` (Llama 3.1 / 3.2 / 3.3): the whole output, after whitespace and an optional ``<|python_tag|>``, is
-  ``{"name": "fn", "parameters": {...}}`` (or ``"arguments"``), several such objects separated by ``;`` (or only by
-  whitespace). Output whose first non-space character (after the tag) is not ``{`` is plain content.
-
-A call is valid when its JSON parses, its ``name`` is a non-empty string and its arguments are an object (missing
-arguments are taken as ``{}``); anything else stays in the content, text and markup alike, so nothing is lost and
-nothing raises. Given the request's tool names (`get_parser(name, names)`), a call to any other name is content
-too; llama3_json also needs `parameters` or `arguments`, so a plain JSON answer (`{"name": "John"}`) stays content.
-
-Streaming: `ToolCallStream.feed` takes each new piece of text (any split) and returns the content to send now and the
-tool-call deltas to send now; `finish` flushes what was held back. Content is held back only while it could still be
-markup (a partial ``<tool_call>``, llama3's undecided start, a call's JSON) and, whitespace, until it is known not to
-be the end of the content. Each call goes out as one delta, when it is complete, carrying its id, name and whole
-arguments. Whatever the split, the content pieces concatenated equal ``parse(text)[0]`` and the calls equal
-``parse(text)[1]`` (`parse` is the stream fed in one piece); content is stripped of surrounding whitespace.
+``hermes`` (Hermes 2 Pro, Qwen2.5 / Qwen3, many ChatML models) and ``llama3_json`` (Llama 3.1 -
+3.3); `ToolParser`'s docstring gives both formats, what makes a call valid, and how streaming holds
+content back. See docs/architecture.md, "Structured outputs".
 """
 
 from __future__ import annotations
@@ -243,7 +227,29 @@ class _Llama3JsonStream(ToolCallStream):
 
 
 class ToolParser(abc.ABC):
-    """One model format of tool calls. Stateless: `stream()` makes the per-generation state."""
+    """One model format of tool calls. Stateless: `stream()` makes the per-generation state.
+
+    - ``hermes`` (Hermes 2 Pro, Qwen2.5 / Qwen3 and many ChatML models): each call is
+      ``<tool_call>{"name": "fn", "arguments": {...}}</tool_call>`` (whitespace around the JSON varies, `arguments` may
+      be an object or a JSON string holding one); calls may follow one another, and text around them is content. A call
+      whose closing tag never came is still a call when its JSON is complete and nothing but whitespace follows it.
+    - ``llama3_json`` (Llama 3.1 / 3.2 / 3.3): the whole output, after whitespace and an optional ``<|python_tag|>``, is
+      ``{"name": "fn", "parameters": {...}}`` (or ``"arguments"``), several such objects separated by ``;`` (or only by
+      whitespace). Output whose first non-space character (after the tag) is not ``{`` is plain content.
+
+    A call is valid when its JSON parses, its ``name`` is a non-empty string and its arguments are an object (missing
+    arguments are taken as ``{}``); anything else stays in the content, text and markup alike, so nothing is lost and
+    nothing raises. Given the request's tool names (`get_parser(name, names)`), a call to any other name is content
+    too; llama3_json also needs `parameters` or `arguments`, so a plain JSON answer (`{"name": "John"}`) stays content.
+
+    Streaming: `ToolCallStream.feed` takes each new piece of text (any split) and returns the content to send now
+    and the tool-call deltas to send now; `finish` flushes what was held back. Content is held back only while it
+    could still be markup (a partial ``<tool_call>``, llama3's undecided start, a call's JSON) and, whitespace,
+    until it is known not to be the end of the content. Each call goes out as one delta, when it is complete,
+    carrying its id, name and whole arguments. Whatever the split, the content pieces concatenated equal
+    ``parse(text)[0]`` and the calls equal ``parse(text)[1]`` (`parse` is the stream fed in one piece); content is
+    stripped of surrounding whitespace.
+    """
 
     name: str
 

@@ -1,26 +1,9 @@
 """The native CPU backend: C++ kernels behind XLA FFI calls, for a CPU host.
 
-- Attention: the native paged-attention kernel (`pallas_kernels.native.paged_attention`), decode
-  and prefill chunks alike; Pallas interpret mode where it cannot build or past its shapes.
-- Linears and the tied LM head: the packed matmul kernel (`pallas_kernels.native.matmul`) over weights
-  (and the tied embedding, transposed) packed once at load into [N / P, K, P] panels, float32 or
-  bfloat16 as loaded. XLA's dots cannot read that layout, and a second, natural copy would double
-  the weights' memory, so every matmul and the head run on the kernel, decode and prefill.
-  Quantized weights (`jserve.model.quant.QuantizedWeight`: int8 and int4) pack into quantized
-  panels (`pack_quantized`) that the kernel reads as codes; a quantized tied embedding (held as
-  its transpose) is the head's weight and the lookup's table both. fp8 stays as loaded, on XLA
-  (`quant.xla_quantized_linear`, `quant.embed_rows`).
-- The layer stack: unrolled over per-layer weights and per-layer KV pages; a decode step (one
-  token per row) runs all the layers as one fused native call
-  (`pallas_kernels.native.decoder_layer`), an implementation of `jserve.model.llama.DecoderLayer`'s
-  contract for plain Llama layers without biases or q/k norms (tests/test_decoder_layer.py checks
-  it against the model's own layers); other steps, and every step of another layer (Gemma 2 / 3:
-  `ModelConfig.llama_layer` is False), run the model's own layers unrolled, on the native
-  matmuls and the native attention (which takes each layer's window and soft cap). Mixture-of-
-  experts layers run so too: their attention on the native matmuls, their experts as XLA's
-  gather grouped matmul (`jserve.model.moe`: a decode step reads only the selected experts' weights).
-- Pages: 64 tokens each by default; without the packed matmuls some step shapes compile with
-  XLA's Eigen dots instead of YNNPACK's (docs/performance.md has the measurements).
+Attention on the native paged-attention kernel, every linear and the tied head on the packed
+matmul kernel over weights packed once at load (float32, bfloat16, int8 / int4 panels), and a
+decode step's Llama layers as one fused native call; `NativeCpuBackend`'s docstring says what runs
+where. See docs/architecture.md, "The backend seam".
 """
 
 from __future__ import annotations
@@ -47,7 +30,29 @@ EIGEN_PREFILL_BATCHES = (1,)
 
 
 class NativeCpuBackend(Backend):
-    """Native C++ kernels on the CPU (see the module docstring).
+    """Native C++ kernels on the CPU.
+
+    - Attention: the native paged-attention kernel (`pallas_kernels.native.paged_attention`), decode
+      and prefill chunks alike; Pallas interpret mode where it cannot build or past its shapes.
+    - Linears and the tied LM head: the packed matmul kernel (`pallas_kernels.native.matmul`) over weights
+      (and the tied embedding, transposed) packed once at load into [N / P, K, P] panels, float32 or
+      bfloat16 as loaded. XLA's dots cannot read that layout, and a second, natural copy would double
+      the weights' memory, so every matmul and the head run on the kernel, decode and prefill.
+      Quantized weights (`jserve.model.quant.QuantizedWeight`: int8 and int4) pack into quantized
+      panels (`pack_quantized`) that the kernel reads as codes; a quantized tied embedding (held as
+      its transpose) is the head's weight and the lookup's table both. fp8 stays as loaded, on XLA
+      (`quant.xla_quantized_linear`, `quant.embed_rows`).
+    - The layer stack: unrolled over per-layer weights and per-layer KV pages; a decode step (one
+      token per row) runs all the layers as one fused native call
+      (`pallas_kernels.native.decoder_layer`), an implementation of `jserve.model.llama.DecoderLayer`'s
+      contract for plain Llama layers without biases or q/k norms (tests/test_decoder_layer.py checks
+      it against the model's own layers); other steps, and every step of another layer (Gemma 2 / 3:
+      `ModelConfig.llama_layer` is False), run the model's own layers unrolled, on the native
+      matmuls and the native attention (which takes each layer's window and soft cap). Mixture-of-
+      experts layers run so too: their attention on the native matmuls, their experts as XLA's
+      gather grouped matmul (`jserve.model.moe`: a decode step reads only the selected experts' weights).
+    - Pages: 64 tokens each by default; without the packed matmuls some step shapes compile with
+      XLA's Eigen dots instead of YNNPACK's (docs/performance.md has the measurements).
 
     Args:
       native_matmuls: pack the layer weights and a tied embedding for the native matmul kernel
