@@ -8,12 +8,7 @@ headers that ship with jaxlib, with `-march=native` (or `-march=$JSERVE_NATIVE_A
 (`pallas_kernels/native/*.h`), the jaxlib version, the flags and the CPU's flags. Without a
 compiler, or if the build fails, `available()` is False and says why once
 in the log; every caller keeps a pure-XLA path for that case.
-
-Each source builds in two variants (`variant.h`): the float kernels only (`-DJSERVE_NATIVE_QUANT=0`,
-about half the compile time: what a float model needs, and all a cold start of the default model
-waits for), registered under the target names; and with the quantized kernels too, built the first
-time a quantized weight or page needs them (`target(name, quantized=True)`), registered under
-`<name>_quantized`.
+Each source builds in two variants, float only and with the quantized kernels (`NativeLibrary`).
 """
 
 from __future__ import annotations
@@ -46,7 +41,14 @@ def flags() -> tuple[str, ...]:
 
 
 class NativeLibrary:
-    """One C++ source and the FFI targets (`{target name: exported symbol}`) it defines."""
+    """One C++ source and the FFI targets (`{target name: exported symbol}`) it defines.
+
+    Each source builds in two variants (`variant.h`): the float kernels only (`-DJSERVE_NATIVE_QUANT=0`,
+    about half the compile time: what a float model needs, and all a cold start of the default model
+    waits for), registered under the target names; and with the quantized kernels too, built the first
+    time a quantized weight or page needs them (`target(name, quantized=True)`), registered under
+    `<name>_quantized`.
+    """
 
     def __init__(self, name: str, source: Path, targets: dict[str, str], *, what: str,
                  fallback: str, include_dir: Path = HEADERS, constants: dict[str, int] | None = None):

@@ -5,15 +5,8 @@
 float32 or bfloat16 (`matmul_packed_many`: several weights that read the same x, one call): the
 paged runner's layer matmuls and tied LM head on CPU (see `jserve.runtime.backends.native_cpu`).
 Without a compiler `available()` is False and the runner keeps XLA's dots and unpacked weights.
-
-Quantized weights (`jserve.model.quant.QuantizedWeight`, int8 and int4) pack with
-`pack_quantized(w)` into a `PackedQuantized`: the codes in the same column panels ([N / P, K, P]
-int8, [N / P, K / 2, P] uint8 nibble pairs for int4) and the per-group scales (and offsets) beside
-them as [N / P, K / G, S, P] (S = 2: scale, then offset). `matmul_packed` and `matmul_packed_many`
-take one wherever they take float panels; the kernel reads the codes and dequantizes in registers
-(products accumulated per group in float32, the scale applied once per group, an offset as its
-share times the group's sum of x), so an int4 weight is read as half a byte per weight and its
-scales. fp8 codes do not pack (`can_pack_quantized`).
+Quantized weights (int8, int4) pack with `pack_quantized` into a `PackedQuantized` (its docstring
+gives the layout), read as codes and dequantized in registers.
 """
 
 from __future__ import annotations
@@ -92,6 +85,15 @@ class PackedQuantized:
       unsigned nibbles, and takes 8 times the group's sum of x off). Padded columns: zero scales.
     scales: float32 or float16 [N / P, K / G, S, P]: S = 1, each group's scale; S = 2, its scale
       then its offset. w[k, n] = scales[n // P, k // G, 0, n % P] * code (+ scales[.., 1, ..]).
+
+    Quantized weights (`jserve.model.quant.QuantizedWeight`, int8 and int4) pack with
+    `pack_quantized(w)` into a `PackedQuantized`: the codes in the same column panels ([N / P, K, P]
+    int8, [N / P, K / 2, P] uint8 nibble pairs for int4) and the per-group scales (and offsets) beside
+    them as [N / P, K / G, S, P] (S = 2: scale, then offset). `matmul_packed` and `matmul_packed_many`
+    take one wherever they take float panels; the kernel reads the codes and dequantizes in registers
+    (products accumulated per group in float32, the scale applied once per group, an offset as its
+    share times the group's sum of x), so an int4 weight is read as half a byte per weight and its
+    scales. fp8 codes do not pack (`can_pack_quantized`).
     """
 
     codes: Any

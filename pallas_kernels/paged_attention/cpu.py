@@ -4,21 +4,8 @@ Interpret mode turns a kernel into XLA while loops; on CPU every op in a loop bo
 microseconds and XLA's small batched dots and gathers run far below memory bandwidth, so the
 kernels do few, large steps over live pages only, and see the whole page pool as one block
 (no copy of the pool: checked in the compiled HLO).
-
-- Decode (one token per row, `_decode_kernel`, `grid=()`): a work list of (row, key block)
-  items covering only the live blocks of all rows; each loop step gathers the pages of about
-  one block per row (all KV heads, one row gather) and computes a partial softmax per item;
-  a flash-decoding combine merges each row's items at the end. It is faster than a kernel of
-  one grid step per row and than a jnp gather of exactly the live pages, let alone of the page
-  table the engine passes (max_model_len / page_size slots per row; docs/performance.md).
-- Chunked prefill (`_kernel`, `grid=(batch,)`): one grid step per batch row, a `fori_loop`
-  over the row's live pages `pages_per_block` at a time, online softmax in float32; here each
-  step is a real matmul (tokens x groups query rows), so per-row steps are cheap enough.
-
-Queries come packed as rows (`common.pack_rows`). Quantized pages (int8 / float8_e4m3fn codes)
-come with scale refs [num_kv_heads, num_pages, page_size], gathered with their pages: the key
-scales multiply the scores of their keys and the value scales the probabilities, so the codes
-are only widened, never multiplied out row by row.
+`paged_attention_rows`'s docstring gives the two kernels (decode as a work list over all rows'
+live blocks, chunked prefill per row) and how quantized pages are read.
 """
 
 from __future__ import annotations
@@ -208,7 +195,23 @@ def paged_attention_rows(
     k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
     v_scales: jax.Array | None = None,
 ) -> jax.Array:
-    """Runs the interpret-mode kernel; returns [batch, num_kv_heads, rows, head_dim] in q's dtype."""
+    """Runs the interpret-mode kernel; returns [batch, num_kv_heads, rows, head_dim] in q's dtype.
+
+    - Decode (one token per row, `_decode_kernel`, `grid=()`): a work list of (row, key block)
+      items covering only the live blocks of all rows; each loop step gathers the pages of about
+      one block per row (all KV heads, one row gather) and computes a partial softmax per item;
+      a flash-decoding combine merges each row's items at the end. It is faster than a kernel of
+      one grid step per row and than a jnp gather of exactly the live pages, let alone of the page
+      table the engine passes (max_model_len / page_size slots per row).
+    - Chunked prefill (`_kernel`, `grid=(batch,)`): one grid step per batch row, a `fori_loop`
+      over the row's live pages `pages_per_block` at a time, online softmax in float32; here each
+      step is a real matmul (tokens x groups query rows), so per-row steps are cheap enough.
+
+    Queries come packed as rows (`common.pack_rows`). Quantized pages (int8 / float8_e4m3fn codes)
+    come with scale refs [num_kv_heads, num_pages, page_size], gathered with their pages: the key
+    scales multiply the scores of their keys and the value scales the probabilities, so the codes
+    are only widened, never multiplied out row by row.
+    """
     batch, num_kv_heads, rows, head_dim = q.shape
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     scales = () if k_scales is None else (k_scales, v_scales)

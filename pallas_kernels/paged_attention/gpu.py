@@ -1,32 +1,12 @@
 """GPU paged-attention kernel (Mosaic GPU, Hopper): TMA page copies into a multi-stage
 shared-memory pipeline, wgmma for both matmuls, online softmax in registers.
 
-Grid `(batch, num_kv_heads, row_blocks x splits)`: each CUDA block (one warpgroup) owns 64
-packed query rows (`common.pack_rows`: decode rows are the `groups` query heads of one KV head,
-padded to 64 for wgmma) of one KV head, and one of `splits` contiguous shares of their key
-blocks (flash-decoding: splits fill the GPU when batch x KV heads cannot; each writes its
-normalised output and log-sum-exp, merged by `_combine`). It first copies its row of the page
-table (with the row's `q_start` and `q_len` in front) into shared memory, then walks its key blocks
-(`pages_per_block` pages, 64 or more keys) with `stages` blocks of K and V in flight: each
-page is one TMA copy straight from the pool `[num_kv_heads, num_pages, page_size, head_dim]`,
-each stage's copies arrive on one barrier per tensor. Blocks outside the causal (and
-sliding-window) range of the row block are never read; keys past a row's length inside the
-last block are masked. Decode is the one-token case, so memory traffic is the live K/V bytes
-plus 64 query rows per (row, KV head).
-
 Supports bfloat16 and float16 K/V, and quantized K/V (int8 or float8_e4m3fn codes with float32
 scales, one per token and KV head), with head_dim a multiple of 64 (`supports`); `ops.py` sends
 anything else to the XLA reference path.
 
-Quantized pages: the codes travel as the 16-bit pages do (one TMA copy per page, into 8-row
-shared-memory tiles of 64 or 128 one-byte columns, swizzled to the row's bytes). wgmma takes no
-mixed bf16 x int8 operands, so each stage's K and V code blocks are loaded into registers, widened
-to the compute dtype (bfloat16, or float16 with float16 queries: both hold every int8 and e4m3 code
-exactly) and stored into one 16-bit block each, the operand of the matmuls. The scales stay in
-float32 outside the matmuls, as tpu.py applies them: XLA first gathers each row's scales in key
-order ([batch, num_kv_heads, keys], 4 bytes per key next to head_dim code bytes), a stage copies
-its block's slice of them beside its pages, the key scales multiply the scores of their keys and
-the value scales the probabilities before P.V (the softmax denominator sums the unscaled ones).
+`_kernel`'s docstring gives the grid, the pipeline, the key splits and how quantized pages reach
+wgmma. See docs/architecture.md, "The backend seam".
 """
 
 from __future__ import annotations
@@ -103,6 +83,30 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, quantized: bool, sm_scale: flo
     # order); o_ref, lse_ref; q_smem, k_smem, v_smem, meta_smem, lse_smem; quantized: ks_smem,
     # vs_smem (f32 [stages, block_len]), k_wide, v_wide (the current block's K and V widened to
     # q's dtype); then q_bar, meta_bar, k_bars, v_bars.
+    """Grid `(batch, num_kv_heads, row_blocks x splits)`: each CUDA block (one warpgroup) owns 64
+    packed query rows (`common.pack_rows`: decode rows are the `groups` query heads of one KV head,
+    padded to 64 for wgmma) of one KV head, and one of `splits` contiguous shares of their key
+    blocks (flash-decoding: splits fill the GPU when batch x KV heads cannot; each writes its
+    normalised output and log-sum-exp, merged by `_combine`). It first copies its row of the page
+    table (with the row's `q_start` and `q_len` in front) into shared memory, then walks its key blocks
+    (`pages_per_block` pages, 64 or more keys) with `stages` blocks of K and V in flight: each
+    page is one TMA copy straight from the pool `[num_kv_heads, num_pages, page_size, head_dim]`,
+    each stage's copies arrive on one barrier per tensor. Blocks outside the causal (and
+    sliding-window) range of the row block are never read; keys past a row's length inside the
+    last block are masked. Decode is the one-token case, so memory traffic is the live K/V bytes
+    plus 64 query rows per (row, KV head).
+
+
+    Quantized pages: the codes travel as the 16-bit pages do (one TMA copy per page, into 8-row
+    shared-memory tiles of 64 or 128 one-byte columns, swizzled to the row's bytes). wgmma takes no
+    mixed bf16 x int8 operands, so each stage's K and V code blocks are loaded into registers, widened
+    to the compute dtype (bfloat16, or float16 with float16 queries: both hold every int8 and e4m3 code
+    exactly) and stored into one 16-bit block each, the operand of the matmuls. The scales stay in
+    float32 outside the matmuls, as tpu.py applies them: XLA first gathers each row's scales in key
+    order ([batch, num_kv_heads, keys], 4 bytes per key next to head_dim code bytes), a stage copies
+    its block's slice of them beside its pages, the key scales multiply the scores of their keys and
+    the value scales the probabilities before P.V (the softmax denominator sums the unscaled ones).
+    """
     if quantized:
         (ks_ref, vs_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, meta_smem, lse_smem, ks_smem,
          vs_smem, k_wide, v_wide, q_bar, meta_bar, k_bars, v_bars) = refs

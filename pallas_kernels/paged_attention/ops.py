@@ -1,12 +1,5 @@
 """Public paged-attention entry points: validate, pack queries as rows, dispatch on `backend`.
-
-Backends: "cpu" (the native kernel, `pallas_kernels.native.paged_attention`, decode
-and prefill chunks of any length, when it builds; without a compiler, or past `native.MAX_GROUPS`
-query heads per KV head, Pallas interpret mode, coarse grid), "cpu_pallas" (Pallas interpret mode
-always), "tpu" (Mosaic TPU kernel), "gpu" (Mosaic GPU kernel for Hopper, `gpu.py`, with
-bfloat16/float16 K/V or int8/float8_e4m3fn codes with scales, head_dim a multiple of 64 and
-page_size a multiple of 8; anything else runs the reference's XLA path, which gathers every slot
-of the page table) and "reference".
+`_attend` lists the backends ("cpu", "cpu_pallas", "tpu", "gpu", "reference") and what each takes.
 
 All backends share one layout contract: K/V pages [num_kv_heads, num_pages, page_size, head_dim]
 per layer (float32, bfloat16, float16, or quantized: int8 or float8_e4m3fn codes with float32
@@ -28,8 +21,7 @@ from pallas_kernels.paged_attention import cpu, gpu, reference, tpu
 from pallas_kernels.paged_attention.common import QUANT_DTYPES, pack_rows, unpack_rows
 
 BACKENDS = ("cpu", "cpu_pallas", "tpu", "gpu", "reference")
-# Keys per compute block: 128 fills a TPU lane row, and on CPU 64-256 keys ran within noise
-# of each other, 128 most often the fastest (docs/performance.md).
+# Keys per compute block: 128 fills a TPU lane row, and on CPU no block size measured better.
 _DEFAULT_BLOCK_KEYS = 128
 _STATIC = ("backend", "sm_scale", "soft_cap", "sliding_window", "pages_per_block")
 
@@ -114,7 +106,16 @@ def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_s
 
 def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_scale, soft_cap,
             sliding_window, pages_per_block, k_scales=None, v_scales=None):
-    """q [batch, tokens, num_q_heads, head_dim] -> same shape, in q's dtype."""
+    """q [batch, tokens, num_q_heads, head_dim] -> same shape, in q's dtype.
+
+    Backends: "cpu" (the native kernel, `pallas_kernels.native.paged_attention`, decode
+    and prefill chunks of any length, when it builds; without a compiler, or past `native.MAX_GROUPS`
+    query heads per KV head, Pallas interpret mode, coarse grid), "cpu_pallas" (Pallas interpret mode
+    always), "tpu" (Mosaic TPU kernel), "gpu" (Mosaic GPU kernel for Hopper, `gpu.py`, with
+    bfloat16/float16 K/V or int8/float8_e4m3fn codes with scales, head_dim a multiple of 64 and
+    page_size a multiple of 8; anything else runs the reference's XLA path, which gathers every slot
+    of the page table) and "reference".
+    """
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     groups = q.shape[2] // num_kv_heads
     scales = {} if k_scales is None else dict(k_scales=k_scales, v_scales=v_scales)

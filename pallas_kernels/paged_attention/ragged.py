@@ -10,25 +10,8 @@ when set; logits `q.k * sm_scale`, then `soft_cap * tanh(logits / soft_cap)`: `c
 ([num_kv_heads, num_pages, page_size, head_dim]; int8 / float8_e4m3fn codes with float32 scales;
 padded slots -> page 0).
 
-Backends:
-- "tpu": `ragged_tpu.py`, a Mosaic kernel over blocks of the flattened token axis.
-- "gpu": `ragged_gpu.py`, the Hopper kernel of `gpu.py` run on a device-side work list of
-  (row, 64-row tile) items; dtypes / head sizes / page sizes it does not take run "reference".
-- "cpu_pallas": the TPU kernel in Pallas' generic interpreter (`interpret="generic"`: its DMAs run
-  as plain copies). Pallas' TPU interpreter, which simulates every DMA and semaphore and checks
-  for races, is the strict check the kernel tests run; it took 64 s per mixed step of the default
-  model (30 layers, docs/performance.md), too slow to serve from.
-- "cpu": the same work list as "gpu" (one item per tile of `64 // groups` tokens of one row, the
-  native kernel's own tile) handed to `paged_prefill_attention(..., backend="cpu")`, i.e. the
-  native C++ kernel (Pallas interpret mode without a compiler). Chosen over the reference because
-  the native kernel reads only a row's live pages, while the reference gathers every slot of every
-  item's page table; and over the TPU interpreter, which simulates every DMA.
-- "reference": the work list (tiles of `_REFERENCE_TILE` tokens) through
-  `paged_prefill_attention_reference` (pure jnp).
-
-The work list (`tile_rows`) is built on the device by XLA from cu_q_lens / kv_lens / num_rows:
-nothing is read back to the host, and its length is a static bound
-(`min(T, T // tile + min(max_rows, T))` items for T tokens), so one compiled shape serves any mix.
+Backends ("tpu", "gpu", "cpu_pallas", "cpu", "reference"): `ragged_paged_attention`'s docstring;
+the device-side work list of row tiles: `tile_rows`'s.
 """
 
 from __future__ import annotations
@@ -78,7 +61,12 @@ def max_items(num_tokens: int, max_rows: int, tile: int) -> int:
 
 def tile_rows(kv_lens, cu_q_lens, num_rows, num_tokens: int, tile: int) -> Tiles:
     """Cuts every live row's new tokens into items of `tile` tokens (the last one of a row
-    shorter), in row order; computed by XLA on the device."""
+    shorter), in row order; computed by XLA on the device.
+
+    The work list (`tile_rows`) is built on the device by XLA from cu_q_lens / kv_lens / num_rows:
+    nothing is read back to the host, and its length is a static bound
+    (`min(T, T // tile + min(max_rows, T))` items for T tokens), so one compiled shape serves any mix.
+    """
     max_rows = kv_lens.shape[0]
     cu, q_len = clip_cu(cu_q_lens, num_rows, num_tokens)
     count = -(-q_len // tile)
@@ -202,6 +190,22 @@ def ragged_paged_attention(
     their pages; see the module docstring for the contract.
 
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype; padding tokens are zeros.
+
+    Backends:
+    - "tpu": `ragged_tpu.py`, a Mosaic kernel over blocks of the flattened token axis.
+    - "gpu": `ragged_gpu.py`, the Hopper kernel of `gpu.py` run on a device-side work list of
+      (row, 64-row tile) items; dtypes / head sizes / page sizes it does not take run "reference".
+    - "cpu_pallas": the TPU kernel in Pallas' generic interpreter (`interpret="generic"`: its DMAs run
+      as plain copies). Pallas' TPU interpreter, which simulates every DMA and semaphore and checks
+      for races, is the strict check the kernel tests run; it is far too slow to serve from
+      (docs/performance.md, "Ragged attention").
+    - "cpu": the same work list as "gpu" (one item per tile of `64 // groups` tokens of one row, the
+      native kernel's own tile) handed to `paged_prefill_attention(..., backend="cpu")`, i.e. the
+      native C++ kernel (Pallas interpret mode without a compiler). Chosen over the reference because
+      the native kernel reads only a row's live pages, while the reference gathers every slot of every
+      item's page table; and over the TPU interpreter, which simulates every DMA.
+    - "reference": the work list (tiles of `_REFERENCE_TILE` tokens) through
+      `paged_prefill_attention_reference` (pure jnp).
     """
     _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_rows, backend=backend,
               sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,

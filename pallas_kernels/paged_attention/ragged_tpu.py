@@ -6,41 +6,7 @@ semaphores, SMEM, NaN-filled uninitialised VMEM) and by lowering for TPU with `j
 runs Pallas' lowering to Mosaic but not Mosaic's own layout passes (those run in libtpu);
 `scripts/bench_ragged_attention.py --backend tpu` is the check to run on a TPU VM.
 
-Layout: the queries of KV head h, packed token-major as in `common.pack_rows` but over the
-flattened token axis (packed row `t * groups + i` is token t, query head `h * groups + i`),
-padded to whole blocks of `block_rows` packed rows. Grid `(num_kv_heads, row_blocks)`, both
-"parallel" (no state crosses grid steps). Scalar prefetch puts kv_lens, cu_q_lens, the flattened
-page table and, per block, the first and the end of the rows that may intersect it (computed by
-XLA from cu_q_lens) in SMEM; the pages stay in HBM (`memory_space=ANY`).
-
-One grid step (one KV head, one block of packed rows):
-- zeroes its output block (padding tokens stay zeros), then walks the rows intersecting the block
-  in order, skipping rows with no token in it or no key to attend;
-- for each row, the block's rows that are the row's own tokens form a local range [lo, hi). When
-  that range fits in one aligned window of `window` packed rows (a decode row: `groups` rows; a
-  few speculative tokens), the row is computed on that window only (a `window x keys` product),
-  else on the whole block, masked to the row's tokens. So a block of decode rows costs one small
-  window per row, not a full block per token;
-- walks the row's key blocks of `pages_per_block` pages that its tokens in this block can attend
-  (causal, and the sliding window): pages outside that range are never copied, neither whole key
-  blocks nor the pages past the row's last key inside its last block;
-- the copies of the next key block, which may be the next row's first one, are started before
-  the current block is waited for, into the other half of a two-slot VMEM buffer, so within a
-  grid step only its first copy is exposed (each grid step still pays that one latency: there is
-  no prefetch across grid steps);
-- key slots of a block that were not copied hold stale or uninitialised VMEM: their scores are
-  masked, and V is zeroed there (a select over the block; 0 * NaN would reach P.V);
-- online softmax (float32, m and l replicated over 128 lanes as in `tpu.py`) in VMEM scratch,
-  reinitialised per row over the rows it computes; at the row's end its normalised output is
-  merged into the output block on its own rows only.
-
-Every page a row needs is read once per (KV head, block holding some of the row's tokens): once for
-a decode row, and for a prefill chunk once per block it spans, up to the block's last token.
-
-Quantized pages (int8 / float8_e4m3fn codes): as `tpu.py`, XLA first gathers each row's scales
-in key order ([num_kv_heads, max_rows * key_blocks, block_len]: the whole page table's slots, 4
-bytes per key and head); a key block's scales are one more DMA per tensor beside its pages. The
-key scales multiply the scores and the value scales the probabilities before P.V.
+`_kernel`'s docstring gives the layout, what one grid step does, and how quantized pages are read.
 """
 
 from __future__ import annotations
@@ -98,6 +64,42 @@ def _kernel(
     window: int,
     align: int,
 ):
+    """Layout: the queries of KV head h, packed token-major as in `common.pack_rows` but over the
+    flattened token axis (packed row `t * groups + i` is token t, query head `h * groups + i`),
+    padded to whole blocks of `block_rows` packed rows. Grid `(num_kv_heads, row_blocks)`, both
+    "parallel" (no state crosses grid steps). Scalar prefetch puts kv_lens, cu_q_lens, the flattened
+    page table and, per block, the first and the end of the rows that may intersect it (computed by
+    XLA from cu_q_lens) in SMEM; the pages stay in HBM (`memory_space=ANY`).
+
+    One grid step (one KV head, one block of packed rows):
+    - zeroes its output block (padding tokens stay zeros), then walks the rows intersecting the block
+      in order, skipping rows with no token in it or no key to attend;
+    - for each row, the block's rows that are the row's own tokens form a local range [lo, hi). When
+      that range fits in one aligned window of `window` packed rows (a decode row: `groups` rows; a
+      few speculative tokens), the row is computed on that window only (a `window x keys` product),
+      else on the whole block, masked to the row's tokens. So a block of decode rows costs one small
+      window per row, not a full block per token;
+    - walks the row's key blocks of `pages_per_block` pages that its tokens in this block can attend
+      (causal, and the sliding window): pages outside that range are never copied, neither whole key
+      blocks nor the pages past the row's last key inside its last block;
+    - the copies of the next key block, which may be the next row's first one, are started before
+      the current block is waited for, into the other half of a two-slot VMEM buffer, so within a
+      grid step only its first copy is exposed (each grid step still pays that one latency: there is
+      no prefetch across grid steps);
+    - key slots of a block that were not copied hold stale or uninitialised VMEM: their scores are
+      masked, and V is zeroed there (a select over the block; 0 * NaN would reach P.V);
+    - online softmax (float32, m and l replicated over 128 lanes as in `tpu.py`) in VMEM scratch,
+      reinitialised per row over the rows it computes; at the row's end its normalised output is
+      merged into the output block on its own rows only.
+
+    Every page a row needs is read once per (KV head, block holding some of the row's tokens): once for
+    a decode row, and for a prefill chunk once per block it spans, up to the block's last token.
+
+    Quantized pages (int8 / float8_e4m3fn codes): as `tpu.py`, XLA first gathers each row's scales
+    in key order ([num_kv_heads, max_rows * key_blocks, block_len]: the whole page table's slots, 4
+    bytes per key and head); a key block's scales are one more DMA per tensor beside its pages. The
+    key scales multiply the scores and the value scales the probabilities before P.V.
+    """
     if quantized:
         (ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref,
          acc_ref) = refs
@@ -283,7 +285,7 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     `block_rows` packed query rows per grid step (default 128; rounded to the query dtype's
     sublane tile), `pages_per_block` pages per key block (default 128 keys' worth). `interpret`:
     False compiles it with Mosaic; True or "tpu" runs it in Pallas' TPU interpreter (simulated
-    DMAs and semaphores, uninitialised VMEM filled with NaN: the strict check, about 0.3 s a call
+    DMAs and semaphores, uninitialised VMEM filled with NaN: the strict check, slow
     even on a tiny batch); "generic" in Pallas' generic interpreter (DMAs become plain copies, no
     race or uninitialised-read checks; the same kernel code and index math, as fast as XLA runs
     it: what the "cpu_pallas" serving backend uses).

@@ -1,21 +1,8 @@
 """TPU paged-attention kernel (Mosaic): scalar-prefetched page tables, double-buffered page DMAs.
 
-Grid `(batch, num_kv_heads, row_blocks)`, all "parallel" (megacore may split any axis): each
-step owns one block of packed query rows (`common.pack_rows`) of one KV head, walks the live
-pages of its row `pages_per_block` pages at a time, and prefetches the next block of pages
-into the other half of a two-slot VMEM buffer while it computes on the current one. Pages
-are DMA'd straight from the pool in HBM (`memory_space=ANY`); page tables, starts and lengths
-sit in SMEM via scalar prefetch. Row blocks past a row's real tokens, and pages outside the
-causal (and sliding-window) range of a row block, are skipped. Unlike JAX's own kernel it
-does not prefetch across grid steps, so each step pays one exposed DMA latency.
-
-Quantized pages (int8 / float8_e4m3fn codes) come with their scales [num_kv_heads, num_pages,
-page_size]: XLA gathers each row's scales in key order first ([batch, num_kv_heads, 1, keys]: 4
-bytes per key and head, next to the key's head_dim code bytes), so a grid step holds its row's
-scales in VMEM as one lane vector and slices a block's keys from it (lane-aligned when a block is
-a multiple of 128 keys), with no per-page DMA of a few scales. The codes are widened to the
-query's dtype, the key scales multiply the scores of their keys and the value scales the
-probabilities before P.V.
+Scalar-prefetched page tables in SMEM, pages DMA'd from HBM into a two-slot VMEM buffer, one grid
+step per (row, KV head, row block); `_kernel`'s docstring gives the details, quantized pages
+included.
 """
 
 from __future__ import annotations
@@ -52,6 +39,23 @@ def _kernel(
     pages_per_block: int,
     max_pages: int,
 ):
+    """Grid `(batch, num_kv_heads, row_blocks)`, all "parallel" (megacore may split any axis): each
+    step owns one block of packed query rows (`common.pack_rows`) of one KV head, walks the live
+    pages of its row `pages_per_block` pages at a time, and prefetches the next block of pages
+    into the other half of a two-slot VMEM buffer while it computes on the current one. Pages
+    are DMA'd straight from the pool in HBM (`memory_space=ANY`); page tables, starts and lengths
+    sit in SMEM via scalar prefetch. Row blocks past a row's real tokens, and pages outside the
+    causal (and sliding-window) range of a row block, are skipped. Unlike JAX's own kernel it
+    does not prefetch across grid steps, so each step pays one exposed DMA latency.
+
+    Quantized pages (int8 / float8_e4m3fn codes) come with their scales [num_kv_heads, num_pages,
+    page_size]: XLA gathers each row's scales in key order first ([batch, num_kv_heads, 1, keys]: 4
+    bytes per key and head, next to the key's head_dim code bytes), so a grid step holds its row's
+    scales in VMEM as one lane vector and slices a block's keys from it (lane-aligned when a block is
+    a multiple of 128 keys), with no per-page DMA of a few scales. The codes are widened to the
+    query's dtype, the key scales multiply the scores of their keys and the value scales the
+    probabilities before P.V.
+    """
     if quantized:
         ks_ref, vs_ref, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     else:
