@@ -86,10 +86,10 @@ def test_penalties_and_grammars_wait_for_the_step_before(engines):
     prompts, params = workload(n=8, seed=11)
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                              repetition_penalty=1.3 if i == 2 else 1.0) for i in range(len(prompts))]
-    before = engines[1].num_sync_steps
+    before = engines[1].step_fn.num_sync_steps
     a, b = _both(engines, prompts, params)
     _same(a, b)
-    assert engines[1].num_sync_steps > before  # the penalized request's steps ran in order
+    assert engines[1].step_fn.num_sync_steps > before  # the penalized request's steps ran in order
     assert_clean(engines[1])
 
 
@@ -99,7 +99,7 @@ def test_abort_while_a_step_is_in_flight_gives_every_page_back(tiny):  # noqa: F
     engine.add_request("b", list(range(3, 20)), SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine._inflight is not None
+    assert engine.step_fn.inflight is not None
     assert engine.abort_request("a").outputs[0].finish_reason == "abort"
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -122,7 +122,7 @@ def test_a_fed_row_takes_the_sample_on_the_device(tiny):  # noqa: F811
     np.testing.assert_allclose(got.logprob, again.logprob, rtol=1e-5)
     assert engine.stats()["compilations_after_warmup"] == 0
     with pytest.raises(ValueError, match="fed row"):
-        runner.launch([StepRow(3, [-1], pages, history=([1], []))], after=first, feed=[0])
+        runner.launch([StepRow(3, [-1], pages, penalty_tokens=([1], []))], after=first, feed=[0])
 
 
 def test_settings_that_do_not_combine_are_refused():
@@ -143,7 +143,7 @@ def test_metrics_report_the_overlap(engines):
     metrics.update_engine(overlapped.stats(), overlapped.runner.records)
     text = metrics.render().decode()
     launched = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("jserve_launched_steps ")))
-    assert launched == overlapped.runner.num_launched > 0
+    assert launched == overlapped.runner.overlap.num_launched > 0
     assert "jserve_overlapped_steps " in text and "jserve_num_recomputes 0.0" in text
 
 

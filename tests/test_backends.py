@@ -70,7 +70,7 @@ def test_backend_stacks_match_the_models_own_layers(arch, name):
 
 
 def _decode_hlo(runner, batch):
-    tokens, positions, meta, last = runner._pack([None] * batch, batch, 1)
+    tokens, positions, meta, last = runner.pack([None] * batch, batch, 1)
     return runner.step_fn(batch, 1).lower(runner.params, runner.kv, tokens, positions, meta,
                                           last).compile().as_text()
 

@@ -259,7 +259,7 @@ def test_scanned_gemma_stack_grows_with_the_period_not_the_depth():
         cfg, p = deepen(layers)
         runner = Runner(cfg, p, num_pages=16, page_size=4, max_model_len=32, backend="reference",
                         batch_buckets=(2,), token_buckets=(8,), max_num_batched_tokens=8)
-        tokens, positions, meta, last = runner._pack([None] * 2, 2, 1)
+        tokens, positions, meta, last = runner.pack([None] * 2, 2, 1)
         hlo = runner.step_fn(2, 1).lower(runner.params, runner.kv, tokens, positions, meta, last).compile().as_text()
         sizes[layers] = (len(hlo.splitlines()), len(re.findall(r" while\(", hlo)))
         K, P, S, D = runner.kv[0].shape  # the folded pages: carried through, never copied, K and V aliased

@@ -49,7 +49,7 @@ def test_greedy_generation_matches_reference(smollm2_llm, golden):
             assert out.outputs[0].text == case["greedy_text"]
     # The runner's steps, not stats()' total: the fixture is shared, and another module's
     # prompt_logprobs request compiles the scoring step on first use (counted in stats() by design).
-    assert smollm2_llm.runner.num_compilations_after_warmup == 0, smollm2_llm.runner._seen
+    assert smollm2_llm.runner.num_compilations_after_warmup == 0, smollm2_llm.runner.compiles.seen
 
 
 def test_chat_api_matches_reference(smollm2_llm, golden):
@@ -57,7 +57,7 @@ def test_chat_api_matches_reference(smollm2_llm, golden):
     out = smollm2_llm.chat(case["messages"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert out.prompt_token_ids == case["prompt_ids"]
     assert out.outputs[0].token_ids == case["greedy_ids"][:8]
-    assert smollm2_llm.runner.num_compilations_after_warmup == 0, smollm2_llm.runner._seen
+    assert smollm2_llm.runner.num_compilations_after_warmup == 0, smollm2_llm.runner.compiles.seen
 
 
 def test_teacher_forced_logits_match_reference(smollm2_llm, golden):

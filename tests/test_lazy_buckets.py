@@ -108,7 +108,7 @@ def test_lazy_warmup_serves_from_larger_shapes_then_compiles_nothing_on_the_serv
 
 def test_lazy_warmup_of_multi_step_and_verify_steps(model):
     for kw, call in (
-            (dict(decode_steps=3), lambda r: r.execute_decode_steps([StepRow(2, [4], [1, 2], num_steps=3)])),
+            (dict(max_decode_steps=3), lambda r: r.execute_decode_steps([StepRow(2, [4], [1, 2], decode_steps=3)])),
             (dict(num_speculative_tokens=2), lambda r: r.execute_verify([StepRow(2, [4], [1, 2], draft_ids=[1, 2])]))):
         runner = _runner(model, "reference", **kw)
         runner.warmup(progress=False, lazy=True)

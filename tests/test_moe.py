@@ -362,7 +362,7 @@ def test_step_hlo_never_gathers_the_experts(backend):
     runner = engine.runner
     from jserve.runtime.steps import StepRow
 
-    arrays = runner._place(runner._pack([StepRow(0, [1], [1, 2])] * 4, 4, 1))
+    arrays = runner.place(runner.pack([StepRow(0, [1], [1, 2])] * 4, 4, 1))
     hlo = runner.step_fn(4, 1).lower(runner.params, runner.kv, *arrays).compile().as_text()
     E, D, F = config.num_experts, config.hidden_size, config.moe_intermediate_size
     gathers = re.findall(r"(\w+)\[([\d,]+)\][^=\n]*= [^\n]*all-gather", hlo)

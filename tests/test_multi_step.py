@@ -70,13 +70,13 @@ def test_lookahead_is_all_or_nothing():
 # ------------------------------------------------------------------------------ scheduler
 
 def run_decode_steps(device: FakeDevice, plan: StepPlan) -> list[list[int]]:
-    """The fake device's multi-step call: per chunk, up to num_steps tokens, each fed back (its K/V
+    """The fake device's multi-step call: per chunk, up to decode_steps tokens, each fed back (its K/V
     written into the chunk's pages, lookahead ones included) before the next is sampled; a row
     stops at its stop ids as the real device does."""
     out = []
     for chunk in plan.chunks:
         token, pos, tokens = chunk.token_ids[0], chunk.start, []
-        for _ in range(chunk.num_steps):
+        for _ in range(chunk.decode_steps):
             page, i = device.slot(chunk.page_ids, pos)
             page[i] = (pos, token)
             history = []
@@ -117,7 +117,7 @@ def drive_multi_step(sched, arrivals, *, aborts=(), max_steps=5000):
         running_before = list(sched.running)
         plan = sched.schedule()
         plans.append(plan)
-        if plan.num_steps == 1:
+        if plan.decode_steps == 1:
             check_plan(sched, plan, running_before)
             sampled = device.run(plan)
             for request in sched.update(plan, sampled):
@@ -127,7 +127,7 @@ def drive_multi_step(sched, arrivals, *, aborts=(), max_steps=5000):
             assert {c.request.request_id for c in plan.chunks} == {r.request_id for r in running_before}
             tokens = run_decode_steps(device, plan)
             live = list(zip(plan.chunks, tokens))
-            for j in range(plan.num_steps):
+            for j in range(plan.decode_steps):
                 if j:
                     live = [(nxt, toks) for c, toks in live
                             if j < len(toks) and (nxt := sched.next_decode_step(c)) is not None]
@@ -154,10 +154,10 @@ def test_multi_step_scheduling_matches_requests_run_alone(steps):
     requests = mixed_requests(24)
     plans = drive_multi_step(sched, {0: requests[:10], 3: requests[10:18], 30: requests[18:]})
     assert_reference_outputs(sched, requests)
-    multi = [p for p in plans if p.num_steps > 1]
-    assert multi and max(p.num_steps for p in multi) == steps
+    multi = [p for p in plans if p.decode_steps > 1]
+    assert multi and max(p.decode_steps for p in multi) == steps
     # Capped by what each request has left to sample.
-    assert all(c.num_steps <= c.request.params.max_tokens - (c.start + 1 - len(c.request.prompt_token_ids))
+    assert all(c.decode_steps <= c.request.params.max_tokens - (c.start + 1 - len(c.request.prompt_token_ids))
                for p in multi for c in p.chunks)
 
 
@@ -169,7 +169,7 @@ def test_multi_step_with_preemption_prefix_cache_and_aborts():
     requests = mixed_requests(16, prefix=prefix, seed=3)
     long = [make_request(f"l{i}", prefix + [i, i + 1], max_tokens=30) for i in range(3)]
     plans = drive_multi_step(sched, {0: requests[:8] + long, 5: requests[8:]}, aborts=["l2"])
-    assert sched.num_preemptions > 0 and any(p.num_steps > 1 for p in plans)
+    assert sched.num_preemptions > 0 and any(p.decode_steps > 1 for p in plans)
     assert sched.page_table.num_prefix_hit_tokens > 0
     assert long[2].status is RequestStatus.FINISHED_ABORTED and 0 < len(long[2].output_token_ids) < 30
     assert_reference_outputs(sched, requests + long[:2])
@@ -189,14 +189,14 @@ def test_when_a_multi_step_plan_is_made():
     a = make_request("a", range(1, 6), max_tokens=4)
     b = make_request("b", range(2, 30), max_tokens=20)
     sched.add_request(a)
-    assert step(sched).num_steps == 1  # a's prompt
+    assert step(sched).decode_steps == 1  # a's prompt
     sched.add_request(b)
     plan = step(sched)  # a seat is free: b is admitted (a single step)
-    assert plan.num_steps == 1 and len(plan.chunks) == 2
-    assert step(sched).num_steps == 1  # b's prompt is still in chunks
+    assert plan.decode_steps == 1 and len(plan.chunks) == 2
+    assert step(sched).decode_steps == 1  # b's prompt is still in chunks
     plan = sched.schedule()
-    assert [c.num_steps for c in plan.chunks] == [1, 4]  # a has 1 token left to sample, b 19
-    assert plan.num_steps == 4 and plan.num_batched_tokens == 2
+    assert [c.decode_steps for c in plan.chunks] == [1, 4]  # a has 1 token left to sample, b 19
+    assert plan.decode_steps == 4 and plan.num_batched_tokens == 2
 
     # Seats all taken: a waiting request does not stop a multi-step plan, but the call ends when
     # the first seat frees by max_tokens (x: 2 more tokens), so that it is admitted then.
@@ -205,7 +205,7 @@ def test_when_a_multi_step_plan_is_made():
     sched.add_request(make_request("x", range(1, 6), max_tokens=3))
     sched.add_request(make_request("v", range(1, 6), max_tokens=10))
     step(sched)
-    assert [c.num_steps for c in sched.schedule().chunks] == [2, 4]  # nobody waits
+    assert [c.decode_steps for c in sched.schedule().chunks] == [2, 4]  # nobody waits
     sched = make_scheduler(num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
                            num_scheduler_steps=4)
     sched.add_request(make_request("x", range(1, 6), max_tokens=3))
@@ -213,7 +213,7 @@ def test_when_a_multi_step_plan_is_made():
     step(sched)
     sched.add_request(make_request("y", range(1, 6), max_tokens=10))
     plan = sched.schedule()
-    assert [c.num_steps for c in plan.chunks] == [2, 2] and plan.num_steps == 2
+    assert [c.decode_steps for c in plan.chunks] == [2, 2] and plan.decode_steps == 2
 
     # The pool cannot hold the lookahead: one step (nobody is preempted for lookahead).
     sched = make_scheduler(num_pages=5, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
@@ -222,7 +222,7 @@ def test_when_a_multi_step_plan_is_made():
     sched.add_request(make_request("w", range(2, 9), max_tokens=10))
     step(sched)  # both prompts: all 4 pages taken, the next slot of each is in its last page
     plan = sched.schedule()
-    assert plan.num_steps == 1 and not plan.preempted and len(plan.chunks) == 2
+    assert plan.decode_steps == 1 and not plan.preempted and len(plan.chunks) == 2
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         SchedulerConfig(num_scheduler_steps=0)
 
@@ -312,8 +312,8 @@ def test_runner_loop_ends_when_every_row_stopped(engines):
     assert not multi.has_unfinished_requests()
     multi.page_table.pool.evict()  # pages 1..4 hold nothing the prefix cache could hand out later
     def rows(steps, stops=((), ()), min_new=(0, 0)):
-        return [StepRow(3, [5], [1, 2], num_steps=steps[0], stop_ids=tuple(stops[0]), min_new=min_new[0]),
-                StepRow(0, [6], [3, 4], num_steps=steps[1], stop_ids=tuple(stops[1]), min_new=min_new[1])]
+        return [StepRow(3, [5], [1, 2], decode_steps=steps[0], stop_ids=tuple(stops[0]), min_new=min_new[0]),
+                StepRow(0, [6], [3, 4], decode_steps=steps[1], stop_ids=tuple(stops[1]), min_new=min_new[1])]
 
     first = runner.execute_decode_steps(rows([4, 2]))
     assert list(first.num_valid) == [4, 2] and first.tokens.shape == (4, 2)
@@ -328,10 +328,10 @@ def test_runner_loop_ends_when_every_row_stopped(engines):
     column = list(first.tokens[:, 0])
     n = next((j + 1 for j in range(1, 4) if column[j] == column[0]), 4)
     assert later.num_valid[0] == n and list(later.tokens[:n, 0]) == column[:n]
-    with pytest.raises(ValueError, match="num_steps"):
+    with pytest.raises(ValueError, match="decode_steps"):
         runner.execute_decode_steps(rows([5, 1]))
     with pytest.raises(ValueError, match="needs 3 pages"):
-        runner.execute_decode_steps([StepRow(7, [5], [1, 2], num_steps=2)])
+        runner.execute_decode_steps([StepRow(7, [5], [1, 2], decode_steps=2)])
     with pytest.raises(ValueError, match="one token"):
         runner.execute_decode_steps([StepRow(3, [5, 6], [1, 2])])
     assert multi.stats()["compilations_after_warmup"] == 0

@@ -303,7 +303,7 @@ def test_scheduler_recomputes_a_request_as_it_passes_recompute_past():
     plan = sched.schedule()
     sched.update(plan, {"a": 4})  # 4 tokens
     plan = sched.schedule()  # multi-step decode: at most 3 samples (to 7 tokens, computing up to 6)
-    assert plan.chunks[0].num_steps == tokens_before_recompute(4, 6) == 3
+    assert plan.chunks[0].decode_steps == tokens_before_recompute(4, 6) == 3
     for token in (5, 6):
         sched.update(plan, {"a": token})
         plan.chunks[0] = sched.next_decode_step(plan.chunks[0])
@@ -313,7 +313,7 @@ def test_scheduler_recomputes_a_request_as_it_passes_recompute_past():
     assert sched._cache_salt(req) == "\x00past-6"
     sched.check_invariants()
     plan = sched.schedule()  # recomputed from the first token, in chunks (8 tokens a step)
-    assert plan.chunks[0].start == 0 and plan.chunks[0].num_tokens == 7 and plan.chunks[0].samples
+    assert plan.chunks[0].start == 0 and plan.chunks[0].num_tokens == 7 and plan.chunks[0].emits_token
     assert tokens_before_recompute(7, 6) is None and tokens_before_recompute(3, None) is None
     with pytest.raises(ValueError, match="recompute_past"):
         SchedulerConfig(recompute_past=0)

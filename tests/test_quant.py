@@ -237,7 +237,7 @@ def test_quantized_steps_lower_for_tpu_and_gpu(platform, kernel, scheme):
                     backend=backends.create(kernel), kv_dtype=kv_dtype, max_num_batched_tokens=16,
                     batch_buckets=(4,), token_buckets=(16,))
     for B, T in ((4, 1), (1, 16)):
-        args = (runner.params, runner.kv, *runner._pack([None] * B, B, T))
+        args = (runner.params, runner.kv, *runner.pack([None] * B, B, T))
         text = runner.step_fn(B, T).trace(*args).lower(lowering_platforms=(platform,)).as_text()
         assert ("tpu_custom_call" if platform == "tpu" else "mosaic_gpu") in text  # the real kernel
         codes = {"int8": "xi8", "int4": "xui8", "fp8": "xf8E4M3FN"}[scheme]

@@ -93,7 +93,7 @@ def test_compilations_are_counted_and_stop_after_warmup():
 
 
 def _step_hlo(runner, batch, tokens):
-    arrays = runner._pack([None] * batch, batch, tokens)
+    arrays = runner.pack([None] * batch, batch, tokens)
     return runner.step_fn(batch, tokens).lower(runner.params, runner.kv, *arrays).as_text()
 
 

@@ -51,7 +51,7 @@ class FakeDevice:
                 page[i] = (pos, token)
         sampled = {}
         for chunk in plan.chunks:
-            if chunk.samples:
+            if chunk.emits_token:
                 history = []
                 for pos in range(chunk.start + len(chunk.token_ids)):
                     page, i = self.slot(chunk.page_ids, pos)
@@ -76,7 +76,7 @@ def check_plan(sched: Scheduler, plan: StepPlan, running_before: list[Request]) 
         r, stop = c.request, c.start + len(c.token_ids)
         assert r.status is RequestStatus.RUNNING and c.start == r.num_computed_tokens
         assert len(c.token_ids) >= 1 and c.token_ids == r.all_token_ids[c.start:stop]
-        assert c.samples == (stop == r.num_tokens)
+        assert c.emits_token == (stop == r.num_tokens)
         assert c.page_ids == pt.page_ids(r.request_id) and NULL_PAGE not in c.page_ids
         assert len(c.page_ids) == -(-stop // size)
         pages_of[r.request_id] = set(c.page_ids)
@@ -213,10 +213,10 @@ def test_small_budget_chunks_prompts_and_decodes_never_wait():
     long = make_request("long", range(3, 60), max_tokens=5)
     trace = drive(sched, {0: short, 2: [long]})
     long_chunks = [c for p in trace.plans for c in p.chunks if c.request is long]
-    assert len(long_chunks) > 1 and not long_chunks[0].samples
+    assert len(long_chunks) > 1 and not long_chunks[0].emits_token
     assert all(len(c.token_ids) < len(long.prompt_token_ids) for c in long_chunks)
     # While the long prompt is chunked, the three decodes run every step (check_plan asserts it).
-    prefill_plans = [p for p in trace.plans if any(c.request is long and not c.samples for c in p.chunks)]
+    prefill_plans = [p for p in trace.plans if any(c.request is long and not c.emits_token for c in p.chunks)]
     assert prefill_plans and all(len(p.chunks) == 4 for p in prefill_plans)
     assert_reference_outputs(sched, short + [long])
 

@@ -168,7 +168,7 @@ def test_tiny_model_same_tokens_and_logprobs_on_every_mesh(tiny_reference, mesh)
     params, prompts, kw, ref = tiny_reference
     got, engine = _generate(TINY, params, mesh, prompts, 10, **kw)
     _assert_same(got, ref, atol=1e-4)
-    assert engine.runner.num_compilations == 2, engine.runner._seen
+    assert engine.runner.num_compilations == 2, engine.runner.compiles.seen
     assert len({tuple(o.token_ids) for o in ref}) > 1  # not a degenerate model
     if "dp" in mesh:  # requests spread over the groups, each group's pages come back
         assert len(engine.page_tables) == parse_mesh(mesh)["dp"]
@@ -187,7 +187,7 @@ def test_dp_groups_route_shared_prefixes_together():
     dps.add_request(Request("b", [7, 8, 9], sp, 0.0))
     assert dps.group_of("a") == 0 and dps.group_of("b") == 1  # least loaded
     plan = dps.schedule()
-    assert plan.groups == [0, 1]
+    assert plan.dp_groups == [0, 1]
     dps.update(plan, {"a": 3, "b": 4})
     dps.check_invariants()
     dps.add_request(Request("c", system + [60], sp, 0.0))
@@ -198,7 +198,7 @@ def test_dp_groups_route_shared_prefixes_together():
     assert dps.get_request("c").request_id == "c" and dps.get_request("zzz") is None
     assert {r.request_id for r in dps.running + dps.waiting} == {"a", "b", "c"}
     b = dps.get_request("b")  # async scheduling's placeholder patch reaches b's group's page table
-    dps.patch_token(b, 0, 11)
+    dps.fill_placeholder(b, 0, 11)
     assert b.output_token_ids == [11] and dps.schedulers[1].page_table._seq("b").token_ids[3] == 11
     dps.abort_request("a")
     assert dps.group_of("a") is None and dps.num_running == 1 and dps.num_waiting == 1
@@ -223,7 +223,7 @@ def test_step_hlo_has_the_collectives_and_no_weight_gather():
     runner = engine.runner
     from jserve.runtime.steps import StepRow
 
-    arrays = runner._place(runner._pack([StepRow(0, [1], [1, 2])] * 4, 4, 1))  # two 16-token pages
+    arrays = runner.place(runner.pack([StepRow(0, [1], [1, 2])] * 4, 4, 1))  # two 16-token pages
     hlo = runner.step_fn(4, 1).lower(runner.params, runner.kv, *arrays).compile().as_text()
     # Megatron: one all-reduce after attention and one after the MLP per layer (XLA may fuse or
     # add a few for the embedding, norms and the tied head).
@@ -263,7 +263,7 @@ def test_smollm2_golden_greedy_on_a_mesh(smollm2_params, golden, mesh):
     got, engine = _generate(config, params, mesh, prompts, 8, **kw)
     for case, out in zip(golden["cases"], got):
         assert out.token_ids == case["greedy_ids"][:8]
-    assert engine.runner.num_compilations == 2, engine.runner._seen
+    assert engine.runner.num_compilations == 2, engine.runner.compiles.seen
 
 
 def test_make_mesh_keeps_a_user_mesh_device_order():

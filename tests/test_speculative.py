@@ -411,10 +411,10 @@ def test_verify_step_lowers_for_tpu_and_cuda(tiny):
         runner = engine.runner
         B, T = 4, 5
         rows = [StepRow(0, [1] + [2] * 4, [1] * runner.max_pages)] * B
-        (tokens, positions, meta, _), drafts = runner._pack(rows, B, T), np.zeros((B, 4), np.int32)
-        sampling, history = runner._sampling(rows, B)
+        (tokens, positions, meta, _), drafts = runner.pack(rows, B, T), np.zeros((B, 4), np.int32)
+        sampling, history = runner.sampling_inputs(rows, B)
         mask = runner.masks.ones(B * T)
-        text = runner._verify_fn(B, T).trace(runner.params, runner.kv, tokens, positions, meta, drafts, sampling,
+        text = runner.multi.verify_fn(B, T).trace(runner.params, runner.kv, tokens, positions, meta, drafts, sampling,
                                              history, mask).lower(lowering_platforms=(platform,)).as_text()
         # (the tiny model's head_dim 16 takes the reference attention on a GPU, Mosaic on a TPU)
         assert "tpu_custom_call" in text if platform == "tpu" else "stablehlo" in text

@@ -12,23 +12,26 @@ POLICY = StopPolicy(frozenset({2}), vocab_size=100)
 
 def test_eos_and_stop_ids_count_from_min_tokens():
     p = SamplingParams(stop_token_ids=[7], min_tokens=3)
-    assert POLICY.check(p, 2, 2, "ab", 1) is None  # EOS before min_tokens
-    assert POLICY.check(p, 2, 3, "abc", 2) == Stop("stop")
-    assert POLICY.check(p, 7, 3, "abc", 2) == Stop("stop", 7)
-    assert POLICY.check(SamplingParams(ignore_eos=True), 2, 5, "abcde", 4) is None
+    assert POLICY.check_token(p, 2, 2) is None  # EOS before min_tokens
+    assert POLICY.check_token(p, 2, 3) == Stop("stop")
+    assert POLICY.check_token(p, 7, 3) == Stop("stop", 7)
+    assert POLICY.check_token(SamplingParams(ignore_eos=True), 2, 5) is None
 
 
 def test_stop_strings_across_steps_and_their_cut():
     p = SamplingParams(stop=["END"], max_tokens=50)
-    assert POLICY.check(p, 5, 1, "xxEN", 2) is None
-    assert POLICY.check(p, 5, 2, "xxEND tail", 4) == Stop("stop", "END", "xx")  # completed by the new text
+    assert POLICY.check_text(p, 1, "xxEN", 2) is None
+    assert POLICY.check_text(p, 2, "xxEND tail", 4) == Stop("stop", "END", "xx")  # completed by the new text
     kept = SamplingParams(stop=["END"], include_stop_str_in_output=True)
-    assert POLICY.check(kept, 5, 2, "xxEND tail", 4).text == "xxEND"
-    assert POLICY.check(p, 5, 2, "END earlier", 8) is None  # only where the new text could complete it
+    assert POLICY.check_text(kept, 2, "xxEND tail", 4).text == "xxEND"
+    assert POLICY.check_text(p, 2, "END earlier", 8) is None  # only where the new text could complete it
+    assert POLICY.check_text(SamplingParams(stop=["E"], min_tokens=3), 2, "E", 0) is None  # before min_tokens
 
 
 def test_lengths():
-    assert POLICY.check(SamplingParams(max_tokens=3), 5, 3, "abc", 2) == Stop("length")
+    # max_tokens is a weak stop: a stop string the same token completes ends the sequence instead.
+    assert POLICY.check_token(SamplingParams(max_tokens=3), 5, 3) == Stop("length", weak=True)
+    assert POLICY.check_token(SamplingParams(max_tokens=3), 5, 2) is None
     p = SamplingParams(max_tokens=10)
     assert tokens_left(p, 4, 20, max_len=100) == 6
     assert tokens_left(p, 4, 98, max_len=100) == 2

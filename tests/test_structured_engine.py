@@ -265,15 +265,15 @@ def test_mixed_requests_under_multi_step_n_and_preemption(wide, tokenizer):
 def test_runner_refuses_a_grammar_in_a_multi_step_call(wide, tokenizer):
     engine = _engine(wide, tokenizer, num_scheduler_steps=2, max_num_seqs=2)
     matcher = engine.grammars.compile(StructuredOutputsParams(choice=["a"])).matcher()
-    row = StepRow(0, [5], [1] * 32, num_steps=2, constraint=matcher)
+    row = StepRow(0, [5], [1] * 32, decode_steps=2, grammar_matcher=matcher)
     with pytest.raises(ValueError, match="single steps"):
         engine.runner.execute_decode_steps([row])
     # a constrained prefill chunk samples within its grammar
-    out = engine.runner.execute([StepRow(0, [5, 6, 7], [1] * 32, constraint=matcher)])
+    out = engine.runner.execute([StepRow(0, [5, 6, 7], [1] * 32, grammar_matcher=matcher)])
     allowed = set(tokenizer.encode("a", add_special_tokens=False))
     assert int(out.tokens[0]) in allowed
     # and so does a chunk whose prompt logprobs are scored (the runner's scoring step)
-    out = engine.runner.execute([StepRow(0, [5, 6, 7], [1] * 32, next_ids=[6, 7, -1], constraint=matcher)])
+    out = engine.runner.execute([StepRow(0, [5, 6, 7], [1] * 32, prompt_targets=[6, 7, -1], grammar_matcher=matcher)])
     assert int(out.tokens[0]) in allowed and out.prompt[0] is not None
 
 

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 from jserve.core.plan import Request, RequestStatus, ScheduledChunk, StepPlan
 from jserve.core.scheduler import Scheduler
+from jserve.core.stop import Stop
 
 
 class DataParallelScheduler:
@@ -44,6 +45,10 @@ class DataParallelScheduler:
     @property
     def num_recomputes(self) -> int:
         return sum(s.num_recomputes for s in self.schedulers)
+
+    @property
+    def num_grammar_errors(self) -> int:
+        return sum(s.num_grammar_errors for s in self.schedulers)
 
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
@@ -84,17 +89,17 @@ class DataParallelScheduler:
         g = self._group.pop(request_id, None)
         return None if g is None else self.schedulers[g].abort_request(request_id)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+    def finish_request(self, request_id: str, status: RequestStatus, stop: Stop | None = None) -> None:
         g = self._group.pop(request_id, None)
         if g is not None:
-            self.schedulers[g].finish_request(request_id, status)
+            self.schedulers[g].finish_request(request_id, status, stop)
 
     def schedule(self) -> StepPlan:
-        """The groups' plans side by side: group g's chunks, then group g + 1's (`plan.groups`)."""
+        """The groups' plans side by side: group g's chunks, then group g + 1's (`plan.dp_groups`)."""
         plans = [s.schedule() for s in self.schedulers]
         return StepPlan(chunks=[c for p in plans for c in p.chunks], preempted=[r for p in plans for r in p.preempted],
                         num_batched_tokens=sum(p.num_batched_tokens for p in plans),
-                        groups=[g for g, p in enumerate(plans) for _ in p.chunks])
+                        dp_groups=[g for g, p in enumerate(plans) for _ in p.chunks])
 
     def next_decode_step(self, chunk: ScheduledChunk) -> ScheduledChunk | None:
         """The group's `Scheduler.next_decode_step` (the runner runs multi-step decode for one
@@ -110,16 +115,18 @@ class DataParallelScheduler:
         g = self._group.get(request_id)
         return 0 if g is None else self.schedulers[g].release_lookahead(request_id)
 
-    def patch_token(self, request: Request, index: int, token: int) -> None:
-        """The request's group's `Scheduler.patch_token`; a finished request (no longer in a group)
-        gets its output's value only, as `Scheduler.patch_token` gives it."""
+    def fill_placeholder(self, request: Request, index: int, token: int) -> None:
+        """The request's group's `Scheduler.fill_placeholder` (a finished request, no longer in a
+        group, gets its output's value only)."""
         g = self._group.get(request.request_id)
-        self.schedulers[0 if g is None else g].patch_token(request, index, token)
+        self.schedulers[0 if g is None else g].fill_placeholder(request, index, token)
+        if request.is_finished:
+            self._group.pop(request.request_id, None)
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         changed = []
         for g, s in enumerate(self.schedulers):
-            chunks = [c for c, group in zip(plan.chunks, plan.groups) if group == g]
+            chunks = [c for c, group in zip(plan.chunks, plan.dp_groups) if group == g]
             part = StepPlan(chunks=chunks, preempted=[], num_batched_tokens=sum(c.num_tokens for c in chunks))
             for request in s.update(part, sampled):
                 changed.append(request)

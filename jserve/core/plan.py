@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from jserve.core.request import SamplingParams
+from jserve.core.stop import Stop
+
+PLACEHOLDER = -1  # async scheduling: a sampled token still on the device
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +49,10 @@ class Request:
     num_preemptions: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V is written (0 while waiting)
     num_cached_tokens: int = 0  # prefix-cache hit tokens at first admission (usage reports)
+    # Its grammar matcher (structured outputs; `jserve.structured.grammar.GrammarMatcher`): the
+    # scheduler's update feeds it each sampled token.
+    grammar: Any = None
+    stop: Stop | None = None  # what ended it, where a stop rule did (None: running, aborted)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -78,8 +85,8 @@ class ScheduledChunk:
     start: int  # position of the first token computed this step (= tokens computed before)
     token_ids: list[int]  # the tokens fed this step: all_token_ids[start:start + n]
     page_ids: list[int]  # the request's pages after allocation (enough for start + n tokens)
-    samples: bool  # the chunk reaches the last known token: its last logit's sample is kept
-    num_steps: int = 1  # decode steps this call runs for the request (> 1: multi-step decode)
+    emits_token: bool  # the chunk reaches the last known token: its last logit's sample is kept
+    decode_steps: int = 1  # decode steps this call runs for the request (> 1: multi-step decode)
 
     @property
     def num_tokens(self) -> int:
@@ -93,18 +100,18 @@ class StepPlan:
     chunks: list[ScheduledChunk]
     preempted: list[Request]
     num_batched_tokens: int
-    groups: list[int] | None = None  # chunk i's data-parallel group (None: all in group 0)
+    dp_groups: list[int] | None = None  # chunk i's data-parallel group (None: all in group 0)
 
     def __post_init__(self):
-        if self.groups is None:
-            self.groups = [0] * len(self.chunks)
-        if len(self.groups) != len(self.chunks):
-            raise ValueError(f"{len(self.groups)} groups for {len(self.chunks)} chunks")
+        if self.dp_groups is None:
+            self.dp_groups = [0] * len(self.chunks)
+        if len(self.dp_groups) != len(self.chunks):
+            raise ValueError(f"{len(self.dp_groups)} dp_groups for {len(self.chunks)} chunks")
 
     @property
-    def num_steps(self) -> int:
+    def decode_steps(self) -> int:
         """Decode steps of the device call: > 1 for a multi-step decode."""
-        return max((c.num_steps for c in self.chunks), default=1)
+        return max((c.decode_steps for c in self.chunks), default=1)
 
 
 class SchedulerProtocol(Protocol):
@@ -112,6 +119,7 @@ class SchedulerProtocol(Protocol):
 
     num_preemptions: int
     num_recomputes: int
+    num_grammar_errors: int
 
     @property
     def num_waiting(self) -> int: ...
@@ -127,7 +135,9 @@ class SchedulerProtocol(Protocol):
 
     def abort_request(self, request_id: str) -> Request | None: ...
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> None: ...
+    def finish_request(self, request_id: str, status: RequestStatus, stop: Stop | None = None) -> None: ...
+
+    def fill_placeholder(self, request: Request, index: int, token: int) -> None: ...
 
     def schedule(self) -> StepPlan: ...
 

@@ -1,68 +1,12 @@
-"""Iteration-level scheduling: token budget, chunked prefill, prefix reuse and preemption (pure Python).
+"""Iteration-level scheduling: token budget, chunked prefill, prefix reuse, preemption and the
+token-level stops (pure Python).
 
-As in vLLM v1 there is no prefill phase: each request's computed-token count catches up with its
-token count (prompt + sampled) out of a per-step token budget. `schedule()` serves running requests
-first, then admits waiting ones, and returns a plain `StepPlan`; the engine runs it on the device
-and hands the sampled tokens to `update()`. The engine decides stops (it detokenizes) and calls
-`finish_request`; the scheduler only ends a request itself when it reaches the model length.
-
-Orders. Waiting requests are admitted by (priority, arrival_time, arrival order): lower priority
-values first (vLLM's convention), first come first served among equals, and admission stops at the
-first that does not fit (no skipping, so a big request is not starved). Running requests are
-served by (priority, admission order); the victim of a preemption is the last of that order, which
-for equal priorities is the most recently admitted (a request may preempt itself if it is last).
-Priority never preempts at admission: a high-priority arrival waits for pages like anyone else, but
-once running it is served first and takes pages from lower-priority requests when short.
-
-Budget. Each running request takes min(its uncomputed tokens, budget) but leaves one token for every
-running request after it (`max_num_batched_tokens >= max_num_seqs` guarantees there is one), so a
-long prompt is split into chunks and no running decode ever waits a step for it.
-
-Preemption is by recompute: the victim's pages are freed (its full computed pages stay in the prefix
-cache if enabled), its computed count goes back to 0 and it is requeued by its arrival key, which
-for equal priorities puts it at the front. Re-admitted, it computes prompt + output so far as its
-prompt; the chunk that reaches its last known token samples its next token, so no token is lost or
-duplicated. A step that preempts admits nobody.
-
-Capacity. A request never holds more than `max_len = min(max_model_len, pool tokens + 1)` tokens:
-`add_request` rejects a prompt of `max_len` tokens or more with a ValueError (a prompt that can
-never fit in the pool would otherwise preempt itself forever), and `update()` finishes a request
-with FINISHED_LENGTH when it reaches `max_len`, since its last token could never be computed.
-
-Multi-step decode (`num_scheduler_steps` = K > 1). When every running request is decoding (one
-uncomputed token) and no waiting request could be admitted now (none waits, or every seat is
-taken), `schedule()` plans up to K decode steps per request for one device call: each chunk's
-`num_steps` is min(K, tokens left to `max_tokens`, room left to `max_len`), or, while a request
-waits for a seat, the smallest of those over the running requests (the call ends when the first
-seat frees, and the waiting request is admitted then). The pages for those steps are taken at
-once (lookahead, see `PageTable.allocate_slots`); if they do not all fit without preempting, a
-single step is planned instead. The engine then hands the device's tokens back one step at a
-time: `next_decode_step(chunk)` gives the chunk of step j > 0, `update()` takes its token as
-usual. A request that stops inside the call ends there; the device's later tokens for it are
-dropped and its lookahead pages go back with the rest. The price is the usual one of multi-step
-scheduling: a seat freed inside the call by a stop (EOS, a stop id or string) stays empty until
-the call ends, so a waiting request may be admitted up to K - 1 steps later than with single
-steps, and the stopped request's row computes for nothing until then.
-While a request with structured outputs runs, every step is a single step: its grammar's mask for
-the next token needs the token before it on the host.
-
-Recompute past a length (`recompute_past` = n, a LongRoPE model's original context: it rotates every
-position of a sequence of more than n tokens by other factors than a shorter one's). A request whose
-token count passes n by a sample (from n to n + 1) is recomputed from its first token, as a
-preemption would, but not counted as one (`num_recomputes`): Hugging Face's generate() drops its
-cache there too. Its prefix-cache salt has two sides, at most n tokens and more, so no page computed
-on one side is shared with the other; a multi-step decode (and a speculative step's drafts, see
-`tokens_before_recompute`) never runs across n, the call's last sample at most reaches n + 1.
-
-Speculative decoding takes its draft tokens' pages the same way, after `schedule()` (the engine
-proposes drafts for the plan's decode chunks and calls `reserve_drafts`); the step's confirmed
-drafts are then taken like a multi-step decode's tokens, and `release_lookahead` gives back the
-rest of the pages.
-
-Aborts free pages at once, even between `schedule()` and `update()`: the in-flight step may still
-write K/V into those pages, but the pages were neither indexed by the prefix cache (only full,
-computed pages are) nor can they be handed out before the next `schedule()`, whose step runs after
-it. `update()` ignores chunks of requests that ended meanwhile.
+`schedule()` plans one step (`StepPlan`); after the device ran it, `update()` records the sampled
+tokens and ends the sequences a token stops: EOS, stop ids, `max_tokens`, the context length, a
+grammar that completes or refuses the token. Stop strings need the text: the engine checks them
+beside the detokenizer and calls `finish_request`. docs/architecture.md ("Scheduling") gives the
+orders, the budget, preemption, capacity, multi-step decode, recompute past a length,
+speculative drafts' pages and aborts.
 """
 
 from __future__ import annotations
@@ -78,8 +22,8 @@ from collections.abc import Callable, Mapping
 from jserve.core.page_table import PageTable
 
 # The plan's types are this module's vocabulary too (and importable from here).
-from jserve.core.plan import Request, RequestStatus, ScheduledChunk, SchedulerProtocol, StepPlan
-from jserve.core.stop import tokens_left
+from jserve.core.plan import PLACEHOLDER, Request, RequestStatus, ScheduledChunk, SchedulerProtocol, StepPlan
+from jserve.core.stop import Stop, StopPolicy, tokens_left
 
 __all__ = ["Request", "RequestStatus", "ScheduledChunk", "Scheduler", "SchedulerConfig",
            "SchedulerProtocol", "StepPlan"]
@@ -126,7 +70,9 @@ class Scheduler:
     """Turns waiting and running requests into one `StepPlan` per step over a `PageTable`."""
 
     def __init__(self, config: SchedulerConfig, page_table: PageTable,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, stop_policy: StopPolicy | None = None):
+        """`stop_policy`: the model's EOS and stop-id rules for `update` (None: only max_len and
+        grammars end a request here; the caller decides the rest)."""
         if config.enable_prefix_caching != page_table.enable_prefix_caching:
             raise ValueError(f"config.enable_prefix_caching={config.enable_prefix_caching} but "
                              f"page_table.enable_prefix_caching={page_table.enable_prefix_caching}")
@@ -137,6 +83,8 @@ class Scheduler:
         self.max_len = min(config.max_model_len, pool_tokens + 1)
         self.num_preemptions = 0
         self.num_recomputes = 0  # requests recomputed as they passed `recompute_past`
+        self.stop_policy = stop_policy
+        self.num_grammar_errors = 0  # sampled tokens a grammar refused (a bug if ever > 0)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: list[Request] = []  # sorted by _arrival_key
         self._running: list[Request] = []  # sorted by _admission_key
@@ -196,15 +144,15 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> None:
-        """Ends a request with a stop the engine found; a no-op if it already finished."""
+    def finish_request(self, request_id: str, status: RequestStatus, stop: Stop | None = None) -> None:
+        """Ends a request with a stop the engine found (a stop string); a no-op if it already finished."""
         if not status.is_finished:
             raise ValueError(f"status must be a FINISHED_* status, got {status}")
         request = self._requests.get(request_id)
         if request is not None:
-            self._finish(request, status)
+            self._finish(request, status, stop)
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus, stop: Stop | None = None) -> None:
         del self._requests[request.request_id]
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
@@ -214,6 +162,7 @@ class Scheduler:
             self._waiting.remove(request)
         del self._arrival_key[request]
         request.status = status
+        request.stop = stop
         request.finished_time = self.clock()
 
     # The step.
@@ -278,7 +227,7 @@ class Scheduler:
             allocated = table.allocate_slots(request.request_id, 1, num_lookahead=n - 1)
             assert allocated, "counted above"
             chunk = self._chunk(request, 1)
-            chunk.num_steps = n
+            chunk.decode_steps = n
             chunks.append(chunk)
         return StepPlan(chunks=chunks, preempted=[], num_batched_tokens=len(chunks))
 
@@ -306,7 +255,7 @@ class Scheduler:
         are updated. The step's confirmed drafts then go through `next_decode_step` and `update`
         one at a time, and `release_lookahead` returns the pages of the rejected ones."""
         request = chunk.request
-        if chunk.num_tokens != 1 or not chunk.samples:
+        if chunk.num_tokens != 1 or not chunk.emits_token:
             raise ValueError("drafts follow a decode chunk (one token, sampled)")
         if num_drafts <= 0:
             return num_drafts == 0
@@ -354,7 +303,7 @@ class Scheduler:
         stop = start + num_new
         return ScheduledChunk(request=request, start=start, token_ids=request.token_slice(start, stop),
                               page_ids=self.page_table.page_ids(request.request_id),
-                              samples=stop == request.num_tokens)
+                              emits_token=stop == request.num_tokens)
 
     def _cache_salt(self, request: Request) -> str | None:
         """The request's prefix-cache salt, on its side of `recompute_past` (see the module's notes)."""
@@ -385,7 +334,7 @@ class Scheduler:
 
         Args:
           plan: the plan `schedule()` returned, after the device ran it.
-          sampled: request id -> sampled token, for (at least) every chunk with `samples=True`.
+          sampled: request id -> sampled token, for (at least) every chunk with `emits_token=True`.
         Returns:
           The requests that got a new token, in plan order. Those that reached `max_len` are
           already finished (status FINISHED_LENGTH, pages freed), one that passed `recompute_past`
@@ -400,7 +349,7 @@ class Scheduler:
             assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == chunk.start
             self.page_table.mark_computed(request.request_id, chunk.num_tokens)
             request.num_computed_tokens += chunk.num_tokens
-            if not chunk.samples:
+            if not chunk.emits_token:
                 continue
             token = sampled.get(request.request_id)
             if token is None:
@@ -412,20 +361,44 @@ class Scheduler:
                 now = self.clock() if now is None else now
                 request.first_token_time = now
             if request.num_tokens >= self.max_len:
-                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                self._finish(request, RequestStatus.FINISHED_LENGTH, Stop("length"))
+            elif token != PLACEHOLDER and self._token_stops(request, token):
+                pass
             elif request.num_tokens == (self.config.recompute_past or -2) + 1:
                 self._preempt(request, recompute=True)  # it passed recompute_past with this sample
             new_token.append(request)
         return new_token
 
-    def patch_token(self, request: Request, index: int, token: int) -> None:
+    def _token_stops(self, request: Request, token: int) -> bool:
+        """Feed a sampled token to the request's grammar and end the request where a stop rule
+        says so: a refused token aborts it (its mask should make that impossible; the library's
+        per-step limits can), EOS and stop ids stop it, then max_tokens or a complete grammar
+        (weak stops: a stop string the engine finds in the same token comes first)."""
+        grammar = request.grammar
+        if grammar is not None and not grammar.consume(token):
+            self.num_grammar_errors += 1
+            logger.error("request %s: its grammar refused sampled token %d (%s); aborting it",
+                         request.request_id, token, grammar.error)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            return True
+        policy = self.stop_policy
+        stop = None if policy is None else policy.check_token(request.params, token, len(request.output_token_ids))
+        if stop is None and grammar is not None and grammar.is_stopped:
+            stop = Stop("stop", weak=True)
+        if stop is not None:
+            self._finish(request, RequestStatus[stop.status_name], stop)
+        return stop is not None
+
+    def fill_placeholder(self, request: Request, index: int, token: int) -> None:
         """Async scheduling: `update` recorded output `index` of `request` as a placeholder (the
-        step's sample was still on the device); this is its value. The page table's copy is set
-        too while the request holds its pages (a preempted or finished one holds none)."""
+        step's sample was still on the device); this is its value, checked for stops now. The
+        page table's copy is set too while the request holds its pages."""
         request.output_token_ids[index] = operator.index(token)
-        if (self._requests.get(request.request_id) is request and request.status is RequestStatus.RUNNING
-                and request.request_id in self.page_table):
+        if self._requests.get(request.request_id) is not request:
+            return  # finished (at the context length: no stop check), or aborted
+        if request.status is RequestStatus.RUNNING and request.request_id in self.page_table:
             self.page_table.set_token(request.request_id, len(request.prompt_token_ids) + index, token)
+        self._token_stops(request, operator.index(token))
 
     def check_invariants(self) -> None:
         """Asserts the queues agree with each other and with the page table (between steps)."""

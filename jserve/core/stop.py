@@ -27,6 +27,14 @@ class Stop:
     finish_reason: str
     stop_reason: int | str | None = None
     text: str | None = None
+    # max_tokens or a completed grammar: a stop string the same token completes ends the sequence
+    # instead (vLLM's order: EOS, stop ids, stop strings, max_tokens).
+    weak: bool = False
+
+    @property
+    def status_name(self) -> str:
+        """The `RequestStatus` member it ends a request with."""
+        return "FINISHED_STOPPED" if self.finish_reason == "stop" else "FINISHED_LENGTH"
 
 
 def tokens_left(params: SamplingParams, num_output: int, num_tokens: int, max_len: int) -> int:
@@ -68,20 +76,26 @@ class StopPolicy:
         and how many samples must come before one counts (`min_tokens` counted down)."""
         return self.stop_ids(params)[:MAX_DEVICE_STOP_IDS], max(0, params.min_tokens - num_output)
 
-    def check(self, params: SamplingParams, token: int, num_output: int, text: str,
-              new_text_from: int) -> Stop | None:
-        """Whether the sequence ends at its newest `token`, its `num_output`-th; `text` is its
-        whole text so far, of which `[new_text_from:]` came with this token (a stop string is
-        looked for only where the new text could complete it)."""
+    def check_token(self, params: SamplingParams, token: int, num_output: int) -> Stop | None:
+        """The token-level stop at the sequence's newest `token`, its `num_output`-th (the
+        scheduler's update): EOS, a stop id, or `max_tokens` (weak: a stop string comes first)."""
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return Stop("stop")
             if token in params.stop_token_ids:
                 return Stop("stop", token)
-            for s in params.stop:
-                at = text.find(s, max(0, new_text_from - len(s) + 1))
-                if at >= 0:
-                    return Stop("stop", s, text[:at + (len(s) if params.include_stop_str_in_output else 0)])
         if params.max_tokens is not None and num_output >= params.max_tokens:
-            return Stop("length")
+            return Stop("length", weak=True)
+        return None
+
+    @staticmethod
+    def check_text(params: SamplingParams, num_output: int, text: str, new_text_from: int) -> Stop | None:
+        """A stop string completed by the newest token; `text` is the whole text so far, of which
+        `[new_text_from:]` came with it (a stop string is looked for only where it could end)."""
+        if num_output < params.min_tokens:
+            return None
+        for s in params.stop:
+            at = text.find(s, max(0, new_text_from - len(s) + 1))
+            if at >= 0:
+                return Stop("stop", s, text[:at + (len(s) if params.include_stop_str_in_output else 0)])
         return None

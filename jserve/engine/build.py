@@ -83,7 +83,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     runner = Runner(model_config, params, num_pages=num_pages, page_size=page_size,
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
-                    mesh=mesh, decode_steps=config.num_scheduler_steps,
+                    mesh=mesh, max_decode_steps=config.num_scheduler_steps,
                     num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                     max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None)
     draft_runner = None
@@ -102,7 +102,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                               max_model_len=config.max_model_len, kv_dtype=kv_dtype,
                               backend=backends.create(config.backend),
                               batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens,
-                              decode_steps=spec.num_speculative_tokens + 1)
+                              max_decode_steps=spec.num_speculative_tokens + 1)
         if config.warmup:
             draft_runner.warmup()
     if runner.multiprocess:

@@ -1,24 +1,11 @@
 """LLMEngine: continuous batching over the paged runner (add_request / step / abort).
 
-Each `step()` asks the scheduler for a plan, runs it on the runner, hands the sampled tokens back
-to the scheduler, and turns them into text: incremental detokenization, stop strings, stop ids,
-EOS, max_tokens. A request with `n > 1` runs as n sequences (their shared prompt pages come from
-the prefix cache) gathered into one `RequestOutput`. With `num_scheduler_steps` K > 1, a step
-where only decodes run is one device call of up to K decode steps (see `jserve.core.scheduler`); the
-engine then takes its tokens one step at a time, with the same stop checks, so the outputs are
-those of K single steps. A request with structured outputs gets a grammar matcher per sequence
-(`jserve.structured.grammar`): its rows carry it to the runner, which fills their token bitmask,
-and each sampled token advances it; a complete grammar ends the sequence ("stop").
-
-With `async_scheduling` (`_step_overlapped`), a step is dispatched (`Runner.launch`) and, before its
-samples are read, the scheduler plans the next one: the launched step's sampled tokens are
-recorded as placeholders (`PLACEHOLDER`), so its decode rows get their next slots, and the next
-step's decode rows take those tokens from the launched step's samples on the device. Then the
-host reads the first step (`Runner.collect`), patches the placeholders (`Scheduler.patch_token`,
-before any page holding them is hashed for the prefix cache) and runs the stop checks: a
-sequence that stopped there had one more row in the step already dispatched, whose sample is
-dropped (the scheduler no longer knows it). A step with penalties, a grammar or prompt logprobs
-needs the tokens before it on the host: it runs after the step before it is read.
+Each `step()` is schedule -> execute -> update: the scheduler plans a step, the step function
+chosen at construction runs it (`jserve.engine.step_functions`: plain, multi-step, overlapped,
+or `jserve.engine.speculative.SpeculativeStep`), and the update hands the samples to the
+scheduler (which applies the token-level stops), then detokenizes and checks stop strings. A
+request with `n > 1` runs as n sequences gathered into one `RequestOutput`. See
+docs/architecture.md ("The engine step").
 """
 
 from __future__ import annotations
@@ -32,60 +19,22 @@ import numpy as np
 
 from jserve.core.dp_scheduler import DataParallelScheduler
 from jserve.core.page_table import PageTable
-from jserve.core.plan import Request, RequestStatus, ScheduledChunk, SchedulerProtocol, StepPlan
-from jserve.core.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from jserve.core.plan import PLACEHOLDER, RequestStatus, SchedulerProtocol, StepPlan
+from jserve.core.request import Logprob, RequestOutput, SamplingParams
 from jserve.core.scheduler import Scheduler
-from jserve.core.stop import Stop, StopPolicy
+from jserve.core.stop import StopPolicy
 from jserve.engine.config import EngineConfig
-from jserve.engine.speculative import DraftModelProposer, build_speculator
+from jserve.engine.sequence import SampleGroup, SequenceState
+from jserve.engine.speculative import DraftModelProposer, SpeculativeStep, build_speculator
+from jserve.engine.step_functions import Executed, MultiStep, OverlappedStep, PlainStep, StepResult
 from jserve.runtime.runner import Runner
-from jserve.runtime.steps import StepOutput, StepRow
-from jserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from jserve.runtime.steps import StepOutput
+from jserve.structured.grammar import CompiledGrammar, GrammarCompiler
 from jserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-PLACEHOLDER = -1  # async scheduling: a sampled token still on the device
-
-
-@dataclasses.dataclass
-class _Launched:
-    """A step on the device whose samples the host has not read (async scheduling)."""
-
-    plan: StepPlan
-    launched: Any  # jserve.runtime.overlap.Launched
-    took: list[tuple[Request, int, int]]  # (request, its output index, its row) of each placeholder
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-    """Host-side text state of one sampled sequence."""
-
-    group: "_Group"
-    index: int
-    request: Request
-    detok: Any
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    stop_reason: int | str | None = None
-    matcher: GrammarMatcher | None = None  # its grammar, for structured outputs
-
-
-@dataclasses.dataclass(eq=False)
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sequences: list[_Sequence] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list | None = None
-
-    def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.request.output_token_ids),
-                                 None if s.logprobs is None else list(s.logprobs),
-                                 s.request.status.finish_reason, s.stop_reason) for s in self.sequences]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.prompt_logprobs,
-                             finished=all(s.request.is_finished for s in self.sequences))
+__all__ = ["LLMEngine", "PLACEHOLDER"]
 
 
 class LLMEngine:
@@ -103,40 +52,47 @@ class LLMEngine:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_policy = StopPolicy(self.eos_token_ids, runner.config.vocab_size)
-        dp = runner.dp
-        # Pages behind a window every layer shares are given back, unless a draft model (whose
-        # attention may see every position) reads the same pages.
-        window = runner.config.shared_window if draft_runner is None else None
-        self.page_tables = [PageTable(runner.pages_per_group, runner.page_size, sliding_window=window,
-                                      enable_prefix_caching=config.enable_prefix_caching) for _ in range(dp)]
+        self.page_tables, self.scheduler = self._build_scheduler(draft_runner is None)
         self.page_table = self.page_tables[0]
-        self.scheduler: SchedulerProtocol
-        # A LongRoPE model recomputes a sequence as it passes its original context (jserve.core.scheduler).
-        recompute = dict(recompute_past=runner.config.long_rope_after)
-        if dp == 1:
-            self.scheduler = Scheduler(dataclasses.replace(config.scheduler_config(), **recompute), self.page_table)
-        else:  # one scheduler per data-parallel group, each with its share of seqs and tokens
-            share = dataclasses.replace(config.scheduler_config(dp), **recompute)
-            self.scheduler = DataParallelScheduler([Scheduler(share, t) for t in self.page_tables])
-        self._groups: dict[str, _Group] = {}
-        self._sequences: dict[str, _Sequence] = {}
+        self._groups: dict[str, SampleGroup] = {}  # the user requests; their sequences are the scheduler's
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
         # The structured-output constraints' compiler and cache (thread-safe: the server compiles
         # in it before a request reaches this thread; llguidance reads the vocabulary on first use).
         self.grammars = GrammarCompiler(tokenizer, runner.config.vocab_size, sorted(self.eos_token_ids))
         self.num_structured_requests = 0
-        self.num_grammar_errors = 0  # sampled tokens a grammar refused (a bug if ever > 0)
         self.speculator = build_speculator(config, runner, draft_runner, self.scheduler)
         self.async_scheduling = config.async_scheduling
-        if self.async_scheduling and not runner.launchable:
-            raise ValueError(f"async_scheduling runs on one data-parallel group in one process; this "
-                             f"runner has dp={runner.dp}{' over several processes' if runner.multiprocess else ''}")
-        if self.async_scheduling and getattr(runner.config, "long_rope_after", None) is not None:
-            raise ValueError("async_scheduling does not combine with a LongRoPE model's recompute past its "
-                             "original context (the recompute needs each sampled token on the host)")
-        self._inflight: _Launched | None = None
-        self.num_sync_steps = 0  # async scheduling: steps that waited for the one before (see the module)
+        self.step_fn = self._step_function()
+
+    def _build_scheduler(self, shared_window: bool) -> tuple[list[PageTable], SchedulerProtocol]:
+        """A page table and scheduler per data-parallel group (each with its share of seqs and
+        tokens). Pages behind a window every layer shares are given back, unless a draft model
+        (whose attention may see every position) reads the same pages; a LongRoPE model
+        recomputes a sequence as it passes its original context."""
+        runner, config = self.runner, self.config
+        window = runner.config.shared_window if shared_window else None
+        tables = [PageTable(runner.pages_per_group, runner.page_size, sliding_window=window,
+                            enable_prefix_caching=config.enable_prefix_caching) for _ in range(runner.dp)]
+        share = dataclasses.replace(config.scheduler_config(runner.dp), recompute_past=runner.config.long_rope_after)
+        schedulers = [Scheduler(share, t, stop_policy=self.stop_policy) for t in tables]
+        return tables, schedulers[0] if runner.dp == 1 else DataParallelScheduler(schedulers)
+
+    def _step_function(self) -> PlainStep:
+        """The execute phase's step function, chosen once."""
+        runner = self.runner
+        if self.speculator is not None:
+            return SpeculativeStep(runner, self.stop_policy, self.scheduler, self.speculator)
+        if self.async_scheduling:
+            if not runner.launchable:
+                raise ValueError(f"async_scheduling runs on one data-parallel group in one process; this runner "
+                                 f"has dp={runner.dp}{' over several processes' if runner.multiprocess else ''}")
+            if runner.config.long_rope_after is not None:
+                raise ValueError("async_scheduling does not combine with a LongRoPE model's recompute past its "
+                                 "original context (the recompute needs each sampled token on the host)")
+            return OverlappedStep(runner, self.stop_policy, self.scheduler)
+        return MultiStep(runner, self.stop_policy) if self.config.num_scheduler_steps > 1 else PlainStep(
+            runner, self.stop_policy)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -147,6 +103,43 @@ class LLMEngine:
         prompt that leaves no room for output in the context. `grammar`: its structured-outputs
         constraint compiled already (`self.grammars.compile`, off this thread); else it is
         compiled here when the request has one."""
+        ids = self._check_request(request_id, prompt_token_ids, params)
+        # A constraint the library refuses is a ValueError (GrammarError) naming what is wrong.
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
+        group = SampleGroup(request_id, prompt, ids, params)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # the first token has none; the prefill fills the rest
+        base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for i in range(params.n):
+            # Each sample runs as its own sequence; a seed per sample keeps them distinct.
+            sub = dataclasses.replace(params, n=1, seed=(base + 7919 * i) % 2**32)
+            salt = cache_salt
+            if i == 0 and params.prompt_logprobs is not None:
+                # Its prefill computes every prompt position (no prefix-cache hit skips any).
+                salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
+            group.sequences.append(SequenceState(
+                request_id if params.n == 1 else f"{request_id}#{i}", list(ids), sub, arrival, priority=priority,
+                cache_salt=salt, grammar=grammar.matcher() if grammar is not None else None, group=group, index=i,
+                detok=self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None))
+        added = []
+        try:
+            for seq in group.sequences:
+                self.scheduler.add_request(seq)  # validates against the pool size too
+                added.append(seq.request_id)
+        except ValueError:
+            for rid in added:
+                self.scheduler.abort_request(rid)
+            raise
+        self._groups[request_id] = group
+        self.num_structured_requests += grammar is not None
+
+    def _check_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's ids; ValueError naming what the engine cannot run."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = [int(t) for t in prompt_token_ids]
@@ -161,46 +154,9 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens but the context length is {limit}: "
                              f"it must be shorter to leave room for output")
-        # A constraint the library refuses is a ValueError (GrammarError) naming what is wrong.
-        if params.structured_outputs is None:
-            grammar = None
-        elif grammar is None:
-            grammar = self.grammars.compile(params.structured_outputs)
-        group = _Group(request_id, prompt, ids, params)
-        if params.prompt_logprobs is not None:
-            if self.runner.multiprocess:
-                raise ValueError("prompt_logprobs is not available in a multi-process run")
-            group.prompt_logprobs = [None]  # the first token has none; the prefill fills the rest
-        base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        for i in range(params.n):
-            # Each sample runs as its own sequence; a seed per sample keeps them distinct.
-            seed = (base + 7919 * i) % 2**32
-            sub = dataclasses.replace(params, n=1, seed=seed)
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            salt = cache_salt
-            if i == 0 and params.prompt_logprobs is not None:
-                # Its prefill computes every prompt position (no prefix-cache hit skips any).
-                salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
-            req = Request(rid, list(ids), sub, arrival, priority=priority, cache_salt=salt)
-            detok = self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
-            seq = _Sequence(group, i, req, detok, logprobs=[] if params.logprobs is not None else None,
-                            matcher=grammar.matcher() if grammar is not None else None)
-            group.sequences.append(seq)
-        added = []
-        try:
-            for seq in group.sequences:
-                self.scheduler.add_request(seq.request)  # validates against the pool size too
-                added.append(seq.request.request_id)
-        except ValueError:
-            for rid in added:
-                self.scheduler.abort_request(rid)
-            raise
-        for seq in group.sequences:
-            self._sequences[seq.request.request_id] = seq
-        self._groups[request_id] = group
-        if grammar is not None:
-            self.num_structured_requests += 1
+        if params.prompt_logprobs is not None and self.runner.multiprocess:
+            raise ValueError("prompt_logprobs is not available in a multi-process run")
+        return ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its samples); its pages are free at once. None if unknown."""
@@ -208,33 +164,42 @@ class LLMEngine:
         if group is None:
             return None
         for seq in group.sequences:
-            self.scheduler.abort_request(seq.request.request_id)
-            self._forget(seq.request.request_id)
+            self.scheduler.abort_request(seq.request_id)
+            self._forget(seq)
         return group.output()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    # ------------------------------------------------------------------------------ stepping
+    # ------------------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the current output of every request that changed."""
-        if self.async_scheduling:
-            return self._step_overlapped()
         plan = self.scheduler.schedule()
-        changed: dict[str, _Group] = {}
-        if plan.num_steps > 1:
-            self._decode_steps(plan, changed)
-        elif plan.chunks and not (self.speculator is not None and self._speculate(plan, changed)):
-            rows = self._step_rows(plan)
-            out = self.runner.execute(rows)
-            if self.speculator is not None:
-                self.speculator.proposer.sync(rows)  # a draft model computes what the target did
-            self.num_steps += 1
-            self._take(plan, out, changed)
-        return self._outputs(changed)
+        result = self.step_fn(plan)
+        return self.update(result)
 
-    def _outputs(self, changed: dict[str, "_Group"]) -> list[RequestOutput]:
+    def update(self, result: StepResult) -> list[RequestOutput]:
+        """Take a step's samples, in order: the scheduler records them (and ends what a token
+        stops), then each new token gets its logprobs, text and stop-string check."""
+        changed: dict[str, SampleGroup] = {}
+        for executed in result.executed:
+            if executed.filled is not None:
+                self._take_filled(executed, changed)
+                taken = 0
+            elif executed.out.num_valid is not None:
+                taken = self._take_steps(executed.plan, executed.out, changed)
+            else:
+                self._take(executed.plan, executed.out, changed)
+                taken = 1
+            self.num_steps += taken if executed.steps is None else executed.steps
+        self.num_steps += result.launched
+        outputs = self._outputs(changed)
+        for then in result.then:
+            then()
+        return outputs
+
+    def _outputs(self, changed: dict[str, SampleGroup]) -> list[RequestOutput]:
         """The changed requests' outputs; finished ones are forgotten."""
         outputs = []
         for rid, group in changed.items():
@@ -243,192 +208,45 @@ class LLMEngine:
             if output.finished:
                 self._groups.pop(rid, None)
                 for seq in group.sequences:
-                    self._forget(seq.request.request_id)
+                    self._forget(seq)
         if not self._groups:
             self.runner.mark_idle()  # the wait for the next request is no gap between steps
         return outputs
 
-    # ------------------------------------------------------------------------------ async scheduling
+    def _live(self, seq: Any) -> bool:
+        """Whether a sequence's request is still the engine's (not aborted meanwhile)."""
+        group = getattr(seq, "group", None)
+        return group is not None and self._groups.get(group.request_id) is group
 
-    def _step_overlapped(self) -> list[RequestOutput]:
-        """One iteration with async scheduling (see the module's notes): plan and launch the next
-        step, then read the one in flight, then record the new step's samples as placeholders
-        (after the outputs are taken: a request the update ends at the context length shows its
-        last token once it is read)."""
-        changed: dict[str, _Group] = {}
-        inflight, self._inflight = self._inflight, None
-        plan = self.scheduler.schedule()
-        launched = None
-        if plan.chunks and self._may_launch(plan):
-            slot = {} if inflight is None else {req.request_id: inflight.launched.slots[i]
-                                                for req, _, i in inflight.took}
-            feed = [slot.get(c.request.request_id, -1) if list(c.token_ids) == [PLACEHOLDER] else -1
-                    for c in plan.chunks]
-            if all(PLACEHOLDER not in c.token_ids or f >= 0 for c, f in zip(plan.chunks, feed)):
-                launched = self.runner.launch(self._step_rows(plan), inflight and inflight.launched, feed)
-        if inflight is not None:
-            self._read(inflight, changed)
-        if launched is not None:
-            outputs = self._outputs(changed)
-            self.num_steps += 1
-            took = self.scheduler.update(plan, {c.request.request_id: PLACEHOLDER for c in plan.chunks if c.samples})
-            row = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
-            self._inflight = _Launched(plan, launched, [(r, len(r.output_token_ids) - 1, row[r.request_id])
-                                                        for r in took])
-            return outputs
-        # Nothing launched: the plan runs now, with the tokens just read (those of requests that
-        # ended meanwhile are dropped).
-        keep = [i for i, c in enumerate(plan.chunks) if self.scheduler.get_request(c.request.request_id) is c.request]
-        if keep:
-            plan = _sub_plan(plan, keep)
-            for c in plan.chunks:
-                if PLACEHOLDER in c.token_ids:
-                    c.token_ids = c.request.token_slice(c.start, c.start + c.num_tokens)
-            self.num_sync_steps += 1
-            self.num_steps += 1
-            self._take(plan, self.runner.execute(self._step_rows(plan)), changed)
-        return self._outputs(changed)
-
-    def _may_launch(self, plan: StepPlan) -> bool:
-        """Whether a plan can run before the step in flight is read: no row needs the tokens
-        before it on the host (penalties, a grammar's mask, prompt logprobs)."""
-        if plan.num_steps != 1:
-            return False
-        for c in plan.chunks:
-            seq = self._sequences.get(c.request.request_id)
-            if self._next_ids(c) is not None or (c.samples and (
-                    c.request.params.has_penalties or (seq is not None and seq.matcher is not None))):
-                return False
-        return True
-
-    def _read(self, inflight: _Launched, changed: dict[str, "_Group"]) -> None:
-        """Read a launched step's samples: patch its placeholders, then accept each token."""
-        out = self.runner.collect(inflight.launched)
-        for req, index, i in inflight.took:
-            self.scheduler.patch_token(req, index, int(out.tokens[i]))
-        for req, index, i in inflight.took:
-            seq = self._sequences.get(req.request_id)
-            if seq is None or seq.request is not req:
-                continue  # aborted meanwhile
-            assert len(req.output_token_ids) == index + 1, (req.request_id, index, len(req.output_token_ids))
-            self._accept(seq, out, i)
-            changed[seq.group.request_id] = seq.group
-
-    def _forget(self, request_id: str) -> None:
-        self._sequences.pop(request_id, None)
+    def _forget(self, seq: SequenceState) -> None:
         if self.speculator is not None:
-            self.speculator.forget(request_id)
+            self.speculator.forget(seq.request_id)
 
-    def _speculate(self, plan: StepPlan, changed: dict[str, "_Group"]) -> bool:
-        """Run the plan as a speculative step if the speculator wants one: its decode chunks get
-        drafts and one verify call (`Runner.execute_verify`), its other chunks (prefill) a plain
-        call. False (nothing run) where no draft is proposed or speculation is turned down."""
-        spec = self.speculator
-        decode = [i for i, c in enumerate(plan.chunks)
-                  if c.num_tokens == 1 and c.samples and self._next_ids(c) is None]
-        if not decode:
-            return False
-        chunks = [plan.chunks[i] for i in decode]
-        matchers = [getattr(self._sequences.get(c.request.request_id), "matcher", None) for c in chunks]
-        wanted = spec.wanted(chunks)
-        if wanted is None:
-            return False
-        draft_model = isinstance(spec.proposer, DraftModelProposer)
-        if not draft_model:  # n-gram drafts first: no pages are taken for a step that finds none
-            drafts = [spec.valid_drafts(d[:n], m) for d, n, m in
-                      zip(spec.proposer.propose([c.request for c in chunks], wanted), wanted, matchers)]
-            if not any(drafts):
-                return False
-            wanted = [len(d) for d in drafts]
-        wanted = [n if self.scheduler.reserve_drafts(c, n) else 0 for c, n in zip(chunks, wanted)]
-        if not draft_model and not any(wanted):  # every reservation failed: a plain step
-            return False
-        rows = self._step_rows(plan)  # after the reservations: the chunks' pages cover the drafts
-        if draft_model:
-            proposed = spec.proposer.propose_rows([rows[i] for i in decode], wanted)
-            drafts = [spec.valid_drafts(d, m) for d, m in zip(proposed, matchers)]
-        else:
-            drafts = [d[:n] for d, n in zip(drafts, wanted)]
-        others = [i for i in range(len(plan.chunks)) if i not in set(decode)]
-        if others:  # prefill chunks: a plain call (the draft model computes them too)
-            sub = _sub_plan(plan, others)
-            other_rows = [rows[i] for i in others]
-            out = self.runner.execute(other_rows)
-            spec.proposer.sync(other_rows)
-            self._take(sub, out, changed)
-        verify = [dataclasses.replace(rows[i], draft_ids=d) for i, d in zip(decode, drafts)]
-        out = self.runner.execute_verify(verify)
-        self.num_steps += 1
-        spec.num_verify_steps += 1
-        self._take_steps(_sub_plan(plan, decode), out, changed)
-        for chunk, d, valid in zip(chunks, drafts, out.num_valid):
-            spec.record(chunk.request.request_id, len(d), int(valid) - 1)
-            self.scheduler.release_lookahead(chunk.request.request_id)
-        return True
-
-    def _step_rows(self, plan: StepPlan) -> list[StepRow]:
-        """The runner's rows for a plan's chunks."""
-        rows = []
-        for chunk, group in zip(plan.chunks, plan.groups):
-            req = chunk.request
-            p = req.params
-            # Stop ids on the device: only a multi-step call checks them.
-            stop_ids, min_new = (self.stop_policy.device_stops(p, len(req.output_token_ids))
-                                 if chunk.num_steps > 1 else ((), 0))
-            history = (req.prompt_token_ids, req.output_token_ids) if chunk.samples and p.has_penalties else None
-            seq = self._sequences.get(req.request_id)
-            constraint = seq.matcher if seq is not None and chunk.samples else None
-            rows.append(StepRow(chunk.start, chunk.token_ids, chunk.page_ids, p, len(req.output_token_ids),
-                                history, group, chunk.num_steps, stop_ids, min_new, self._next_ids(chunk),
-                                constraint, seq_len=req.num_tokens))
-        return rows
-
-    def _next_ids(self, chunk: ScheduledChunk) -> list[int] | None:
-        """For a chunk of the sequence that scores its request's prompt, while positions of it are
-        unscored: the token after each of the chunk's positions (-1 past the prompt)."""
-        seq = self._sequences.get(chunk.request.request_id)
-        if seq is None or seq.index != 0 or seq.group.prompt_logprobs is None:
-            return None
-        prompt = seq.group.prompt_token_ids
-        scored = len(seq.group.prompt_logprobs)
-        if scored >= len(prompt) or chunk.start + chunk.num_tokens < scored:
-            return None
-        return [prompt[q + 1] if q + 1 < len(prompt) else -1
-                for q in range(chunk.start, chunk.start + chunk.num_tokens)]
-
-    def _take_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:
-        """Append the prompt logprobs a step computed to their requests', in position order."""
-        for i, chunk in enumerate(plan.chunks):
-            scored = out.prompt[i] if out.prompt is not None else None
-            seq = self._sequences.get(chunk.request.request_id)
-            if scored is None or seq is None:
-                continue
-            group, k = seq.group, seq.group.params.prompt_logprobs
-            for j, q in enumerate(range(chunk.start, chunk.start + chunk.num_tokens)):
-                if q + 1 != len(group.prompt_logprobs) or q + 1 >= len(group.prompt_token_ids):
-                    continue  # scored before (a recompute after preemption), or past the prompt
-                group.prompt_logprobs.append(self._logprob_entry(
-                    scored.top_ids[j], scored.top_logprobs[j], scored.logprob[j], scored.rank[j],
-                    group.prompt_token_ids[q + 1], k))
-
-    def _take(self, plan: StepPlan, out: StepOutput, changed: dict[str, "_Group"]) -> None:
-        """Hand a step's samples (a row per chunk of `plan`) to the scheduler and accept each new
-        token (logprobs, text, stop checks)."""
+    def _take(self, plan: StepPlan, out: StepOutput, changed: dict[str, SampleGroup]) -> None:
+        """Hand a step's samples (a row per chunk of `plan`) to the scheduler and emit each new token."""
         self._take_prompt_logprobs(plan, out)
-        sampled = {c.request.request_id: int(out.tokens[i]) for i, c in enumerate(plan.chunks) if c.samples}
+        sampled = {c.request.request_id: int(out.tokens[i]) for i, c in enumerate(plan.chunks) if c.emits_token}
         index = {c.request.request_id: i for i, c in enumerate(plan.chunks)}
-        for req in self.scheduler.update(plan, sampled):
-            seq = self._sequences.get(req.request_id)
-            if seq is None:
-                continue
-            self._accept(seq, out, index[req.request_id])
+        for seq in self.scheduler.update(plan, sampled):
+            if self._live(seq):
+                self._emit(seq, out, index[seq.request_id])
+                changed[seq.group.request_id] = seq.group
+
+    def _take_filled(self, executed: Executed, changed: dict[str, SampleGroup]) -> None:
+        """A launched step's samples: fill its placeholders (the scheduler's stop checks run
+        there), then emit each token."""
+        out = executed.out
+        for p in executed.filled:
+            self.scheduler.fill_placeholder(p.request, p.index, int(out.tokens[p.row]))
+        for p in executed.filled:
+            seq = p.request
+            if not self._live(seq):
+                continue  # aborted meanwhile
+            assert len(seq.output_token_ids) == p.index + 1, (seq.request_id, p.index, len(seq.output_token_ids))
+            self._emit(seq, out, p.row)
             changed[seq.group.request_id] = seq.group
 
-    def _decode_steps(self, plan: StepPlan, changed: dict[str, "_Group"]) -> None:
-        """Run a multi-step decode plan, then take its tokens step by step as single steps would."""
-        self.num_steps += self._take_steps(plan, self.runner.execute_decode_steps(self._step_rows(plan)), changed)
-
-    def _take_steps(self, plan: StepPlan, out: StepOutput, changed: dict[str, "_Group"]) -> int:
+    def _take_steps(self, plan: StepPlan, out: StepOutput, changed: dict[str, SampleGroup]) -> int:
         """Take several tokens per chunk (a multi-step decode's, or a verify step's accepted ones:
         `out` has a leading axis of steps and `num_valid`) one step at a time, as single steps
         would; returns the steps taken."""
@@ -442,50 +260,46 @@ class LLMEngine:
                 if not live:
                     break
             rows = [i for i, _ in live]
-            sub = dataclasses.replace(plan, chunks=[c for _, c in live], groups=[plan.groups[i] for i in rows],
+            sub = dataclasses.replace(plan, chunks=[c for _, c in live], dp_groups=[plan.dp_groups[i] for i in rows],
                                       num_batched_tokens=len(live))
             taken += 1
             self._take(sub, out.step(j).rows(rows), changed)
         return taken
 
-    def _accept(self, seq: _Sequence, out: StepOutput, i: int) -> None:
-        req = seq.request
-        token = req.output_token_ids[-1]
+    def _take_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:
+        """Append the prompt logprobs a step computed to their requests', in position order."""
+        for i, chunk in enumerate(plan.chunks):
+            scored = out.prompt[i] if out.prompt is not None else None
+            seq = chunk.request
+            if scored is None or not self._live(seq):
+                continue
+            group, k = seq.group, seq.group.params.prompt_logprobs
+            for j, q in enumerate(range(chunk.start, chunk.start + chunk.num_tokens)):
+                if q + 1 != len(group.prompt_logprobs) or q + 1 >= len(group.prompt_token_ids):
+                    continue  # scored before (a recompute after preemption), or past the prompt
+                group.prompt_logprobs.append(self._logprob_entry(
+                    scored.top_ids[j], scored.top_logprobs[j], scored.logprob[j], scored.rank[j],
+                    group.prompt_token_ids[q + 1], k))
+
+    def _emit(self, seq: SequenceState, out: StepOutput, i: int) -> None:
+        """A new token's logprobs and text; a stop string ends the sequence here (before a weak
+        stop the scheduler found: max_tokens, a complete grammar)."""
+        token = seq.output_token_ids[-1]
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(out.top_ids[i], out.top_logprobs[i], out.logprob[i],
-                                                    out.rank[i], token, req.params.logprobs))
-        delta = seq.detok.add([token])
-        grammar = self._advance_grammar(seq, token) if seq.matcher is not None else None
-        if not req.is_finished:  # the scheduler finishes requests that reach the context length
-            new_from = len(seq.text)
-            seq.text += delta
-            stop = self.stop_policy.check(req.params, token, len(req.output_token_ids), seq.text, new_from)
-            if stop is None and grammar == "complete":
-                stop = Stop("stop")
-            if grammar == "broken":
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
-            elif stop is not None:
-                if stop.text is not None:
-                    seq.text = stop.text
-                seq.stop_reason = stop.stop_reason
-                status = (RequestStatus.FINISHED_STOPPED if stop.finish_reason == "stop"
-                          else RequestStatus.FINISHED_LENGTH)
-                self.scheduler.finish_request(req.request_id, status)
-        else:
-            seq.text += delta
-        if req.is_finished and not isinstance(seq.stop_reason, str):
+                                                    out.rank[i], token, seq.params.logprobs))
+        new_from = len(seq.text)
+        seq.text += seq.detok.add([token])
+        if seq.params.stop and (not seq.is_finished or (seq.stop is not None and seq.stop.weak)):
+            stop = self.stop_policy.check_text(seq.params, len(seq.output_token_ids), seq.text, new_from)
+            if stop is not None:
+                seq.text = stop.text
+                if seq.is_finished:  # a weak stop's request is finished already: its reason changes
+                    seq.status, seq.stop = RequestStatus.FINISHED_STOPPED, stop
+                else:
+                    self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        if seq.is_finished and not isinstance(seq.stop_reason, str):
             seq.text += seq.detok.flush()
-
-    def _advance_grammar(self, seq: _Sequence, token: int) -> str | None:
-        """Feed a sampled token to the sequence's grammar: "complete" once it allows nothing more,
-        "broken" if it refused the token (its mask should make that impossible; the library's
-        per-step limits can: logged, counted, and the sequence aborted), else None."""
-        if seq.matcher.consume(token):
-            return "complete" if seq.matcher.is_stopped else None
-        self.num_grammar_errors += 1
-        logger.error("request %s: its grammar refused sampled token %d (%s); aborting it", seq.request.request_id,
-                     token, seq.matcher.error)
-        return "broken"
 
     def _logprob_entry(self, top_ids, top_logprobs, logprob, rank, token: int, k: int) -> dict[int, Logprob]:
         """One position's logprobs: its `k` most likely tokens, and `token` (sampled, or the
@@ -500,7 +314,8 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, Any]:
-        real, padded = self.runner.total_real_tokens, self.runner.total_padded_tokens
+        log = self.runner.step_log
+        real, padded = log.total_real_tokens, log.total_padded_tokens
         pools = [t.pool for t in self.page_tables]
         return {
             "num_steps": self.num_steps,
@@ -525,8 +340,9 @@ class LLMEngine:
             **self._bucket_stats(),
             **self._structured_stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
-            **({"launched_steps": self.runner.num_launched, "overlapped_steps": self.runner.num_overlapped,
-                "sync_steps": self.num_sync_steps} if self.async_scheduling else {}),
+            **({"launched_steps": self.runner.overlap.num_launched,
+                "overlapped_steps": self.runner.overlap.num_overlapped,
+                "sync_steps": self.step_fn.num_sync_steps} if self.async_scheduling else {}),
         }
 
     def _idle_stats(self, recent: int = 64) -> dict[str, float]:
@@ -554,15 +370,8 @@ class LLMEngine:
     def _structured_stats(self) -> dict[str, Any]:
         return {
             "structured_requests": self.num_structured_requests,
-            "grammar_errors": self.num_grammar_errors,
+            "grammar_errors": self.scheduler.num_grammar_errors,
             "grammars_compiled": self.grammars.num_compiled,
             "grammar_compile_seconds": self.grammars.compile_seconds,
             **self.runner.masks.stats(),  # host time filling masks: in all, and per step of the last 64
         }
-
-
-def _sub_plan(plan: StepPlan, index: Sequence[int]) -> StepPlan:
-    """The plan's chunks at `index` only."""
-    chunks = [plan.chunks[i] for i in index]
-    return StepPlan(chunks=chunks, preempted=[], num_batched_tokens=sum(c.num_tokens for c in chunks),
-                    groups=[plan.groups[i] for i in index])

@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from jserve.core.plan import Request, ScheduledChunk, SchedulerProtocol
+from jserve.core.plan import Request, ScheduledChunk, SchedulerProtocol, StepPlan
 from jserve.core.request import GREEDY
 from jserve.core.scheduler import tokens_before_recompute
 from jserve.core.speculative import SpeculativeConfig
 from jserve.core.stop import tokens_left
-from jserve.runtime.steps import StepRow
+from jserve.engine.step_functions import Executed, PlainStep, StepResult, sub_plan
+from jserve.runtime.steps import StepOutput, StepRow
 
 if TYPE_CHECKING:
     from jserve.engine.config import EngineConfig
@@ -100,8 +101,8 @@ class DraftModelProposer:
     draft m, which the target may accept)."""
 
     def __init__(self, config: SpeculativeConfig, runner: Any):
-        if runner.decode_steps < config.num_speculative_tokens + 1:
-            raise ValueError(f"the draft runner runs {runner.decode_steps} decode steps per call; "
+        if runner.max_decode_steps < config.num_speculative_tokens + 1:
+            raise ValueError(f"the draft runner runs {runner.max_decode_steps} decode steps per call; "
                              f"k + 1 = {config.num_speculative_tokens + 1} are needed")
         self.config = config
         self.runner = runner
@@ -109,7 +110,7 @@ class DraftModelProposer:
     def propose_rows(self, rows: Sequence[StepRow], wanted: Sequence[int]) -> list[list[int]]:
         """Drafts for decode rows (their token computed by the draft model too, and `wanted[i]`
         more after it, in one call)."""
-        draft_rows = [_greedy(r, num_steps=k + 1) for r, k in zip(rows, wanted)]
+        draft_rows = [_greedy(r, decode_steps=k + 1) for r, k in zip(rows, wanted)]
         out = self.runner.execute_decode_steps(draft_rows)
         return [[int(t) for t in out.tokens[:k, i]] for i, k in enumerate(wanted)]
 
@@ -122,10 +123,10 @@ class DraftModelProposer:
         pass
 
 
-def _greedy(row: StepRow, num_steps: int = 1) -> StepRow:
+def _greedy(row: StepRow, decode_steps: int = 1) -> StepRow:
     """The row as the draft model runs it: greedy, no penalties, grammar or prompt logprobs."""
-    return dataclasses.replace(row, sampling=GREEDY, history=None, constraint=None, next_ids=None, stop_ids=(),
-                               min_new=0, num_steps=num_steps, draft_ids=())
+    return dataclasses.replace(row, sampling=GREEDY, penalty_tokens=None, grammar_matcher=None, prompt_targets=None,
+                               stop_ids=(), min_new=0, decode_steps=decode_steps, draft_ids=())
 
 
 @dataclasses.dataclass
@@ -239,3 +240,75 @@ def build_speculator(config: EngineConfig, runner: Runner, draft_runner: Runner 
     # No more rows than the runner compiled a verify step for.
     return Speculator(spec, scheduler.max_len if hasattr(scheduler, "max_len") else config.max_model_len, proposer,
                       min(limit, runner.verify_buckets[-1]), recompute_past=runner.config.long_rope_after)
+
+
+class SpeculativeStep(PlainStep):
+    """A step with drafts where the speculator wants them: reserve their pages, propose, verify
+    the decode chunks in one call (`Runner.execute_verify`) beside a plain call for the plan's
+    other chunks, and once the update took the accepted tokens, record the acceptance and give
+    back the rejected drafts' pages. Otherwise a plain step (the draft model computes it too)."""
+
+    def __init__(self, runner: Any, stop_policy: Any, scheduler: SchedulerProtocol, speculator: Speculator):
+        super().__init__(runner, stop_policy)
+        self.scheduler = scheduler
+        self.speculator = speculator
+
+    def __call__(self, plan: StepPlan) -> StepResult:
+        if not plan.chunks:
+            return StepResult()
+        result = self._speculate(plan)
+        if result is None:
+            rows = self.rows(plan)
+            result = StepResult([Executed(plan, self.runner.execute(rows))])
+            self.speculator.proposer.sync(rows)  # a draft model computes what the target did
+        return result
+
+    def _drafts(self, plan: StepPlan, decode: list[int]) -> tuple[list[StepRow], list[list[int]]] | None:
+        """Reserve the drafts' pages and propose them: the plan's rows (their pages covering the
+        drafts) and each decode chunk's drafts; None where none is proposed or speculation is
+        turned down (no pages taken)."""
+        spec, chunks = self.speculator, [plan.chunks[i] for i in decode]
+        wanted = spec.wanted(chunks)
+        if wanted is None:
+            return None
+        draft_model = isinstance(spec.proposer, DraftModelProposer)
+        drafts: list[list[int]] = []
+        if not draft_model:  # n-gram drafts first: no pages are taken for a step that finds none
+            drafts = [spec.valid_drafts(d[:n], c.request.grammar) for d, n, c in
+                      zip(spec.proposer.propose([c.request for c in chunks], wanted), wanted, chunks)]
+            if not any(drafts):
+                return None
+            wanted = [len(d) for d in drafts]
+        wanted = [n if self.scheduler.reserve_drafts(c, n) else 0 for c, n in zip(chunks, wanted)]
+        if not draft_model and not any(wanted):  # every reservation failed: a plain step
+            return None
+        rows = self.rows(plan)  # after the reservations: the chunks' pages cover the drafts
+        if draft_model:
+            proposed = spec.proposer.propose_rows([rows[i] for i in decode], wanted)
+            return rows, [spec.valid_drafts(d, c.request.grammar) for d, c in zip(proposed, chunks)]
+        return rows, [d[:n] for d, n in zip(drafts, wanted)]
+
+    def _speculate(self, plan: StepPlan) -> StepResult | None:
+        decode = [i for i, c in enumerate(plan.chunks)
+                  if c.num_tokens == 1 and c.emits_token and c.request.prompt_targets(c) is None]
+        proposal = self._drafts(plan, decode) if decode else None
+        if proposal is None:
+            return None
+        rows, drafts = proposal
+        spec, result = self.speculator, StepResult()
+        others = [i for i in range(len(plan.chunks)) if i not in set(decode)]
+        if others:  # prefill chunks: a plain call (the draft model computes them too)
+            other_rows = [rows[i] for i in others]
+            result.executed.append(Executed(sub_plan(plan, others), self.runner.execute(other_rows), steps=0))
+            spec.proposer.sync(other_rows)
+        out = self.runner.execute_verify([dataclasses.replace(rows[i], draft_ids=d) for i, d in zip(decode, drafts)])
+        spec.num_verify_steps += 1
+        result.executed.append(Executed(sub_plan(plan, decode), out))
+        chunks = [plan.chunks[i] for i in decode]
+        result.then.append(lambda: self._after_verify(chunks, drafts, out))
+        return result
+
+    def _after_verify(self, chunks, drafts, out: StepOutput) -> None:
+        for chunk, d, valid in zip(chunks, drafts, out.num_valid):
+            self.speculator.record(chunk.request.request_id, len(d), int(valid) - 1)
+            self.scheduler.release_lookahead(chunk.request.request_id)

@@ -56,10 +56,10 @@ def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sa
     return sample_rows(final, sampling, history, bitmask), prompt, kv
 
 
-def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, num_steps,
+def multi_decode(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, decode_steps,
                  stop_ids, min_new, sampling, history):
     """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
-    early once every row has stopped. A stopped row (and a padded one, `num_steps` 0) runs as a
+    early once every row has stopped. A stopped row (and a padded one, `decode_steps` 0) runs as a
     padded row: no query, its K/V write into the null page. No row has a grammar: its mask
     depends on each sample, which the host must see (the scheduler runs such rows in single steps)."""
     model = nnx.merge(graphdef, params)
@@ -88,7 +88,7 @@ def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
         new = out["tokens"]
         buffers = jax.tree.map(lambda buf, x: buf.at[j].set(x), buffers, out)
         stopped = jnp.any(new[:, None] == stop_ids, axis=1) & (j + 1 >= min_new)
-        done = done | (live & (stopped | (j + 1 >= num_steps)))
+        done = done | (live & (stopped | (j + 1 >= decode_steps)))
         ids = ids.at[rows, filled + j].set(jnp.where(live, new, vocab_size), mode="drop")
         return j + 1, kv, jnp.where(live, new, token), done, ids, buffers, valid + live
 
@@ -96,7 +96,7 @@ def decode_steps(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
         j, done = state[0], state[3]
         return (j < max_steps) & jnp.any(~done)
 
-    state = (jnp.int32(0), kv, tokens, num_steps <= 0, ids, buffers, jnp.zeros((B,), jnp.int32))
+    state = (jnp.int32(0), kv, tokens, decode_steps <= 0, ids, buffers, jnp.zeros((B,), jnp.int32))
     _, kv, _, _, _, buffers, valid = jax.lax.while_loop(cond, body, state)
     return {**buffers, "num_valid": valid}, kv
 

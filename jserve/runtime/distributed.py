@@ -1,8 +1,8 @@
 """Multi-host runs through JAX's own runtime (`jax.distributed`), no RPC layer of ours.
 
 Every process runs the same command. Process 0 loads the model, schedules and serves; each
-step it broadcasts the step's host inputs with JAX's collectives (`Runner._call`), and the
-other processes, in `Runner.follow()`, run the same compiled step on their devices (SPMD).
+step it broadcasts the step's host inputs with JAX's collectives (`StepBroadcast.lead`), and the
+other processes, in `StepBroadcast.follow()`, run the same compiled step on their devices (SPMD).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def follow(llm) -> int:
     return steps
 
 
-# What process 0 broadcasts before each step: [op, kind, batch, tokens] (`Runner._call`).
+# What process 0 broadcasts before each step: [op, kind, batch, tokens, masked] (`StepBroadcast.lead`).
 STEP_OP, STOP_OP = 0, 1
 STEP_KINDS = ("decode", "mixed")
 
@@ -89,3 +89,60 @@ def broadcast(header, tree=None):
     if header is not None:  # process 0: first the header, then the inputs
         multihost_utils.broadcast_one_to_all(header)
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+
+
+class StepBroadcast:
+    """A runner's steps across processes: process 0 leads (broadcasts each call's inputs and
+    runs it), the others follow (receive and run the same call)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def lead(self, kind: str, B: int, T: int, inputs, constraints):
+        """On process 0: send a call's header and inputs, then run it. The header says whether a
+        grammar bitmask follows: only a constrained step sends one (filled before the broadcast,
+        so before the forward: no overlap across hosts)."""
+        import dataclasses
+
+        import jax
+        import numpy as np
+
+        runner = self.runner
+        if jax.process_index() != 0:
+            raise RuntimeError("only process 0 drives the steps; the others call follow()")
+        header = np.asarray([STEP_OP, STEP_KINDS.index(kind), B, T, int(bool(constraints))], np.int32)
+        if constraints:
+            inputs = dataclasses.replace(inputs, mask=runner.masks.host(B, constraints))
+        return runner.device_step(broadcast(header, inputs))
+
+    def follow(self) -> int:
+        """On processes other than 0: run the steps process 0 broadcasts until it stops them;
+        returns the number of steps run."""
+        import jax
+        import numpy as np
+
+        from jserve.runtime import step_rows
+        from jserve.runtime.steps import StepInputs
+
+        runner = self.runner
+        steps = 0
+        while True:
+            op, kind, B, T, masked = (int(x) for x in broadcast(np.zeros(5, np.int32)))
+            if op == STOP_OP:
+                return steps
+            if STEP_KINDS[kind] == "mixed":
+                packed = step_rows.pack_ragged([[]] * runner.dp, B // runner.dp, T, max_pages=runner.max_pages,
+                                               page_size=runner.page_size)
+            else:
+                packed = runner.pack([None] * B, B, T)
+            template = StepInputs.of(packed, *runner.sampling_inputs([], B), runner.masks.ones(B) if masked else None)
+            jax.block_until_ready(runner.device_step(broadcast(None, template)))
+            steps += 1
+
+    def stop(self) -> None:
+        """On process 0 at shutdown: release the processes in `follow()`."""
+        import jax
+        import numpy as np
+
+        if self.runner.multiprocess and jax.process_index() == 0:
+            broadcast(np.asarray([STOP_OP, 0, 0, 0, 0], np.int32))

@@ -349,6 +349,14 @@ def kv_sharding(mesh):
     return NamedSharding(mesh, P(*KV_PAGES_SPEC))
 
 
+def rows_sharding(mesh):
+    """Arrays split by rows over the mesh's `dp` axis (a step's host inputs, `Runner.place`)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return NamedSharding(mesh, P("dp"))
+
+
 def restore_sharding(mesh, name: str, shape: tuple[int, ...], layout: HeadLayout):
     """Where a checkpoint array lands on restore, before it is laid out.
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
+from jserve.core.plan import ScheduledChunk
 from jserve.core.request import GREEDY, SamplingParams
 
 
@@ -20,18 +22,18 @@ class StepRow:
       start: position of the first token (= tokens already in the row's pages).
       token_ids: the tokens to compute (one: a decode row; more: a prefill chunk).
       page_ids: the row's pages, covering every position up to the last one computed (for a
-        multi-step decode, up to `start + num_steps - 1`: the scheduler's lookahead pages).
+        multi-step decode, up to `start + decode_steps - 1`: the scheduler's lookahead pages).
       sampling: the request's settings; `sample_index` the index, within the request's output,
         of the token this step samples (per-row seeds fold it in).
-      history: `(prompt_ids, output_ids)` where the request has repetition / presence /
+      penalty_tokens: `(prompt_ids, output_ids)` where the request has repetition / presence /
         frequency penalties, else None.
-      group: the row's data-parallel group (its page ids are local to that group's pool).
-      num_steps: decode steps to run in a multi-step call (1 .. `Runner.decode_steps`).
+      dp_group: the row's data-parallel group (its page ids are local to that group's pool).
+      decode_steps: decode steps to run in a multi-step call (1 .. `Runner.max_decode_steps`).
       stop_ids, min_new: the row stops a multi-step call after sampling one of `stop_ids` once
         it has sampled `min_new` tokens (`jserve.core.stop.StopPolicy.device_stops`).
-      next_ids: for a chunk whose prompt logprobs are wanted, the token after each of its
+      prompt_targets: for a chunk whose prompt logprobs are wanted, the token after each of its
         positions (-1 where there is none yet); the step then reports their logprobs.
-      constraint: the sequence's `jserve.structured.grammar.GrammarMatcher` where its sample
+      grammar_matcher: the sequence's `jserve.structured.grammar.GrammarMatcher` where its sample
         must follow a grammar (structured outputs): the runner fills the row's token bitmask
         from it while the device runs the forward. Single steps only.
       draft_ids: a speculative step's drafts for the tokens after `token_ids` (one token):
@@ -46,14 +48,15 @@ class StepRow:
     token_ids: Sequence[int]
     page_ids: Sequence[int]
     sampling: SamplingParams = GREEDY
+    _: dataclasses.KW_ONLY
     sample_index: int = 0
-    history: tuple[Sequence[int], Sequence[int]] | None = None
-    group: int = 0
-    num_steps: int = 1
+    penalty_tokens: tuple[Sequence[int], Sequence[int]] | None = None
+    dp_group: int = 0
+    decode_steps: int = 1
     stop_ids: tuple[int, ...] = ()
     min_new: int = 0
-    next_ids: Sequence[int] | None = None
-    constraint: Any = None
+    prompt_targets: Sequence[int] | None = None
+    grammar_matcher: Any = None
     draft_ids: Sequence[int] = ()
     seq_len: int = 0
 
@@ -61,11 +64,25 @@ class StepRow:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @classmethod
+    def from_chunk(cls, chunk: ScheduledChunk, *, dp_group: int = 0, stop_ids: tuple[int, ...] = (),
+                   min_new: int = 0, prompt_targets: Sequence[int] | None = None) -> "StepRow":
+        """A scheduled chunk's row: its tokens and pages, its request's sampling settings, penalty
+        tokens and grammar where it samples (`emits_token`)."""
+        req = chunk.request
+        p = req.params
+        return cls(chunk.start, chunk.token_ids, chunk.page_ids, p, sample_index=len(req.output_token_ids),
+                   penalty_tokens=(req.prompt_token_ids, req.output_token_ids) if chunk.emits_token and
+                   p.has_penalties else None,
+                   dp_group=dp_group, decode_steps=chunk.decode_steps, stop_ids=stop_ids, min_new=min_new,
+                   prompt_targets=prompt_targets, grammar_matcher=req.grammar if chunk.emits_token else None,
+                   seq_len=req.num_tokens)
+
 
 @dataclasses.dataclass
 class PromptLogprobs:
     """A chunk's prompt logprobs: at each of its positions, the logprob and rank of the next token
-    (`StepRow.next_ids`) and the `request.MAX_LOGPROBS` most likely tokens."""
+    (`StepRow.prompt_targets`) and the `request.MAX_LOGPROBS` most likely tokens."""
 
     logprob: np.ndarray  # float32 [tokens]
     rank: np.ndarray  # int32 [tokens]
@@ -81,7 +98,7 @@ class StepOutput:
     `top_ids` / `top_logprobs` hold `request.MAX_LOGPROBS` entries per sample, zeros where no row
     of the call asked for logprobs; `num_valid` (multi-step decode only) counts each row's
     samples before it stopped (entries past them are meaningless); `prompt` (single steps) the
-    prompt logprobs of each row that asked (`StepRow.next_ids`), None for the others."""
+    prompt logprobs of each row that asked (`StepRow.prompt_targets`), None for the others."""
 
     tokens: np.ndarray  # int32
     logprob: np.ndarray  # float32: of the sampled token
@@ -123,3 +140,24 @@ class StepRecord:
     # Host time between the previous call's end and this call's start (scheduling, packing,
     # detokenizing: the device idles), 0 for the first call of a busy period.
     idle_before: float = 0.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """One compiled call's host inputs after the params and pages, a pytree (placed over the
+    mesh and broadcast to other processes whole): the packed tokens, positions, attention
+    metadata and each row's last token index (`step_rows.pack` / `pack_ragged`), the sampling
+    arrays, the penalty history, and the grammar bitmask where it travels with them."""
+
+    tokens: Any
+    positions: Any
+    meta: Any
+    last: Any
+    sampling: Any
+    history: Any
+    mask: Any = None
+
+    @classmethod
+    def of(cls, packed: tuple, sampling: Any, history: Any, mask: Any = None) -> "StepInputs":
+        return cls(*packed, sampling, history, mask)

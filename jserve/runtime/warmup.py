@@ -1,8 +1,8 @@
 """Warm-up: compile a runner's step shapes before it serves, all of them or (lazy buckets) the
 largest of each kind now and the others ahead on a background thread (`lazy_buckets.py`).
 
-Functions over a `jserve.runtime.runner.Runner` (its friend module: they run its private steps on
-padding rows that write only into the null page); `Runner.warmup` calls `warm_up`.
+Functions over a `jserve.runtime.runner.Runner` (its public calls, on padding rows that write
+only into the null page); `Runner.warmup` calls `warm_up`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from jserve.runtime import overlap, step_rows
 from jserve.runtime.lazy_buckets import BucketCompiler
-from jserve.runtime.steps import StepRow
+from jserve.runtime.steps import StepInputs, StepRow
 
 
 def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
@@ -24,8 +24,8 @@ def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
     lazy = lazy and not runner.multiprocess
     shapes = [("decode", b, 1) for b in runner.batch_buckets]
     shapes += [("mixed", b, t) for b, t in runner.mixed_shapes()]
-    if runner.decode_steps > 1:
-        shapes += [("decode_steps", b, runner.decode_steps) for b in runner.batch_buckets]
+    if runner.max_decode_steps > 1:
+        shapes += [("multi_decode", b, runner.max_decode_steps) for b in runner.batch_buckets]
     if runner.num_speculative_tokens:
         shapes += [("verify", b, runner.num_speculative_tokens + 1) for b in runner.verify_buckets]
     now = shapes
@@ -33,10 +33,8 @@ def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
         now = [max(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
     for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
         warm(runner, kind, B, T)
-    runner.records.clear()
-    runner.total_real_tokens = runner.total_padded_tokens = 0
-    runner.mark_idle()
-    runner.warmed_up = True
+    runner.step_log.reset()
+    runner.compiles.warmed_up = True
     if lazy:
         start_lazy(runner, [s for s in shapes if s not in now], now)
 
@@ -45,8 +43,8 @@ def padding_rows(runner, kind: str, B: int, T: int) -> list[list[StepRow]]:
     """Rows of one shape (B rows per group; a mixed step's T tokens in all) per group, writing
     only into the null page."""
     table = [0] * runner.max_pages
-    if kind == "decode_steps":
-        return [[StepRow(0, [0], table, num_steps=T)] * B]
+    if kind == "multi_decode":
+        return [[StepRow(0, [0], table, decode_steps=T)] * B]
     if kind == "verify":
         return [[StepRow(0, [0], table, draft_ids=[0] * (T - 1))] * B]
     if kind == "mixed":  # B - 1 decode rows and a chunk of the other tokens
@@ -57,17 +55,19 @@ def padding_rows(runner, kind: str, B: int, T: int) -> list[list[StepRow]]:
 def warm(runner, kind: str, B: int, T: int) -> None:
     """Run one shape (B rows per group) on padding rows: it compiles."""
     groups = padding_rows(runner, kind, B, T)
-    if kind == "decode_steps":
+    if kind == "multi_decode":
         runner.execute_decode_steps(groups[0])
     elif kind == "verify":
         runner.execute_verify(groups[0])
     else:
         rows = [r for g in groups for r in g]
-        runner._run(rows, [list(range(g * B, (g + 1) * B)) for g in range(runner.dp)], {}, kind)
+        runner.run_call(rows, [list(range(g * B, (g + 1) * B)) for g in range(runner.dp)], {}, kind)
         if runner.launchable:  # the feed of this shape's tokens, for overlapped steps
             tokens = np.zeros((B, 1) if kind == "decode" else (1, T), np.int32)
             dst, src = overlap.feed_indices([], [], runner.feed_rows, tokens.size)
-            jax.block_until_ready(runner._feed(runner._tokens(runner._place(tokens)), runner._last_feed, dst, src))
+            launcher = runner.overlap
+            jax.block_until_ready(launcher.feed_fn(runner.device_tokens(runner.place(tokens)), launcher.last_feed,
+                                                   dst, src))
 
 
 def start_lazy(runner, later: list[tuple], now: list[tuple]) -> None:
@@ -80,15 +80,16 @@ def start_lazy(runner, later: list[tuple], now: list[tuple]) -> None:
         if kind in ("decode", "mixed"):
             runner.step_fn(runner.dp * (B if kind == "decode" else 1), T)
         elif kind == "verify":
-            runner._verify_fn(B, T)
+            runner.multi.verify_fn(B, T)
 
     def job(kind: str, B: int, T: int):
         return lambda: compile_ahead(runner, kind, B, T, kv_spec)
 
     def key(kind: str, B: int, T: int) -> tuple:  # as `_count` names the shape: its global batch
-        return kind, B * runner._groups(kind), T
+        return kind, B * runner.groups_spanned(kind), T
 
     runner.lazy = BucketCompiler(ready=[key(*s) for s in now])
+    runner.compiles.ahead = lambda k: k in runner.lazy.ahead
     runner.lazy.start([(key(*s), job(*s)) for s in later])
 
 
@@ -96,21 +97,22 @@ def compile_ahead(runner, kind: str, B: int, T: int, kv_spec) -> None:
     """Lower and compile one shape (B rows per group) with the inputs a call of it passes, so
     that its first call finds the executable in JAX's caches (on the lazy buckets' thread)."""
     groups = padding_rows(runner, kind, B, T)
-    if kind == "decode_steps":
-        runner._decode_steps.lower(runner.params, kv_spec, *runner._decode_steps_inputs(groups[0], B)).compile()
+    if kind == "multi_decode":
+        multi = runner.multi
+        multi.multi_decode.lower(runner.params, kv_spec, *multi.multi_decode_inputs(groups[0], B)).compile()
         return
     if kind == "verify":
-        runner._verify_fn(B, T).lower(runner.params, kv_spec, *runner._verify_inputs(groups[0], B)).compile()
+        runner.multi.verify_fn(B, T).lower(runner.params, kv_spec, *runner.multi.verify_inputs(groups[0], B)).compile()
         return
     placed = [r for g in groups for r in g]
     if kind == "mixed":
         packed = step_rows.pack_ragged(groups, B, T, max_pages=runner.max_pages, page_size=runner.page_size)
     else:
-        packed = runner._pack(placed, B * runner.dp, T)
+        packed = runner.pack(placed, B * runner.dp, T)
     B *= runner.dp
-    (tokens, positions, meta, last), sampling, history = runner._place((packed, *runner._sampling(placed, B)))
-    tokens = runner._tokens(tokens)
-    forward = runner.step_fn(*tokens.shape).lower(runner.params, kv_spec, tokens, positions, meta, last)
+    x = runner.place(StepInputs.of(packed, *runner.sampling_inputs(placed, B)))
+    tokens = runner.device_tokens(x.tokens)
+    forward = runner.step_fn(*tokens.shape).lower(runner.params, kv_spec, tokens, x.positions, x.meta, x.last)
     forward.compile()
     logits = forward.out_info[0]
     if runner.mesh is not None:
@@ -121,9 +123,9 @@ def compile_ahead(runner, kind: str, B: int, T: int, kv_spec) -> None:
     else:
         sharding = jax.sharding.SingleDeviceSharding(runner.device)
     logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
-    sample = runner._sample.lower(logits, sampling, history, runner.masks.device(B, [])).compile()
+    sample = runner.sample_fn.lower(logits, x.sampling, x.history, runner.masks.device(B, [])).compile()
     if runner.launchable:
         prev = jax.ShapeDtypeStruct(sample.out_info["feed"].shape, sample.out_info["feed"].dtype,
                                     sharding=sample.output_shardings["feed"])
         dst, src = overlap.feed_indices([], [], runner.feed_rows, tokens.size)
-        runner._feed.lower(tokens, prev, dst, src).compile()
+        runner.overlap.feed_fn.lower(tokens, prev, dst, src).compile()
