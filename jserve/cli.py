@@ -1,4 +1,4 @@
-"""Command line: `jserve convert | generate | plan | serve | bench`."""
+"""Command line: `jserve convert | generate | plan | warmup | export | serve | bench | eval`."""
 
 from __future__ import annotations
 
@@ -245,6 +245,34 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """Every compiled step exported for TPU or CUDA from this machine (`jserve.runtime.export`): a
+    line per step, then `exported N steps for PLATFORM`; 1 when a step fails to export."""
+    from jserve.model.checkpoint import read_model_config
+    from jserve.model.config import ModelConfig
+    from jserve.runtime.export import export_steps
+
+    if args.model and Path(args.model).is_file() and Path(args.model).suffix == ".json":
+        config = ModelConfig.from_hf_config(json.loads(Path(args.model).read_text()))
+    else:
+        config = read_model_config(args.model)[0]
+    count = 0
+    try:
+        for step, _ in export_steps(config, args.platform, dtype=args.dtype, max_model_len=args.max_model_len,
+                                    batch_buckets=tuple(int(b) for b in args.batch_buckets.split(",")),
+                                    token_buckets=tuple(int(t) for t in args.token_buckets.split(",")),
+                                    num_speculative_tokens=args.num_speculative_tokens):
+            bucket = "x".join(str(b) for b in step.bucket)
+            print(f"{step.kind:<8} {bucket:>8} {step.serialized_bytes:>9} bytes  {step.kernel_calls} kernel call(s)",
+                  flush=True)
+            count += 1
+    except Exception as e:  # noqa: BLE001 - the report names the step that failed
+        print(f"export failed after {count} steps: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {count} steps for {args.platform}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jserve", description="LLM serving engine on JAX")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -322,6 +350,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the artifact's folder (created)")
     add_engine_args(p, exclude=("seed",))
     p.set_defaults(func=_warmup)
+
+    p = sub.add_parser("export", help="export every compiled step for TPU or CUDA from this machine (jax.export; "
+                       "abstract weights, so an 8B config exports on a laptop)")
+    p.add_argument("--platform", required=True, choices=["tpu", "cuda"])
+    p.add_argument("--model", default=None, help="a checkpoint, HF folder, .gguf, or a config.json "
+                                                 "(default: the default model)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="accepted for symmetry with serve: exporting never reads weights")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch-buckets", default="8,64", help="decode batch buckets (comma-separated)")
+    p.add_argument("--token-buckets", default="128,512", help="prefill token buckets (comma-separated)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="the verify step's k (0: none)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.set_defaults(func=_export)
 
     from jserve.server.cli import add_serve_parser
     add_serve_parser(sub)

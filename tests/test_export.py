@@ -46,8 +46,8 @@ def test_an_exported_step_keeps_its_shapes(smollm2_checkpoint):
     assert kv[0].shape == (8, 32 * 1024, 16, 128)  # folded pages: [kv heads, layers * pages, page, head_dim]
 
 
-def test_export_script(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_steps.py"), "--platform", "cuda",
+def test_jserve_export(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "jserve.cli", "export", "--platform", "cuda",
                            "--model", str(LLAMA_8B), "--load-format", "dummy", "--batch-buckets", "16",
                            "--token-buckets", "256"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Online serving benchmark for any OpenAI-compatible server (`jserve bench`, scripts/bench_serving.py).
+"""Online serving benchmark for any OpenAI-compatible server (`jserve bench`, `jserve bench ab`).
 
 Drives ``/v1/completions`` or ``/v1/chat/completions`` with streaming requests (raw SSE over
 aiohttp) at a fixed concurrency or with Poisson arrivals, and reports throughput, TTFT, TPOT,
@@ -6,14 +6,16 @@ inter-token and end-to-end latency, goodput under SLOs, the server's queue / pre
 (from jserve's usage block) and, against jserve, the server's own /metrics for the same run.
 
 Modules: `workloads` (what to send), `client` (how it is sent and timed), `report` (figures and the
-table), `server_metrics` (/metrics deltas), `plots` (PNG), `cli` (flags and `run_benchmark`).
+table), `server_metrics` (/metrics deltas), `plots` (PNG), `cli` (flags and `run_benchmark`), `server`
+(`ServerProcess`: a server started for a benchmark), `ab` (two servers in alternation).
 """
 
 from jserve.bench.cli import main, parse_args, plan_runs, run_benchmark
 from jserve.bench.client import RequestRecord, endpoint_url, request_body, run_load, send_request
-from jserve.bench.report import compute_metrics, format_table, percentile, summarize
+from jserve.bench.report import compute_metrics, format_table, percentile, summarize, table
+from jserve.bench.server import ServerProcess, free_port
 from jserve.bench.workloads import NAMED_WORKLOADS, WORKLOADS, RequestSpec, build_workload
 
-__all__ = ["NAMED_WORKLOADS", "WORKLOADS", "RequestRecord", "RequestSpec", "build_workload", "compute_metrics",
-           "endpoint_url", "format_table", "main", "parse_args", "percentile", "plan_runs", "request_body",
-           "run_benchmark", "run_load", "send_request", "summarize"]
+__all__ = ["NAMED_WORKLOADS", "WORKLOADS", "RequestRecord", "RequestSpec", "ServerProcess", "build_workload",
+           "compute_metrics", "endpoint_url", "format_table", "free_port", "main", "parse_args", "percentile",
+           "plan_runs", "request_body", "run_benchmark", "run_load", "send_request", "summarize", "table"]

@@ -1,5 +1,6 @@
-"""`jserve bench` / `scripts/bench_serving.py`: arguments, the planned runs (one load, or a sweep of
-concurrencies or rates), and `run_benchmark`, which runs them and writes results.json and plots."""
+"""`jserve bench`: arguments, the planned runs (one load, or a sweep of concurrencies or rates), and
+`run_benchmark`, which runs them and writes results.json and plots; `jserve bench ab` (jserve.bench.ab)
+runs one load against two servers in alternation."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ examples:
   jserve bench --base-url http://127.0.0.1:8000 --workload mix --num-requests 64 --concurrency 16
   jserve bench --workload shared-prefix --endpoint chat --sweep-rate 1,2,4 --output-dir out/
   jserve bench --workload requests.jsonl   # {"prompt", "max_tokens"} or {"input_len", "output_len"} per line
+  jserve bench ab --a "--max-num-seqs 8" --b "--max-num-seqs 16" --rounds 3 --workload mix --concurrency 16
 
 --output-dir writes results.json (config, per-run metrics and per-request records) and, with
 matplotlib installed, cdf_<run>.png latency CDFs and sweep.png for sweeps. Against jserve the
@@ -39,7 +41,7 @@ def _ints(s: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by `jserve bench` and scripts/bench_serving.py)."""
+    """The benchmark's flags (shared by `jserve bench` and `jserve bench ab`)."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
     p.add_argument("--model", default=None,
@@ -101,6 +103,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=lambda args: bench_command(p, args))
+    from jserve.bench.ab import add_ab_parser
+
+    add_ab_parser(p.add_subparsers(dest="bench_mode", metavar="{ab}"), add_arguments, check_args)
     return p
 
 

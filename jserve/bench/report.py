@@ -116,6 +116,16 @@ def format_table(label: str, m: dict) -> str:
     return "\n".join(lines)
 
 
+def table(rows: list[dict], columns: list[str] | None = None, title: str = "", digits: int = 2) -> str:
+    """Rows of dicts as an aligned text table (columns: the first row's keys unless given; None: -)."""
+    columns = columns or list(rows[0]) if rows else columns or []
+    cells = [[_fmt(r.get(c), digits) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = [title] if title else []
+    lines.append("  ".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
+    lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
 
 def finite_json(x: Any) -> Any:
     """Strict JSON: non-finite floats (``--request-rate inf``) become strings."""
