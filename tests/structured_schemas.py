@@ -2,8 +2,7 @@
 
 Data plus one helper, no tests: tests/test_structured_schemas.py random-walks every schema through
 llguidance (proving the library compiles and enforces it end to end), the engine and server tests
-decode the real default model (SmolLM2-135M-Instruct) under each and check the text with `validate`,
-and scripts/bench_grammar_libs.py times grammar libraries over the same schemas.
+decode the real default model (SmolLM2-135M-Instruct) under each and check the text with `validate`.
 
 Every case is *bounded* unless marked `bounded=False`: each free string has a `maxLength` (<= 40),
 each array a `maxItems` (<= 5), and each object `additionalProperties: false`, so that a 135M

@@ -72,17 +72,17 @@ def test_cli_generate_with_dummy_weights(capsys):
 
 
 def test_step_floor_script_on_a_config_only_model(tmp_path):
-    """scripts/bench_step_floor.py (the device check's `step` part) on dummy weights of a bare
+    """benchmarks.step.floor (the device check's `step` part) on dummy weights of a bare
     config.json: a row per (batch, context), the pages that do not fit reported as such."""
     import subprocess
     import sys
 
     root = Path(__file__).parents[1]
     out = tmp_path / "floor.json"
-    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_step_floor.py"), "--model",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.step.floor", "--model",
                            str(ARCH / "qwen3" / "config.json"), "--load-format", "dummy", "--batches", "1,2",
                            "--contexts", "32,120", "--reps", "2", "--kv-bytes", "64KiB", "--copy-bytes", "8MiB",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (2, 32), (1, 120), (2, 120)]

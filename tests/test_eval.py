@@ -264,14 +264,9 @@ def test_cli_json_on_a_tiny_checkpoint(tmp_path, smollm2_checkpoint):
 
 
 def test_compare_quality_parses_llama_perplexitys_summary():
-    """scripts/compare_quality.py reads llama-perplexity's logs (its printf formats, perplexity.cpp)."""
-    import importlib.util
-    from pathlib import Path
+    """benchmarks.quality.llamacpp reads llama-perplexity's logs (its printf formats, perplexity.cpp)."""
+    from benchmarks.quality import llamacpp as mod
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "compare_quality.py"
-    spec = importlib.util.spec_from_file_location("compare_quality", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     base = ("perplexity: calculating perplexity over 69 chunks, n_ctx=512, batch_size=2048, n_seq=4\n"
             "[1]12.3456,[2]13.0000,\nFinal estimate: PPL = 14.2733 +/- 0.31234\n")
     assert mod.parse_llama_perplexity(base, kl=False) == {"chunks": 69, "ctx": 512, "ppl": 14.2733,

@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 (text) against Hugging Face transformers, through every backend's paged engine.
 
-The tiny random models in tests/data/arch/gemma2 and gemma3 (scripts/make_arch_goldens.py) have
+The tiny random models in tests/data/arch/gemma2 and gemma3 (tests/tools/make_arch_goldens.py) have
 sliding-window layers (window 8) interleaved with full ones, soft-capping (Gemma 2), Gemma 3's
 local rotary base and q/k norms, and a query scale that is not head_dim ** -0.5; each changes
 their logits (the generator checks it), so a backend that drops any of them fails here. The

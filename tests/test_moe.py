@@ -1,6 +1,6 @@
 """Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) against transformers, and over expert-parallel meshes.
 
-The tiny random models in tests/data/arch/{qwen3_moe,mixtral,qwen2_moe} (scripts/make_arch_goldens.py)
+The tiny random models in tests/data/arch/{qwen3_moe,mixtral,qwen2_moe} (tests/tools/make_arch_goldens.py)
 have 8 experts, top-2, and routing the generator checks is not trivial (most experts used, many
 distinct top-2 sets, no near-ties; top-1 changes the logits). Meshes run on the conftest's 8
 fake CPU devices.

@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS_DIR = ROOT / "scripts" / "tpu_vm"
 DOC = ROOT / "docs" / "tpu_vm.md"
-SCRIPTS = sorted(SCRIPTS_DIR.glob("*.sh"))
+SCRIPTS = sorted(p for p in SCRIPTS_DIR.glob("*.sh") if not p.name.startswith("_"))  # _common.sh: sourced
 EXPECTED = {"create_vm.sh", "install.sh", "deploy.sh", "setup_service.sh", "health_check.sh", "delete_vm.sh",
             "smoke.sh"}
 
@@ -46,6 +46,7 @@ SUBCOMMANDS = ("serve", "generate", "convert", "plan")
 
 def test_all_scripts_exist():
     assert {p.name for p in SCRIPTS} == EXPECTED
+    assert all(". \"$(dirname \"${BASH_SOURCE[0]}\")/_common.sh\"" in p.read_text() for p in SCRIPTS)
     assert (SCRIPTS_DIR / "jserve.service").is_file()
 
 
@@ -188,7 +189,8 @@ def test_deploy_runs_on_all_workers_and_keeps_the_key_off_command_lines(fake_gcl
     scp, install, check, setup, health = calls
     assert scp["args"][:5] == ["compute", "tpus", "tpu-vm", "scp", "--recurse"]
     assert "slice:/tmp/" in scp["args"] and "--worker=all" in scp["args"]
-    assert scp["staged"] == {"api_key": "0o600", "health_check.sh": scp["staged"]["health_check.sh"],
+    assert scp["staged"] == {"api_key": "0o600", "_common.sh": scp["staged"]["_common.sh"],
+                             "health_check.sh": scp["staged"]["health_check.sh"],
                              "install.sh": scp["staged"]["install.sh"],
                              "jserve.service": scp["staged"]["jserve.service"],
                              "setup_service.sh": scp["staged"]["setup_service.sh"],

@@ -2,6 +2,7 @@
 # Create a Cloud TPU VM (one host) or a multi-host TPU slice for jserve, with the gcloud CLI.
 # Runs on your workstation (or Cloud Shell), not on the TPU VM. See docs/tpu_vm.md.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 usage() {
   cat <<'USAGE'
@@ -42,7 +43,6 @@ accel="${ACCELERATOR_TYPE:-v6e-8}" version="${RUNTIME_VERSION:-}" tags="jserve"
 spot=0 queued=0 wait=0 allow_from="" port=8000 network="default" dry_run=0
 extra=()
 
-need() { [ $# -ge 2 ] && [ -n "$2" ] || { echo "create_vm.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -60,11 +60,11 @@ while [ $# -gt 0 ]; do
     --network) need "$@"; network="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     --) shift; extra=("$@"); break ;;
-    *) echo "create_vm.sh: unknown argument: $1 (see -h)" >&2; exit 2 ;;
+    *) unknown "$1" ;;
   esac
 done
-[ -n "$name" ] || { echo "create_vm.sh: --name is required (see -h)" >&2; exit 2; }
-[ -n "$zone" ] || { echo "create_vm.sh: --zone is required (see -h)" >&2; exit 2; }
+required --name "$name"
+required --zone "$zone"
 if [ -n "$allow_from" ] && [ -z "$tags" ]; then
   echo "create_vm.sh: --allow-from needs a network tag (--tags)" >&2; exit 2
 fi
@@ -79,9 +79,6 @@ if [ -z "$version" ]; then
   esac
 fi
 
-run() {
-  if [ "$dry_run" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
-}
 
 common=(--zone="$zone")
 [ -n "$project" ] && common+=(--project="$project")

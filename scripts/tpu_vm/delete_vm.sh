@@ -2,6 +2,7 @@
 # Delete a Cloud TPU VM or slice (and optionally the firewall rule create_vm.sh made) so that
 # billing stops. A TPU VM is billed while it exists, whether or not jserve is running.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 usage() {
   cat <<'USAGE'
@@ -24,7 +25,6 @@ USAGE
 }
 
 name="${TPU_NAME:-}" zone="${ZONE:-}" project="${PROJECT_ID:-}" queued=0 rule="" yes=0 dry_run=0
-need() { [ $# -ge 2 ] && [ -n "$2" ] || { echo "delete_vm.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -35,15 +35,12 @@ while [ $# -gt 0 ]; do
     --firewall-rule) need "$@"; rule="$2"; shift 2 ;;
     --yes) yes=1; shift ;;
     --dry-run) dry_run=1; shift ;;
-    *) echo "delete_vm.sh: unknown argument: $1 (see -h)" >&2; exit 2 ;;
+    *) unknown "$1" ;;
   esac
 done
-[ -n "$name" ] || { echo "delete_vm.sh: --name is required (see -h)" >&2; exit 2; }
-[ -n "$zone" ] || { echo "delete_vm.sh: --zone is required (see -h)" >&2; exit 2; }
+required --name "$name"
+required --zone "$zone"
 
-run() {
-  if [ "$dry_run" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
-}
 common=(--zone="$zone")
 [ -n "$project" ] && common+=(--project="$project")
 [ "$yes" = 1 ] && common+=(--quiet)

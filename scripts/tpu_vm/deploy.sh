@@ -3,6 +3,7 @@
 # (gcloud ... --worker=all), install the systemd unit, start it, and health-check worker 0.
 # Re-run it to deploy new code or flags (the compilation cache and checkpoints stay on the VM).
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 usage() {
   cat <<'USAGE'
@@ -43,7 +44,6 @@ USAGE
 name="${TPU_NAME:-}" zone="${ZONE:-}" project="${PROJECT_ID:-}" model="" gcs_model="" mesh=""
 distributed=0 port=8000 key_file="" user="" skip_install=0 health=1 health_timeout=1800 dry_run=0
 extra=()
-need() { [ $# -ge 2 ] && [ -n "$2" ] || { echo "deploy.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -62,11 +62,11 @@ while [ $# -gt 0 ]; do
     --health-timeout) need "$@"; health_timeout="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     --) shift; extra=("$@"); break ;;
-    *) echo "deploy.sh: unknown argument: $1 (see -h)" >&2; exit 2 ;;
+    *) unknown "$1" ;;
   esac
 done
-[ -n "$name" ] || { echo "deploy.sh: --name is required (see -h)" >&2; exit 2; }
-[ -n "$zone" ] || { echo "deploy.sh: --zone is required (see -h)" >&2; exit 2; }
+required --name "$name"
+required --zone "$zone"
 case "$gcs_model" in ""|gs://*) ;; *) echo "deploy.sh: --gcs-model must be a gs:// URI" >&2; exit 2 ;; esac
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -81,9 +81,6 @@ args_line="${serve_args[*]+"${serve_args[*]}"}"
 
 gc=(--zone="$zone")
 [ -n "$project" ] && gc+=(--project="$project")
-run() {
-  if [ "$dry_run" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
-}
 on_workers() {  # on_workers WORKERS COMMAND
   run gcloud compute tpus tpu-vm ssh "$name" "${gc[@]}" --worker="$1" --command="$2"
 }
@@ -92,7 +89,8 @@ q() { printf '%q' "$1"; }
 stage="$(mktemp -d)"
 trap 'rm -rf "$stage"' EXIT
 mkdir "$stage/jserve-deploy"
-cp "$here/install.sh" "$here/setup_service.sh" "$here/jserve.service" "$here/health_check.sh" "$stage/jserve-deploy/"
+cp "$here/_common.sh" "$here/install.sh" "$here/setup_service.sh" "$here/jserve.service" "$here/health_check.sh" \
+  "$stage/jserve-deploy/"
 if [ "$skip_install" = 0 ]; then
   if [ -n "$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
     echo "deploy.sh: warning: uncommitted changes in $repo are not deployed (git archive HEAD)" >&2

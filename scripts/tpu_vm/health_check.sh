@@ -4,6 +4,7 @@
 # Needs curl and python3. Runs anywhere that reaches the server: on the VM (deploy.sh runs it on
 # worker 0), or on your workstation through an SSH tunnel or a firewall rule.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 usage() {
   cat <<'USAGE'
@@ -25,7 +26,6 @@ USAGE
 }
 
 url="http://127.0.0.1:8000" timeout=1800 interval=5 model="" env_file="" prompt="Hello"
-need() { [ $# -ge 2 ] && [ -n "$2" ] || { echo "health_check.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
     --model) need "$@"; model="$2"; shift 2 ;;
     --env-file) need "$@"; env_file="$2"; shift 2 ;;
     --prompt) need "$@"; prompt="$2"; shift 2 ;;
-    *) echo "health_check.sh: unknown argument: $1 (see -h)" >&2; exit 2 ;;
+    *) unknown "$1" ;;
   esac
 done
 

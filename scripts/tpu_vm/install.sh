@@ -3,6 +3,7 @@
 # jserve with its TPU extra (`pip install -e '.[tpu]'`, which pulls jax[tpu] and libtpu), then check
 # that JAX sees the TPU. deploy.sh runs it on all workers; you can also run it by hand.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 usage() {
   cat <<'USAGE'
@@ -24,7 +25,6 @@ USAGE
 
 src="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="/opt/jserve/venv" python="" default_model=0 verify=1
-need() { [ $# -ge 2 ] && [ -n "$2" ] || { echo "install.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
     --python) need "$@"; python="$2"; shift 2 ;;
     --with-default-model) default_model=1; shift ;;
     --no-verify) verify=0; shift ;;
-    *) echo "install.sh: unknown argument: $1 (see -h)" >&2; exit 2 ;;
+    *) unknown "$1" ;;
   esac
 done
 [ -f "$src/pyproject.toml" ] || { echo "install.sh: $src is not a jserve checkout (no pyproject.toml)" >&2; exit 2; }

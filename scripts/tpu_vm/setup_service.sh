@@ -3,6 +3,7 @@
 # /etc/jserve/serve.env (and /etc/jserve/env from a key file), install jserve.service from the
 # template beside this script, then enable and (re)start it. deploy.sh calls it with --worker=all.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 usage() {
   cat <<'USAGE'
@@ -29,7 +30,6 @@ USAGE
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 user="" venv="/opt/jserve/venv" model="" gcs_model="" port=8000 host="0.0.0.0" args="" key_file=""
 unit="$here/jserve.service" start=1
-need() { [ $# -ge 2 ] && [ -n "$2" ] || { echo "setup_service.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -43,10 +43,10 @@ while [ $# -gt 0 ]; do
     --api-key-file) need "$@"; key_file="$2"; shift 2 ;;
     --unit) need "$@"; unit="$2"; shift 2 ;;
     --no-start) start=0; shift ;;
-    *) echo "setup_service.sh: unknown argument: $1 (see -h)" >&2; exit 2 ;;
+    *) unknown "$1" ;;
   esac
 done
-[ -n "$user" ] || { echo "setup_service.sh: --user is required (see -h)" >&2; exit 2; }
+required --user "$user"
 [ "$(id -u)" = 0 ] || { echo "setup_service.sh: run as root (sudo)" >&2; exit 2; }
 id "$user" >/dev/null || { echo "setup_service.sh: no such user: $user" >&2; exit 2; }
 [ -x "$venv/bin/jserve" ] || { echo "setup_service.sh: $venv/bin/jserve missing; run install.sh first" >&2; exit 1; }

@@ -2,6 +2,7 @@
 # The engine whole on a Cloud TPU VM, as scripts/device_check.sh checks it on a GPU: one command of
 # at most 8 minutes on worker 0 of the VM, writing one JSON report to report it back.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 usage() {
   cat <<'USAGE'
@@ -28,7 +29,6 @@ USAGE
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out=/tmp
 python=""
-need() { [ $# -ge 2 ] && [ -n "$2" ] || { echo "smoke.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) need "$@"; out=$2; shift 2 ;;

@@ -17,9 +17,9 @@ against the same floor from this machine's bandwidth and matmul rate measured in
 right before jserve's generation (an XLA sum over 1 GiB, an XLA 2048^3 float32 matmul; the best of
 7 calls each, so that a busy moment does not lower the floor).
 
-    .venv/bin/python scripts/bench_offline.py --quick --out quick.json
-    .venv/bin/python scripts/bench_offline.py --out results.json      # 256 requests, in 32/512, out 32/256
-    .venv/bin/python scripts/bench_offline.py --num-requests 128 --scale 0.5 --hf-python none
+    python -m benchmarks.engine.offline --quick --out quick.json
+    python -m benchmarks.engine.offline --out results.json      # 256 requests, in 32/512, out 32/256
+    python -m benchmarks.engine.offline --num-requests 128 --scale 0.5 --hf-python none
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.harness import parser, records_since, write_json
+
+REPO = Path(__file__).resolve().parents[2]
 
 logger = logging.getLogger("bench_offline")
 
@@ -51,7 +52,7 @@ HF_DIR = Path.home() / ".cache" / "jserve" / "bench" / "smollm2-hf"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, out="")
     p.add_argument("--num-requests", type=int, default=None, help="default 256 (--quick: 32)")
     p.add_argument("--scale", type=float, default=None, help="multiplies all lengths (default 1; --quick: 0.25)")
     p.add_argument("--in-lens", default="32,512", help="short,long prompt lengths before --scale")
@@ -77,7 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="jserve's weights quantized (at load; gguf: the GGUF's own Q4_1 kept; the quality gate "
                    "needs a stored report, see README); the golden check then warns instead of stopping, "
                    "except for gguf, whose weights equal the float model's")
-    p.add_argument("--out", default=None, help="write all results to this JSON file")
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (32 if args.quick else 256)
     args.scale = args.scale or (0.25 if args.quick else 1.0)
@@ -110,6 +110,8 @@ def scaled(text: str, scale: float) -> tuple[int, int]:
 def ensure_hf_weights(folder: Path) -> Path:
     """Write the GGUF's dequantized fp32 weights as an HF LlamaForCausalLM folder, once."""
     from jserve.model.checkpoint import default_gguf_path
+
+    # private: the HF tensor names of jserve's weights (the reading direction) have no public name
     from jserve.model.sources import _HF_GLOBAL, _HF_LAYER, read_params
 
     gguf = default_gguf_path()
@@ -161,7 +163,7 @@ def ensure_hf_weights(folder: Path) -> Path:
 def run_hf(args, prompts, max_tokens, golden) -> dict:
     python = Path(args.hf_python)
     if args.hf_python == "none" or not python.exists():
-        msg = (f"HF side skipped: {python} not found (set up .venv-ref as in scripts/make_arch_goldens.py, "
+        msg = (f"HF side skipped: {python} not found (set up .venv-ref as in tests/tools/make_arch_goldens.py, "
                f"or pass --hf-python)") if args.hf_python != "none" else "HF side skipped (--hf-python none)"
         print(msg, file=sys.stderr)
         return {"skipped": msg}
@@ -175,7 +177,7 @@ def run_hf(args, prompts, max_tokens, golden) -> dict:
         load = os.getloadavg()[0]
         cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        proc = subprocess.run([str(python), str(REPO / "scripts" / "_hf_generate.py"), str(job), str(out)])
+        proc = subprocess.run([str(python), str(Path(__file__).with_name("hf_generate.py")), str(job), str(out)])
         wall = time.perf_counter() - t0
         cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         result = json.loads(out.read_text()) if out.exists() else {}
@@ -221,47 +223,24 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
         print(f"{args.quantization} weights: golden case 0 differs from the float model's greedy tokens",
               file=sys.stderr)
 
-    # Keep every compiled call's record with, per model step in it, its live rows and the keys
-    # they attend to (the runner keeps only recent records, and a StepRecord does not say how many
-    # keys its rows attend to).
-    log: list[tuple] = []
-    original, original_steps = runner._run, runner.execute_decode_steps
-
-    def run_and_log(all_rows, parts, *a, **kw):  # Runner._run(all_rows, parts, results, kind)
-        original(all_rows, parts, *a, **kw)
-        index = [i for part in parts for i in part]  # parts: the row indices of each dp group
-        log.append((runner.records[-1], [(len(index), sum(all_rows[i].start + all_rows[i].num_tokens
-                                                          for i in index))]))
-
-    def decode_steps_and_log(rows):
-        out = original_steps(rows)
-        valid = out.num_valid
-        per_step = [(int((valid > j).sum()), sum(r.start + 1 + j for r, n in zip(rows, valid) if n > j))
-                    for j in range(int(valid.max()))]
-        log.append((runner.records[-1], per_step))
-        return out
-
-    runner._run, runner.execute_decode_steps = run_and_log, decode_steps_and_log
     steps0 = llm.stats()["num_steps"]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     machine = measure_machine()
     load_gen = os.getloadavg()[0]
+    last = runner.records[-1] if runner.records else None
     cpu0, t0 = time.process_time(), time.perf_counter()
-    try:
-        outs = llm.generate(prompts, params)
-    finally:
-        runner._run, runner.execute_decode_steps = original, original_steps
+    outs = llm.generate(prompts, params)
     gen = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     ids = [list(o.outputs[0].token_ids) for o in outs]
     if [len(x) for x in ids] != list(max_tokens):
         raise SystemExit("jserve returned a wrong number of tokens for some request")
-    records = [r for r, _ in log]
+    records = records_since(runner.records, last)
     stats = llm.stats()
-    by_kind = {k: [r for r in records if r.kind == k] for k in ("decode", "prefill")}
+    decode = [r for r in records if r.kind == "decode"]
     # The runner's counts, taken before it packed layer weights for the native CPU matmuls.
     model = {"params": runner.num_params, "weight_bytes": runner.param_bytes,
-             "kv_bytes_per_token": llm.config.kv_bytes_per_token(runner.kv[0][0].dtype.itemsize),
+             "kv_bytes_per_token": llm.config.kv_bytes_per_token(runner.kv_itemsize),
              "num_layers": llm.config.num_layers, "num_heads": llm.config.num_heads,
              "head_dim": llm.config.head_dim}
     return {
@@ -269,15 +248,15 @@ def run_jserve(args, prompts, max_tokens, golden, max_model_len) -> dict:
         "loadavg_1m_before_generate": load_gen, "generate_seconds": gen, "cpu_seconds": cpu,
         "output_tokens": sum(max_tokens), "output_tokens_per_s": sum(max_tokens) / gen,
         "num_steps": stats["num_steps"] - steps0, "num_compiled_calls": len(records),
-        "decode_seconds": sum(r.seconds for r in by_kind["decode"]),
-        "prefill_seconds": sum(r.seconds for r in by_kind["prefill"]),
+        "decode_seconds": sum(r.seconds for r in decode),
+        "prefill_seconds": sum(r.seconds for r in records) - sum(r.seconds for r in decode),
         "host_seconds": gen - sum(r.seconds for r in records),
         "padded_token_fraction": 1 - sum(r.real_tokens for r in records) / sum(r.padded_tokens for r in records),
         "num_scheduler_steps": args.num_scheduler_steps, "multi_step_calls": sum(r.steps > 1 for r in records),
         "stats": stats, "model": model, "max_model_len": max_model_len,
-        "decode_floor": decode_floor(log, model, args.max_num_seqs),
+        "decode_floor": decode_floor(records, model, args.max_num_seqs),
         "machine": machine,
-        "decode_floor_measured": decode_floor(log, model, args.max_num_seqs, machine["read_bytes_per_s"],
+        "decode_floor_measured": decode_floor(records, model, args.max_num_seqs, machine["read_bytes_per_s"],
                                               machine["matmul_flops_per_s"]),
         "ids": ids,
     }
@@ -309,23 +288,22 @@ def measure_machine(repeats: int = 7) -> dict:
             "median_matmul_flops_per_s": flops[1], "repeats": repeats}
 
 
-def decode_floor(log, model: dict, batch: int, bandwidth: float | None = None, peak: float | None = None) -> dict:
+def decode_floor(records, model: dict, batch: int, bandwidth: float | None = None, peak: float | None = None) -> dict:
     """Median decode step at `batch` vs max(bytes / bandwidth, FLOPs / peak) of the same steps
-    (default: DESIGN §6's constants).
+    (the runner's own StepRecord.bytes_needed and flops_needed; default: DESIGN §6's constants).
 
-    A multi-step call counts as its model steps, each with an equal share of the call's time."""
+    A multi-step call counts as its model steps, each with an equal share of the call's time,
+    bytes and FLOPs."""
     bandwidth, peak = bandwidth or BANDWIDTH, peak or FLOPS
-    calls = [(r, per_step) for r, per_step in log if r.kind == "decode" and r.bucket[0] == batch]
+    calls = [r for r in records if r.kind == "decode" and r.bucket[0] == batch]
     if not calls:
         return {"batch": batch, "num_steps": 0}
     rows = []
-    for r, per_step in calls:
-        for live_rows, n in per_step:
-            nbytes = model["weight_bytes"] + n * model["kv_bytes_per_token"]
-            attention = 4 * model["num_layers"] * model["num_heads"] * model["head_dim"] * n  # q.k and p.v
-            flops = 2 * model["params"] * live_rows + attention
-            floor = max(nbytes / bandwidth, flops / peak)
-            rows.append((r.seconds / len(per_step), nbytes, flops, floor, live_rows, n))
+    for r in calls:
+        nbytes, flops = r.bytes_needed / r.steps, r.flops_needed / r.steps
+        live = (nbytes - model["weight_bytes"]) / model["kv_bytes_per_token"]  # K/V read and written
+        floor = max(nbytes / bandwidth, flops / peak)
+        rows += [(r.seconds / r.steps, nbytes, flops, floor, r.real_tokens / r.steps, live)] * r.steps
     med = lambda j: statistics.median(x[j] for x in rows)  # noqa: E731
     return {
         "batch": batch, "num_steps": len(rows), "num_full_steps": sum(x[4] == batch for x in rows),
@@ -339,9 +317,7 @@ def decode_floor(log, model: dict, batch: int, bandwidth: float | None = None, p
         **dict(zip(("fit_fixed_seconds", "fit_seconds_per_live_token"),
                    reversed(np.polyfit([x[5] for x in rows], [x[0] for x in rows], 1).tolist())
                    if len({x[5] for x in rows}) > 1 else (None, None))),
-        "steps": [[round(x[0], 5), x[4], x[5]] for x in rows],  # [seconds, live rows, live tokens]
-        # The runner's own floor (weights + K/V read and written), where its StepRecord has one.
-        "runner_median_bytes_needed": statistics.median(r.bytes_needed / r.steps for r, _ in calls) or None,
+        "steps": [[round(x[0], 5), x[4], round(x[5])] for x in rows],  # [seconds, live rows, live tokens]
     }
 
 
@@ -424,7 +400,7 @@ def main(argv=None) -> int:
     golden_case = json.loads(GOLDEN.read_text())["cases"][0]
     golden = {"prompt_ids": golden_case["prompt_ids"], "greedy_ids": golden_case["greedy_ids"]}
     # At least the largest token bucket: jserve's warm-up runs every prefill bucket at position 0
-    # and fails (IndexError in Runner._pack) when a bucket is longer than max_model_len.
+    # and fails (IndexError in step_rows.pack) when a bucket is longer than max_model_len.
     max_model_len = max(-(-(max(in_lens) + max(out_lens)) // 64) * 64, args.max_num_batched_tokens)
     res = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
            "cpu_count": os.cpu_count(),
@@ -442,9 +418,7 @@ def main(argv=None) -> int:
         res.get(side, {}).pop("ids", None)
     res["total_wall_seconds"] = time.perf_counter() - t_start
     report(res)
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2, default=str))
-        print(f"wrote {args.out}")
+    write_json(args.out, res)
     return 0
 
 

@@ -1,34 +1,33 @@
-#!/usr/bin/env python3
 """The decode step against its memory floor, per batch and context, for any model's shapes
 (`--load-format dummy`: random weights, nothing downloaded; an 8B config on a GPU).
 
 The floor is the bytes a decode step must read (the weights once, plus every live token's K/V,
-`Runner._cost`) over the device's measured copy bandwidth (a jitted copy of a buffer as large
+`jserve.runtime.step_rows.cost`) over the device's measured copy bandwidth (a jitted copy of a buffer as large
 as `--copy-bytes`). A (batch, context) whose pages do not fit in `--kv-bytes` is reported as not
 fitting. Prints a table and writes JSON.
 
-    python scripts/bench_step_floor.py --model tests/data/configs/llama-3.1-8b.json --load-format dummy \\
+    python -m benchmarks.step.floor --model tests/data/configs/llama-3.1-8b.json --load-format dummy \\
         --batches 1,16,64,256 --contexts 1024,4096 --kv-bytes 100GiB --out step_floor.json
-    python scripts/bench_step_floor.py --batches 1,16 --contexts 256 --out step_floor.json   # CPU, the default model
+    python -m benchmarks.step.floor --batches 1,16 --contexts 256 --out step_floor.json   # CPU, the default model
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from benchmarks.harness import median_ms, parser, report, timings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from jserve.engine.config import parse_bytes
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, out="step_floor.json")
     p.add_argument("--model", default=None, help="checkpoint, HF folder, .gguf, or a config.json (dummy)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
@@ -38,7 +37,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-bytes", type=parse_bytes, default=None, help="KV budget (default: the engine's)")
     p.add_argument("--copy-bytes", type=parse_bytes, default=parse_bytes("256MiB"))
     p.add_argument("--attention-backend", default=None)
-    p.add_argument("--out", default="step_floor.json")
     return p.parse_args(argv)
 
 
@@ -59,29 +57,17 @@ def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
         parts = np.array_split(np.arange(len(src)), threads)
         bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts]
         with ThreadPoolExecutor(threads) as pool:
-            def once():
-                list(pool.map(lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds))
-            once()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                once()
-                times.append(time.perf_counter() - t0)
+            times = timings(lambda: list(pool.map(lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds)), reps)
         return 2 * src.nbytes / statistics.median(times)
     x = jnp.ones((nbytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(copy(x))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(copy(x))
-        times.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / statistics.median(times)
+    return 2 * x.nbytes / statistics.median(timings(lambda: copy(x), reps, sync=jax.block_until_ready))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jserve import LLM
+    from jserve.runtime.step_rows import cost
     from jserve.runtime.steps import StepRow
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -98,7 +84,7 @@ def main(argv=None) -> int:
     if args.attention_backend:
         settings["backend"] = args.attention_backend
     llm = LLM(model, dtype=args.dtype, **settings)
-    runner = llm.engine.runner
+    runner = llm.runner
     bandwidth = copy_bandwidth(args.copy_bytes)
     rows_out = []
     for context in contexts:
@@ -109,29 +95,17 @@ def main(argv=None) -> int:
                 continue
             rows = [StepRow(context, [7], list(range(1 + i * pages_per_row, 1 + (i + 1) * pages_per_row)))
                     for i in range(batch)]
-            runner.execute(rows)  # compiles the shape
-            times = []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                runner.execute(rows)
-                times.append(time.perf_counter() - t0)
-            step = statistics.median(times)
-            floor_bytes = runner._cost(rows)[0]
+            step = median_ms(lambda: runner.execute(rows), args.reps) / 1000  # (the first call compiles)
+            floor_bytes = cost(runner.config, rows, param_bytes=runner.param_bytes, num_params=runner.num_params,
+                               kv_itemsize=runner.kv_itemsize, kv_scale_bytes=runner.kv_scale_bytes)[0]
             floor = floor_bytes / bandwidth
             rows_out.append({"batch": batch, "context": context, "fits": True, "step_ms": 1000 * step,
                              "floor_ms": 1000 * floor, "ratio": step / floor, "floor_bytes": floor_bytes,
                              "tokens_per_s": batch / step})
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights {runner.param_bytes / 1e9:.2f} GB; "
-          f"{runner.num_pages} pages of {runner.page_size}; backend {runner.backend}")
-    print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>9}")
-    for r in rows_out:
-        if not r["fits"]:
-            print(f"{r['batch']:>6} {r['context']:>8}   (the pages do not fit)")
-            continue
-        print(f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>9.2f} {r['floor_ms']:>9.2f} {r['ratio']:>6.2f} "
-              f"{r['tokens_per_s']:>9.1f}")
-    Path(args.out).write_text(json.dumps({"config": vars(args), "copy_bandwidth": bandwidth,
-                                          "param_bytes": runner.param_bytes, "rows": rows_out}, indent=1))
+    report(rows_out, args.out, ["batch", "context", "fits", "step_ms", "floor_ms", "ratio", "tokens_per_s"],
+           title=f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights {runner.param_bytes / 1e9:.2f} GB; "
+           f"{runner.num_pages} pages of {runner.page_size}; backend {runner.backend}",
+           config=vars(args), copy_bandwidth=bandwidth, param_bytes=runner.param_bytes)
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

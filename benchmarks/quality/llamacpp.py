@@ -1,14 +1,13 @@
-#!/usr/bin/env python3
 """Quantization quality side by side: jserve eval next to llama.cpp's own `llama-perplexity`, one run.
 
-    .venv/bin/python scripts/compare_quality.py --out compare_quality.json            # the whole text
-    .venv/bin/python scripts/compare_quality.py --max-chunks 24 --variants int8,int8-g32,int4  # bounded
+    python -m benchmarks.quality.llamacpp --out compare_quality.json            # the whole text
+    python -m benchmarks.quality.llamacpp --max-chunks 24 --variants int8,int8-g32,int4  # bounded
 
 On the default model (SmolLM2-135M-Instruct), all on the identical text file (`jserve eval
 --write-text`: the pydoc_data/topics.py prose) and context (`--ctx`, default 512):
 
-llama.cpp (built by compare_servers.ensure_llama_cpp: llama-perplexity and llama-quantize)
-  F32   the shipped GGUF requantized to F32 (compare_servers.ensure_f32_gguf), run with
+llama.cpp (built by benchmarks.serving.compare.ensure_llama_cpp: llama-perplexity and llama-quantize)
+  F32   the shipped GGUF requantized to F32 (benchmarks.serving.compare.ensure_f32_gguf), run with
         `--kl-divergence-base FILE` (its perplexity, and the base log-probabilities)
   Q8_0  `llama-quantize F32 -> Q8_0`, run with `--kl-divergence-base FILE --kl-divergence`
   Q4_1  the shipped GGUF as it is, likewise
@@ -29,8 +28,6 @@ below p = 1.1e-7 dropped.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import os
 import re
@@ -41,15 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-
-def _compare_servers():
-    spec = importlib.util.spec_from_file_location("compare_servers", REPO / "scripts" / "compare_servers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks.harness import parser
+from benchmarks.serving import compare as cs
 
 
 def log(msg: str) -> None:
@@ -120,7 +110,6 @@ def run_llama_perplexity(cmd: list[str]) -> tuple[str, float]:
 
 
 def llama_cpp_rows(args, text_path: Path) -> tuple[list[dict], np.ndarray]:
-    cs = _compare_servers()
     bindir = cs.ensure_llama_cpp(args.cache_dir)
     shipped = cs.default_gguf()
     f32 = cs.ensure_f32_gguf(args.cache_dir, bindir, shipped)
@@ -207,7 +196,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--cache-dir", type=Path,
                    default=Path(os.environ.get("JSERVE_BENCH_CACHE", Path.home() / ".cache" / "jserve-bench")))
     p.add_argument("--ctx", type=int, default=512)

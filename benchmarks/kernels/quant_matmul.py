@@ -17,9 +17,9 @@ fused native decoder layers and the native head, no sampling) per format: the la
 above (the tied embedding int8 per channel for the quantized ones), on random weights of the
 real shapes, or the checkpoint's (`--model`) when it is at hand.
 
-    python scripts/bench_quant_matmul.py [--rows 1 16] [--out quant_matmul.json]
-    python scripts/bench_quant_matmul.py --decode --batch 1 [--context 256]
-    python scripts/bench_quant_matmul.py --rows 512 --shapes gate/up down --working-set 16
+    python -m benchmarks.kernels.quant_matmul [--rows 1 16] [--out quant_matmul.json]
+    python -m benchmarks.kernels.quant_matmul --decode --batch 1 [--context 256]
+    python -m benchmarks.kernels.quant_matmul --rows 512 --shapes gate/up down --working-set 16
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -36,10 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jserve.model import quant  # noqa: E402
-from pallas_kernels.native import matmul as native  # noqa: E402
+from jserve.model import quant
+from pallas_kernels.native import matmul as native
 
 SHAPES = {"q/o": (576, 576), "k/v": (576, 192), "gate/up": (576, 1536), "down": (1536, 576),
           "head": (576, 49152)}

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """jserve side by side with the servers a user would pick on this machine, one after the other on loopback.
 
-    .venv/bin/python scripts/compare_servers.py --out compare.json                 # everything (~1 h on 2 cores)
-    .venv/bin/python scripts/compare_servers.py --servers jserve,llamacpp-f32 --num-requests 16 --single-requests 2
-    .venv/bin/python scripts/compare_servers.py --model gemma3-270m --servers jserve,jserve-int4,llamacpp-q,llamacpp-f32
+    python -m benchmarks.serving.compare --out compare.json                 # everything (~1 h on 2 cores)
+    python -m benchmarks.serving.compare --servers jserve,llamacpp-f32 --num-requests 16 --single-requests 2
+    python -m benchmarks.serving.compare --model gemma3-270m --servers jserve,jserve-int4,llamacpp-q,llamacpp-f32
 
 Servers (``--servers``, comma-separated):
   jserve        `jserve serve` on the default model (SmolLM2-135M-Instruct), fp32
@@ -15,8 +14,6 @@ Servers (``--servers``, comma-separated):
   llamacpp-f32  the same on an F32 copy made with `llama-quantize --allow-requantize IN OUT F32`
 The quantized jserve checkpoints are made once into ``--cache-dir``, each evaluated by `jserve
 convert` on the first ``--eval-chunks`` chunks of the evaluation text (the quality gate's report).
-  hf            scripts/_hf_server.py: transformers `generate`, fp32, static batches of up to 16,
-                run with ``--hf-python`` (.venv-ref: torch + transformers, never a jserve dependency)
 
 ``--model`` takes a named model (jserve.model.named; default: the default model, as above). Every
 server then runs that model's GGUF (`named.gguf_path`: the assembled file for gemma3-270m), jserve
@@ -28,9 +25,8 @@ no K-quant; jserve has no Q5_0 format) and v / down, whose layers mix formats (Q
 and Q6_K; jserve stacks one format per weight over the layers). It is evaluated against the fp32
 checkpoint (`jserve convert --no-eval`, then `jserve eval --reference ... --save`). llamacpp-q runs
 the Q4_K_M file as shipped, llamacpp-f32 / -q8 llama-quantize copies of it, jserve-int8 int8 g32 of
-the fp32 checkpoint. The hf server runs SmolLM2's HF copy only (scripts/bench_offline.py makes it):
-refused for any other model. The bench requests are completions (a base model's GGUF has no chat
-template).
+the fp32 checkpoint. The bench requests are completions (a base model's GGUF has no chat template).
+(Against Hugging Face transformers: benchmarks.engine.offline, offline on the same weights.)
 
 llama.cpp is built once from the sources vendored in the llama-cpp-python sdist (`pip download
 --no-binary llama-cpp-python --no-deps llama-cpp-python`), with cmake (Release, GGML_NATIVE, targets
@@ -41,31 +37,26 @@ Each server gets the same runs through the jserve.bench client: ``--workload`` (
 ``--concurrency`` (16) for ``--num-requests`` (64), and a single stream of ``--single-requests``
 short-prompt requests of 128 output tokens, after ``--warmup-requests`` unmeasured ones. The script
 waits for each server's /health, stops it with SIGTERM, prints one table (output and total tok/s,
-TTFT p50/p99, TPOT p50, output tok/s ratios against llama.cpp F32 and against HF) and writes JSON.
+TTFT p50/p99, TPOT p50, output tok/s ratios against llama.cpp F32 and the same precision's) and writes JSON.
 The load average before and after each server is recorded: others may share the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
-import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("jserve", "jserve-int4", "jserve-int8", "llamacpp-q", "llamacpp-q8", "llamacpp-f32", "hf")
+from benchmarks.harness import ServerProcess, bench
+
+SERVERS = ("jserve", "jserve-int4", "jserve-int8", "llamacpp-q", "llamacpp-q8", "llamacpp-f32")
 LABELS = {"jserve": "jserve (fp32)", "jserve-int4": "jserve int4 (Q4_1's)", "jserve-int8": "jserve int8 g32",
-          "llamacpp-q": "llama.cpp Q4_1", "llamacpp-q8": "llama.cpp Q8_0", "llamacpp-f32": "llama.cpp F32",
-          "hf": "HF transformers (fp32)"}
+          "llamacpp-q": "llama.cpp Q4_1", "llamacpp-q8": "llama.cpp Q8_0", "llamacpp-f32": "llama.cpp F32"}
 # Each jserve variant's llama.cpp counterpart at the same precision (the "vs peer" column).
 PEERS = {"jserve": "llamacpp-f32", "jserve-int4": "llamacpp-q", "jserve-int8": "llamacpp-q8"}
 # The single stream: short prompts, 128 output tokens (the issue's reference measurement).
@@ -76,21 +67,11 @@ MODELS = {"smollm2-135m-instruct": {"alias": "smollm2", "prefix": "smollm2", "qu
                                     "int4": "jserve int4 (Q4_1's)"},
           "gemma3-270m": {"alias": "gemma3-270m", "prefix": "gemma3-270m", "quant": "Q4_K_M",
                           "int4": "jserve kept Q4_K/Q8_0"}}
-# Servers that run only the default model.
-DEFAULT_ONLY = {"hf": "the hf server runs the default model's HF copy (scripts/bench_offline.py makes it from "
-                      "SmolLM2's GGUF), not {model}"}
-
-
 def named_table():
-    """jserve/model/named.py (the named models' table) loaded on its own: importing it as
-    jserve.model.named imports jserve.model and with it JAX, which --help and the argument checks
-    do without."""
-    name = "_compare_servers_named"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "jserve" / "model" / "named.py")
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """The named models' table (jserve.model.named)."""
+    from jserve.model import named
+
+    return named
 
 
 def model_info(model: str) -> dict:
@@ -115,8 +96,8 @@ def llama_bin(cache: Path) -> Path:
     return cache / "build" / "bin"
 
 
-# The llama.cpp tools the scripts run: the server (compare_servers.py), the quantizer (the F32 and Q8_0
-# copies) and llama-perplexity (scripts/compare_quality.py: perplexity and KL divergence).
+# The llama.cpp tools the benchmarks run: the server (here), the quantizer (the F32 and Q8_0
+# copies) and llama-perplexity (benchmarks.quality.llamacpp: perplexity and KL divergence).
 LLAMA_TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 
 
@@ -250,14 +231,6 @@ def _ensure_named_quantized(cache: Path, kind: str, eval_chunks: int, model: str
     return out
 
 
-def ensure_hf_folder() -> Path:
-    """The GGUF's dequantized fp32 weights as an HF folder (shared with scripts/bench_offline.py)."""
-    spec = importlib.util.spec_from_file_location("bench_offline", REPO / "scripts" / "bench_offline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ensure_hf_weights(mod.HF_DIR)
-
-
 # ------------------------------------------------------------------------------------ servers
 
 
@@ -286,60 +259,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
                "-np", str(args.concurrency), "-c", str(args.llama_ctx), "-t", str(args.threads),
                "-tb", str(args.threads), "--cont-batching", "-a", model_info(args.model)["alias"], *args.llama_arg]
         return cmd, env
-    if name == "hf":
-        if not args.default_model:
-            raise ValueError(DEFAULT_ONLY["hf"].format(model=args.model))
-        if not Path(args.hf_python).is_file():
-            raise FileNotFoundError(f"--hf-python {args.hf_python} does not exist (a venv with torch + transformers)")
-        folder = ensure_hf_folder()
-        from jserve.model.checkpoint import resolve_model
-
-        tokenizer = Path(resolve_model(None)) / "tokenizer.json"
-        cmd = [args.hf_python, str(REPO / "scripts" / "_hf_server.py"), "--model", str(folder), "--tokenizer",
-               str(tokenizer), "--port", str(port), "--served-model-name", "smollm2",
-               "--max-batch", str(args.concurrency), "--threads", str(args.threads)]
-        return cmd, env
     raise ValueError(f"unknown server {name!r}: choose from {', '.join(SERVERS)}")
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
-    """Seconds until GET /health answers 200; raises if the process dies or time runs out."""
-    start = time.monotonic()
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - start
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {proc.returncode} before it was healthy")
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"{url}/health not 200 after {timeout:.0f} s")
-        time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int:
-    """SIGTERM, then SIGKILL after ``timeout``; the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log(f"pid {proc.pid} ignored SIGTERM for {timeout:.0f} s: killing it")
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-def bench_args(url: str, out_dir: Path, *, workload: str, scale: float, num: int, concurrency: int,
-               warmup: int, seed: int, timeout: float, model: str = "smollm2") -> argparse.Namespace:
-    from jserve.bench import parse_args
-
-    return parse_args(["--base-url", url, "--model", model, "--workload", workload, "--scale", str(scale),
-                       "--num-requests", str(num), "--concurrency", str(concurrency), "--warmup-requests",
-                       str(warmup), "--seed", str(seed), "--request-timeout", str(timeout), "--output-dir",
-                       str(out_dir), "--no-plots"])
 
 
 def load_average() -> list[float]:
@@ -347,9 +267,6 @@ def load_average() -> list[float]:
 
 
 def run_server(name: str, args: argparse.Namespace, port: int) -> dict:
-    from jserve.bench import run_benchmark
-
-    url = f"http://127.0.0.1:{port}"
     out_dir = args.out_dir / name
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"server": name, "label": labels(args.model)[name], "model": args.model}
@@ -360,30 +277,28 @@ def run_server(name: str, args: argparse.Namespace, port: int) -> dict:
         return {**result, "error": repr(e)}
     result.update(command=cmd, load_before=load_average())
     log(f"{name}: starting {' '.join(cmd)} (log: {out_dir / 'server.log'})")
-    with open(out_dir / "server.log", "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                start_new_session=True)
-        try:
-            result["startup_s"] = wait_healthy(url, proc, args.startup_timeout)
-            log(f"{name}: healthy after {result['startup_s']:.0f} s")
+    server = ServerProcess(command=cmd, port=port, env=env, log=out_dir / "server.log", timeout=args.startup_timeout)
+    load = ["--model", model_info(args.model)["alias"], "--seed", str(args.seed), "--request-timeout",
+            str(args.request_timeout)]
+    try:
+        with server:
+            result["startup_s"] = server.startup_s
+            log(f"{name}: healthy after {server.startup_s:.0f} s")
             runs = {}
             if args.num_requests:
-                a = bench_args(url, out_dir / "concurrent", workload=args.workload, scale=args.scale,
-                               num=args.num_requests, concurrency=args.concurrency, warmup=args.warmup_requests,
-                               seed=args.seed, timeout=args.request_timeout, model=model_info(args.model)["alias"])
-                runs["concurrent"] = asyncio.run(run_benchmark(a))["runs"][0]["metrics"]
+                runs["concurrent"] = bench(server.url, *load, "--workload", args.workload, "--scale", str(args.scale),
+                                           "--num-requests", str(args.num_requests), "--concurrency",
+                                           str(args.concurrency), "--warmup-requests", str(args.warmup_requests))
             if args.single_requests:
-                a = bench_args(url, out_dir / "single", workload=SINGLE["workload"], scale=SINGLE["scale"],
-                               num=args.single_requests, concurrency=1, warmup=0 if args.num_requests else 1,
-                               seed=args.seed, timeout=args.request_timeout, model=model_info(args.model)["alias"])
-                runs["single"] = asyncio.run(run_benchmark(a))["runs"][0]["metrics"]
+                runs["single"] = bench(server.url, *load, "--workload", SINGLE["workload"], "--scale",
+                                       str(SINGLE["scale"]), "--num-requests", str(args.single_requests),
+                                       "--warmup-requests", "0" if args.num_requests else "1")
             result["runs"] = runs
-        except Exception as e:  # noqa: BLE001 - one server's failure must not lose the others' numbers
-            log(f"{name}: FAILED: {e!r}")
-            result["error"] = repr(e)
-        finally:
-            result["exit_status"] = stop(proc)
-            result["load_after"] = load_average()
+    except Exception as e:  # noqa: BLE001 - one server's failure must not lose the others' numbers
+        log(f"{name}: FAILED: {e!r}")
+        result["error"] = repr(e)
+    result["exit_status"] = server.proc.returncode if server.proc else None
+    result["load_after"] = load_average()
     return result
 
 
@@ -405,7 +320,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def comparison(results: list[dict]) -> list[dict]:
-    """One row per (server, run) with output tok/s ratios against llama.cpp F32 and against HF."""
+    """One row per (server, run) with output tok/s ratios against llama.cpp F32 and the same precision's."""
     rows = {(r["server"], kind): summary_row(m) for r in results for kind, m in (r.get("runs") or {}).items()}
     out = []
     for r in results:
@@ -413,12 +328,11 @@ def comparison(results: list[dict]) -> list[dict]:
             row = rows.get((r["server"], kind))
             if row is None:
                 continue
-            f32, hf = rows.get(("llamacpp-f32", kind)), rows.get(("hf", kind))
+            f32 = rows.get(("llamacpp-f32", kind))
             peer = rows.get((PEERS.get(r["server"], ""), kind))
             out.append({"server": r["server"], "label": r["label"], "run": kind, **row,
                         "vs_llamacpp_f32": ratio(row["output_tok_s"], f32 and f32["output_tok_s"]),
-                        "vs_peer": ratio(row["output_tok_s"], peer and peer["output_tok_s"]),
-                        "vs_hf": ratio(row["output_tok_s"], hf and hf["output_tok_s"])})
+                        "vs_peer": ratio(row["output_tok_s"], peer and peer["output_tok_s"])})
     return out
 
 
@@ -427,15 +341,15 @@ def format_table(rows: list[dict], title: str = "") -> str:
         return "-" if x is None else format(x, spec)
 
     head = (f"{'server':<24}{'run':<12}{'out tok/s':>10}{'tot tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
-            f"{'TPOT p50':>10}{'vs F32':>8}{'vs peer':>8}{'vs HF':>8}{'fail':>6}")
+            f"{'TPOT p50':>10}{'vs F32':>8}{'vs peer':>8}{'fail':>6}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['label']:<24}{r['run']:<12}{f(r['output_tok_s']):>10}{f(r['total_tok_s']):>10}"
                      f"{f(r['ttft_p50_ms'], '.0f'):>10}{f(r['ttft_p99_ms'], '.0f'):>10}{f(r['tpot_p50_ms'], '.1f'):>10}"
-                     f"{f(r['vs_llamacpp_f32'], '.2f'):>8}{f(r.get('vs_peer'), '.2f'):>8}{f(r['vs_hf'], '.2f'):>8}"
+                     f"{f(r['vs_llamacpp_f32'], '.2f'):>8}{f(r.get('vs_peer'), '.2f'):>8}"
                      f"{r['failed']:>6}")
     lines.append("(ms for TTFT/TPOT; 'vs' columns: output tok/s over the same run of llama.cpp F32, of llama.cpp "
-                 "at the same precision (jserve int4 / the GGUF as shipped, int8 / Q8_0, fp32 / F32), of HF)")
+                 "at the same precision (jserve int4 / the GGUF as shipped, int8 / Q8_0, fp32 / F32))")
     return "\n".join(lines)
 
 
@@ -448,24 +362,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     named = named_table()
     p.add_argument("--model", default=named.DEFAULT_MODEL, choices=sorted(named.NAMED_MODELS),
                    help="the named model every server runs (its GGUF; default %(default)s)")
-    p.add_argument("--servers", default=None, help=f"comma-separated, of {', '.join(SERVERS)} (default: all; "
-                   f"with another --model, all but {', '.join(DEFAULT_ONLY)})")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)} "
+                   "(default: all)")
     p.add_argument("--workload", default="mix")
     p.add_argument("--scale", type=float, default=1.0, help="of the workload's lengths (see jserve bench)")
     p.add_argument("--num-requests", type=int, default=64, help="of the concurrent run (0: skip it)")
-    p.add_argument("--concurrency", type=int, default=16, help="also llama.cpp's -np, HF's batch, jserve's "
-                   "--max-num-seqs")
+    p.add_argument("--concurrency", type=int, default=16, help="also llama.cpp's -np and jserve's --max-num-seqs")
     p.add_argument("--single-requests", type=int, default=8, help="of the single-stream run (0: skip it)")
     p.add_argument("--warmup-requests", type=int, default=4, help="unmeasured requests before the runs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp -t/-tb and torch threads")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp -t/-tb")
     p.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c (split among the -np slots)")
     p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
     p.add_argument("--jserve-arg", action="append", default=[], help="extra `jserve serve` argument (repeatable)")
     p.add_argument("--log-compiles", action="store_true", help="JAX_LOG_COMPILES=1 for jserve (its server.log)")
     p.add_argument("--eval-chunks", type=int, default=16, help="chunks of the quality evaluation behind the "
                    "quantized jserve checkpoints' reports")
-    p.add_argument("--hf-python", default=str(REPO / ".venv-ref" / "bin" / "python"))
     p.add_argument("--cache-dir", type=Path,
                    default=Path(os.environ.get("JSERVE_BENCH_CACHE", Path.home() / ".cache" / "jserve-bench")))
     p.add_argument("--port", type=int, default=8190, help="every server listens here in turn")
@@ -476,16 +388,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--build-only", action="store_true", help="build llama.cpp and the F32 GGUF, then exit")
     args = p.parse_args(argv)
     args.default_model = args.model == named.DEFAULT_MODEL
-    if args.servers is None:
-        args.servers = ",".join(s for s in SERVERS if args.default_model or s not in DEFAULT_ONLY)
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     bad = [s for s in args.servers if s not in SERVERS]
     if bad:
         p.error(f"unknown servers {bad}: choose from {', '.join(SERVERS)}")
-    refused = [s for s in args.servers if s in DEFAULT_ONLY and not args.default_model]
-    if refused:
-        p.error("; ".join(DEFAULT_ONLY[s].format(model=args.model) for s in refused) + f": leave {', '.join(refused)} "
-                f"out of --servers for --model {args.model}")
     return args
 
 
@@ -511,5 +417,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """What structured outputs cost: `jserve bench` throughput with every request constrained by a JSON
 schema against the same load unconstrained, side by side on one server, and the host time the
 grammar masks take per step (the server's /metrics).
@@ -17,28 +16,22 @@ no mask input at all (what it was before structured outputs), and llguidance's b
 rows along random walks of this schema (host time per step, each after a new token), median of
 --reps calls each.
 
-    .venv/bin/python scripts/bench_structured.py --out structured.json
-    .venv/bin/python scripts/bench_structured.py --concurrency 16 --num-requests 32 --rounds 3
-    .venv/bin/python scripts/bench_structured.py --parts sampler
+    python -m benchmarks.serving.structured --out structured.json
+    python -m benchmarks.serving.structured --concurrency 16 --num-requests 32 --rounds 3
+    python -m benchmarks.serving.structured --parts sampler
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import re
-import socket
+import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.harness import ServerProcess, bench, median_ms, parser, table, write_json
 
 SCHEMA = {"type": "array", "minItems": 64, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "tags", "score", "ok"],
@@ -49,8 +42,8 @@ SCHEMA = {"type": "array", "minItems": 64, "items": {
                    "ok": {"type": "boolean"}}}}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None):
+    p = parser(__doc__, out="bench_structured.json")
     p.add_argument("--model", default=None, help="what `jserve serve --model` takes (default: the default model)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=32, help="requests per round and load")
@@ -59,24 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="more `jserve serve` flags, e.g. '--max-num-seqs 16'")
     p.add_argument("--parts", default="sampler,server", help="sampler, server or both (comma-separated)")
     p.add_argument("--reps", type=int, default=50, help="calls per variant in the sampler part")
-    p.add_argument("--out", default="bench_structured.json")
     return p.parse_args(argv)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.read().decode()
-
-
-def _metric(text: str, name: str) -> float:
-    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    return float(match.group(1)) if match else float("nan")
 
 
 def _workload(path: Path, n: int, max_tokens: int) -> None:
@@ -85,17 +61,6 @@ def _workload(path: Path, n: int, max_tokens: int) -> None:
         for i in range(n):
             f.write(json.dumps({"prompt": f"Request {i}: list records of items as a JSON array of objects with "
                                           f"id, name, tags, score and ok.", "max_tokens": max_tokens}) + "\n")
-
-
-def _bench(jserve: str, url: str, workload: Path, args, extra: dict, out_dir: Path) -> dict:
-    cmd = [jserve, "bench", "--base-url", url, "--endpoint", "chat", "--workload", str(workload),
-           "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
-           "--extra-body", json.dumps(extra), "--output-dir", str(out_dir), "--no-plots", "--quiet"]
-    subprocess.run(cmd, check=True)
-    run = json.loads((out_dir / "results.json").read_text())["runs"][0]["metrics"]
-    if run["failed"]:
-        raise SystemExit(f"{run['failed']} requests failed: {run.get('errors')}")
-    return run
 
 
 def sampler_part(reps: int) -> dict:
@@ -130,14 +95,8 @@ def sampler_part(reps: int) -> dict:
     with_mask = jax.jit(device_steps.sample_rows)
     without = jax.jit(lambda l, s, h: device_steps.sample(l, s, penalties=h, num_logprobs=20))
 
-    def median_ms(fn) -> float:
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times)
+    def ms(fn) -> float:
+        return median_ms(fn, reps, sync=jax.block_until_ready)
 
     rng = np.random.default_rng(1)
     fills = []
@@ -149,9 +108,9 @@ def sampler_part(reps: int) -> dict:
         for i, m in enumerate(matchers):
             ids = allowed_tokens(out[i], V)
             m.consume(int(rng.choice(ids[ids != tokenizer.eos_token_ids[0]] if len(ids) > 1 else ids)))
-    return {"sampler_no_mask_input_ms": median_ms(lambda: without(logits, sampling, history)),
-            "sampler_free_mask_ms": median_ms(lambda: with_mask(logits, sampling, history, free)),
-            "sampler_16_constrained_ms": median_ms(lambda: with_mask(logits, sampling, history, constrained)),
+    return {"sampler_no_mask_input_ms": ms(lambda: without(logits, sampling, history)),
+            "sampler_free_mask_ms": ms(lambda: with_mask(logits, sampling, history, free)),
+            "sampler_16_constrained_ms": ms(lambda: with_mask(logits, sampling, history, constrained)),
             "mask_fill_16_rows_ms": 1000 * statistics.median(fills),
             "mask_fill_16_rows_p90_ms": 1000 * float(np.percentile(fills, 90))}
 
@@ -162,76 +121,47 @@ def main(argv=None) -> int:
     result: dict = {"config": vars(args), "schema": SCHEMA}
     if "sampler" in parts:
         result["sampler"] = sampler_part(args.reps)
-        print(f"{'batch 16, vocab 49152 (median ms)':<40} {'':>8}")
-        for key, value in result["sampler"].items():
-            print(f"{key:<40} {value:>8.3f}")
+        print(table([{"batch 16, vocab 49152": k, "median ms": v} for k, v in result["sampler"].items()], digits=3))
     if "server" in parts:
         result.update(server_part(args))
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     return 0
 
 
-def server_part(args: argparse.Namespace) -> dict:
-    jserve = str(Path(sys.executable).with_name("jserve"))
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    serve = [jserve, "serve", "--port", str(port), *(["--model", args.model] if args.model else []),
-             *args.serve_args.split()]
-    server = subprocess.Popen(serve, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def server_part(args) -> dict:
     rows = []
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                if _get(url + "/health"):
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start: {server.stderr.read()[-2000:]}")
-            time.sleep(1)
-        with tempfile.TemporaryDirectory() as tmp:
-            workload = Path(tmp) / "requests.jsonl"
-            _workload(workload, args.num_requests, args.max_tokens)
-            loads = {"free": {"temperature": 0, "ignore_eos": True},
-                     "json_schema": {"temperature": 0, "response_format": {
-                         "type": "json_schema", "json_schema": {"name": "records", "schema": SCHEMA}}}}
-            _bench(jserve, url, workload, _with_requests(args, 2 * args.concurrency), loads["json_schema"],
-                   Path(tmp) / "warm")  # compiles the grammar, warms the tokenizer and the caches
-            for r in range(args.rounds):
-                for name, extra in loads.items():
-                    before = _get(url + "/metrics")
-                    m = _bench(jserve, url, workload, args, extra, Path(tmp) / f"{name}{r}")
-                    after = _get(url + "/metrics")
-                    steps = _metric(after, "jserve_structured_mask_steps") - _metric(before,
-                                                                                    "jserve_structured_mask_steps")
-                    seconds = _metric(after, "jserve_structured_mask_seconds") - _metric(
-                        before, "jserve_structured_mask_seconds")
-                    rows.append({"round": r, "load": name, "output_tok_s": m["output_throughput"],
-                                 "output_tokens": m["total_output_tokens"], "tpot_ms_p50": m["tpot_ms"]["median"],
-                                 "mask_ms_per_step": 1000 * seconds / steps if steps else 0.0,
-                                 "mask_steps": steps,
-                                 "compilations_after_warmup": _metric(after, "jserve_compilations_after_warmup")})
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    flags = [*(["--model", args.model] if args.model else []), *args.serve_args.split()]
+    with ServerProcess(flags) as server, tempfile.TemporaryDirectory() as tmp:
+        workload = Path(tmp) / "requests.jsonl"
+        _workload(workload, args.num_requests, args.max_tokens)
+        loads = {"free": {"temperature": 0, "ignore_eos": True},
+                 "json_schema": {"temperature": 0, "response_format": {
+                     "type": "json_schema", "json_schema": {"name": "records", "schema": SCHEMA}}}}
+
+        def run(extra: dict, num_requests: int) -> dict:
+            return bench(server.url, "--endpoint", "chat", "--workload", str(workload), "--num-requests",
+                         str(num_requests), "--concurrency", str(args.concurrency), "--extra-body", json.dumps(extra))
+
+        run(loads["json_schema"], 2 * args.concurrency)  # compiles the grammar, warms the tokenizer and the caches
+        for r in range(args.rounds):
+            for name, extra in loads.items():
+                before = server.metrics()
+                m = run(extra, args.num_requests)
+                after = server.metrics()
+                delta = {k: after.get(k, math.nan) - before.get(k, math.nan)
+                         for k in ("jserve_structured_mask_steps", "jserve_structured_mask_seconds")}
+                steps, seconds = delta.values()
+                rows.append({"round": r, "load": name, "output_tok_s": m["output_throughput"],
+                             "output_tokens": m["total_output_tokens"], "tpot_ms_p50": m["tpot_ms"]["median"],
+                             "mask_ms_per_step": 1000 * seconds / steps if steps else 0.0, "mask_steps": steps,
+                             "compilations_after_warmup": after.get("jserve_compilations_after_warmup")})
     median = {name: statistics.median(r["output_tok_s"] for r in rows if r["load"] == name)
               for name in ("free", "json_schema")}
     ratio = median["json_schema"] / median["free"]
-    print(f"{'round':>5} {'load':<12} {'out tok/s':>10} {'tokens':>7} {'TPOT p50 ms':>12} {'mask ms/step':>13}")
-    for r in rows:
-        print(f"{r['round']:>5} {r['load']:<12} {r['output_tok_s']:>10.1f} {r['output_tokens']:>7} "
-              f"{r['tpot_ms_p50']:>12.1f} {r['mask_ms_per_step']:>13.3f}")
+    print(table(rows, digits=3))
     print(f"median output tok/s: free {median['free']:.1f}, json_schema {median['json_schema']:.1f}; "
-          f"ratio {ratio:.3f} (target >= 0.9); compilations after warm-up {rows[-1]['compilations_after_warmup']:.0f}")
+          f"ratio {ratio:.3f} (target >= 0.9); compilations after warm-up {rows[-1]['compilations_after_warmup']}")
     return {"rows": rows, "median": median, "ratio": ratio}
-
-
-def _with_requests(args: argparse.Namespace, num_requests: int) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "num_requests": num_requests})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The Hugging Face side of scripts/bench_offline.py; runs under .venv-ref (torch + transformers).
+"""The Hugging Face side of benchmarks.engine.offline; runs under .venv-ref (torch + transformers).
 
-    .venv-ref/bin/python scripts/_hf_generate.py JOB.json RESULT.json
+    .venv-ref/bin/python benchmarks/engine/hf_generate.py JOB.json RESULT.json
 
-JOB.json (written by bench_offline.py):
+JOB.json (written by benchmarks.engine.offline):
   model_dir      an HF LlamaForCausalLM folder (config.json + model.safetensors, float32)
   prompts        list of token-id lists
   max_tokens     list of ints, one per prompt (greedy, eos ignored)

@@ -20,9 +20,9 @@ KV cache ("fp8-weights"), and bfloat16 weights with an fp8 KV cache ("fp8-kv"). 
 Each part runs in try/except: a failure is recorded as the part's (or the row's) "error" in the
 JSON and the rest still runs. Prints a table and writes JSON (`--out`).
 
-    python scripts/bench_quant_gpu.py --out quant.json                          # on a GPU
-    python scripts/bench_quant_gpu.py --parts kernel --out kernel.json
-    python scripts/bench_quant_gpu.py --quick --kernel reference --out /tmp/q.json   # CPU smoke test
+    python -m benchmarks.step.quant_gpu --out quant.json                          # on a GPU
+    python -m benchmarks.step.quant_gpu --parts kernel --out kernel.json
+    python -m benchmarks.step.quant_gpu --quick --kernel reference --out /tmp/q.json   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -36,16 +36,13 @@ import time
 import traceback
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jserve.model.config import ModelConfig  # noqa: E402
-from jserve.runtime.kv_cache import quantize_kv  # noqa: E402
-from pallas_kernels.paged_attention import gpu, paged_attention  # noqa: E402
+from jserve.model.config import ModelConfig
+from jserve.runtime.kv_cache import quantize_kv
+from pallas_kernels.paged_attention import gpu, paged_attention
 
 KV_DTYPES = {"bfloat16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,

@@ -9,8 +9,8 @@ several calls, each after a warm-up call). On CPU it runs on fake devices
 the *shape* of the scaling and the collectives' overhead, not a speed-up. On a TPU or GPU host the
 same command measures the real thing.
 
-    .venv/bin/python scripts/bench_sharding.py --out sharding.json
-    .venv/bin/python scripts/bench_sharding.py --meshes none,tp=2,dp=2 --batch 16 --context 512
+    python -m benchmarks.step.sharding --out sharding.json
+    python -m benchmarks.step.sharding --meshes none,tp=2,dp=2 --batch 16 --context 512
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_MESHES = "none,tp=2,tp=3,tp=4,tp=8,dp=2,dp=2_tp=2,dp=8"
 

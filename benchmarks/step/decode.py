@@ -21,10 +21,10 @@ own: max(bytes read / bandwidth, FLOPs / peak), weights once plus the live K/V (
 27 GB/s, 190 GFLOP/s on the 2-core development machine). The runner picks Eigen dots for the
 batches in `backends.native_cpu.EIGEN_DECODE_BATCHES` and `EIGEN_PREFILL_BATCHES`; this script measures them.
 
-    python scripts/bench_decode_step.py [--batch 1 2 4 8 16 32] [--context 256 1024] [--out step.json]
-    python scripts/bench_decode_step.py --batch 1 2 --context 0 --tokens 16 128 512
-    python scripts/bench_decode_step.py --batch 16 --context 384 --variants native --breakdown
-    python scripts/bench_decode_step.py --batch 1 4 16 --context 384 --variants native --dtype float32 bfloat16
+    python -m benchmarks.step.decode [--batch 1 2 4 8 16 32] [--context 256 1024] [--out step.json]
+    python -m benchmarks.step.decode --batch 1 2 --context 0 --tokens 16 128 512
+    python -m benchmarks.step.decode --batch 16 --context 384 --variants native --breakdown
+    python -m benchmarks.step.decode --batch 1 4 16 --context 384 --variants native --dtype float32 bfloat16
 
 `--dtype` casts the weights (the KV pages follow them, as `kv_cache_dtype="auto"` does); with
 several, each dtype gets its own runner and all take turns call by call, the first dtype's
@@ -39,27 +39,25 @@ import itertools
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jserve.core import buckets  # noqa: E402
-from jserve.engine import EngineConfig, build_engine  # noqa: E402
-from jserve.llm import enable_compilation_cache  # noqa: E402
-from jserve.model.checkpoint import load_checkpoint, resolve_model  # noqa: E402
-from jserve.model.llama import LAYER_MATMULS  # noqa: E402
-from jserve.runtime.backends import NativeCpuBackend  # noqa: E402
-from jserve.runtime.backends.native_cpu import EIGEN_DOTS, NativeCpuOps  # noqa: E402
-from jserve.runtime.device_steps import forward as device_step  # noqa: E402
-from jserve.runtime.kv_cache import write_kv  # noqa: E402
-from jserve.runtime.paged_attention import PagedAttention  # noqa: E402
-from jserve.runtime.steps import StepRow  # noqa: E402
-from pallas_kernels.native import matmul as native_matmul  # noqa: E402
+from jserve.core import buckets
+from jserve.engine import EngineConfig, build_engine
+from jserve.llm import enable_compilation_cache
+from jserve.model.checkpoint import load_checkpoint, resolve_model
+from jserve.model.llama import LAYER_MATMULS
+from jserve.runtime import step_rows
+from jserve.runtime.backends import NativeCpuBackend
+from jserve.runtime.backends.native_cpu import EIGEN_DOTS, NativeCpuOps
+from jserve.runtime.device_steps import forward as device_step
+from jserve.runtime.kv_cache import write_kv
+from jserve.runtime.paged_attention import PagedAttention
+from jserve.runtime.steps import StepRow
+from pallas_kernels.native import matmul as native_matmul
 
 # name: (attention backend, XLA options, native matmuls over packed weights, fused decode layers).
 VARIANTS = {"native": ("cpu", None, True, True), "native/unfused": ("cpu", None, True, False),
@@ -142,7 +140,8 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, fu
         batch = buckets.pick((1, 2, 4, 8), len(rows))  # rows padded to `new` tokens each (a padded prefill)
         width = buckets.pick(runner.token_buckets, new)
     rows = [StepRow(*r) for r in rows] + [None] * (batch - len(rows))
-    tokens, positions, meta, last = runner._pack(rows, batch, width)
+    tokens, positions, meta, last = step_rows.pack(rows, batch, width, max_pages=runner.max_pages,
+                                                   page_size=runner.page_size, config=runner.config)
     lowered = jax.jit(step, donate_argnums=(1,)).lower(params, runner.kv, tokens, positions, meta, last)
     compiled = lowered.compile(compiler_options=options)
     return lambda _runner_params, *args: compiled(params, *args)

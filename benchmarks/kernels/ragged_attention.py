@@ -14,9 +14,9 @@ Prints a table and writes JSON (`--out`). On a CPU, `--dry-run` runs the same ch
 shapes through the kernels' interpreters (Mosaic GPU interpreter for `--backend gpu`, Pallas TPU
 interpret mode for `--backend tpu`) and times them by the wall clock, so the script is exercised here.
 
-    python scripts/bench_ragged_attention.py --backend gpu --out ragged_gpu.json   # on an H100/H200
-    python scripts/bench_ragged_attention.py --backend tpu --out ragged_tpu.json   # on a TPU VM
-    JAX_PLATFORMS=cpu python scripts/bench_ragged_attention.py --backend gpu --dry-run
+    python -m benchmarks.kernels.ragged_attention --backend gpu --out ragged_gpu.json   # on an H100/H200
+    python -m benchmarks.kernels.ragged_attention --backend tpu --out ragged_tpu.json   # on a TPU VM
+    JAX_PLATFORMS=cpu python -m benchmarks.kernels.ragged_attention --backend gpu --dry-run
 """
 
 from __future__ import annotations
@@ -30,14 +30,11 @@ import time
 import traceback
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention, ragged, ragged_tpu  # noqa: E402
+from pallas_kernels.paged_attention import paged_attention, paged_prefill_attention, ragged, ragged_tpu
 
 SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # q heads, KV heads, head_dim
 SM_SCALE = 0.08

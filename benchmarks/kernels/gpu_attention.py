@@ -14,8 +14,8 @@
 Prints a table (bytes the call must read, achieved GB/s, fraction of the measured copy
 bandwidth and of the datasheet's 4.8 TB/s) and writes JSON.
 
-    python scripts/bench_gpu_attention.py --out gpu.json
-    python scripts/bench_gpu_attention.py --interpret --checks-only   # on CPU: GPU interpreter
+    python -m benchmarks.kernels.gpu_attention --out gpu.json
+    python -m benchmarks.kernels.gpu_attention --interpret --checks-only   # on CPU: GPU interpreter
 """
 
 from __future__ import annotations
@@ -28,16 +28,13 @@ import time
 import traceback
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from pallas_kernels.paged_attention import gpu, paged_attention, paged_prefill_attention  # noqa: E402
-from pallas_kernels.paged_attention.common import pack_rows, unpack_rows  # noqa: E402
-from pallas_kernels.paged_attention.reference import paged_prefill_attention_reference  # noqa: E402
+from pallas_kernels.paged_attention import gpu, paged_attention, paged_prefill_attention
+from pallas_kernels.paged_attention.common import pack_rows, unpack_rows
+from pallas_kernels.paged_attention.reference import paged_prefill_attention_reference
 
 DATASHEET_BW = 4.8e12  # H200 HBM3e, bytes/s
 SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # q heads, KV heads, head_dim

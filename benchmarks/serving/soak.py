@@ -19,8 +19,8 @@ server to go idle and reports:
 
 Target: 0, 0, 0, 0 and under 5 %. Exit status 0 when every target is met.
 
-    python scripts/soak_server.py --minutes 3
-    python scripts/soak_server.py --minutes 10 -- --max-model-len 1024 --max-num-seqs 16
+    python -m benchmarks.serving.soak --minutes 3
+    python -m benchmarks.serving.soak --minutes 10 -- --max-model-len 1024 --max-num-seqs 16
 """
 
 from __future__ import annotations
@@ -29,16 +29,15 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
 import re
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
+
+from benchmarks.harness import ServerProcess, parser
 
 KEYS = ("soak-tenant-a", "soak-tenant-b")
 TIMEOUT = 5.0  # the keep-alive, body and write timeouts the soak gives the server it starts
@@ -362,34 +361,10 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"the server exited with status {proc.returncode} while warming up")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"{url} was not healthy within {timeout:.0f} s")
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "jserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--keepalive-timeout", str(TIMEOUT), "--body-timeout", str(TIMEOUT), "--write-timeout", str(TIMEOUT)]
-    if args.model:
-        cmd += ["--model", args.model]
-    cmd += args.serve_args or ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
-    env = {**os.environ, "JSERVE_API_KEY": ",".join(KEYS)}
-    print("starting:", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(args.server_log, "w"))
-    return proc, f"http://127.0.0.1:{port}"
+def server_flags(args: argparse.Namespace) -> list[str]:
+    return ["--host", "127.0.0.1", "--port", "{port}", "--keepalive-timeout", str(TIMEOUT), "--body-timeout",
+            str(TIMEOUT), "--write-timeout", str(TIMEOUT), *(["--model", args.model] if args.model else []),
+            *(args.serve_args or ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"])]
 
 
 async def soak(url: str, keys: tuple[str, str], minutes: float, pid: int | None, normal_clients: int) -> dict:
@@ -474,9 +449,8 @@ def verdict(url: str, result: dict, before: collections.Counter) -> bool:
     return all(r[3] for r in rows)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = parser(__doc__)
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--normal-clients", type=int, default=4)
     p.add_argument("--url", default=None, help="a running server (127.0.0.1 only); default: start one")
@@ -486,10 +460,10 @@ def main() -> int:
     p.add_argument("--server-log", default="soak_server.log", help="stderr of the server it starts")
     p.add_argument("--warmup-timeout", type=float, default=1800.0)
     p.add_argument("serve_args", nargs="*", help="after --: more `jserve serve` flags")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not 0 < args.minutes <= 120:
         p.error("--minutes must be in (0, 120]")
-    proc = None
+    server = None
     if args.url:
         host = urllib.parse.urlparse(args.url).hostname
         if host not in ("127.0.0.1", "localhost", "::1"):
@@ -497,27 +471,24 @@ def main() -> int:
         url, pid = args.url.rstrip("/"), args.pid
         keys = tuple((args.api_key or []) + ["", ""])[:2]
     else:
-        proc, url = start_server(args)
-        pid, keys = proc.pid, KEYS
+        server = ServerProcess(command=[sys.executable, "-m", "jserve.cli", "serve", *server_flags(args)],
+                               env={"JSERVE_API_KEY": ",".join(KEYS)}, log=args.server_log,
+                               timeout=args.warmup_timeout)
+        print("starting:", " ".join(server.command), flush=True)
+        server.start()
+        url, pid, keys = server.url, server.pid, KEYS
+        print(f"healthy after {server.startup_s:.0f} s", flush=True)
     ok = False
     try:
-        t = time.monotonic()
-        wait_healthy(url, proc, args.warmup_timeout)
-        print(f"healthy after {time.monotonic() - t:.0f} s; soaking for {args.minutes:g} min", flush=True)
+        print(f"soaking for {args.minutes:g} min", flush=True)
         before = status_counts(metrics(url))
         result = asyncio.run(soak(url, keys, args.minutes, pid, args.normal_clients))
         ok = verdict(url, result, before)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(90)
-                print(f"  server exit status after SIGTERM: {code}")
-                ok = ok and code == 0
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                print("  server did not exit within 90 s of SIGTERM: killed")
-                ok = False
+        if server is not None:
+            code = server.stop(90)
+            print(f"  server exit status after SIGTERM: {code}")
+            ok = ok and code == 0
     return 0 if ok else 1
 
 
