@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +95,39 @@ def test_deltas_concatenate_to_the_engine_output(engine, aengine):
     assert t.arrival_time <= t.first_scheduled_time <= t.first_token_time <= t.finished_time
     assert t.queue_time >= 0 and t.prefill_time > 0 and t.decode_time > 0 and t.finish_reason == "length"
     assert (t.num_prompt_tokens, t.num_output_tokens) == (25, 12)
+
+
+def test_the_servers_surface_reads_the_built_engine(engine, aengine):
+    """What the server reads through AsyncLLMEngine (it never reaches into the LLMEngine): the
+    limits, the model's vocabulary, the recent step records, the constraint compiler."""
+    from jserve.core.request import StructuredOutputsParams
+    from jserve.structured.grammar import GrammarError
+
+    assert (aengine.max_model_len, aengine.max_num_seqs, aengine.num_kv_tokens) == (128, 8, 200 * 4)
+    assert aengine.vocab_size == engine.runner.config.vocab_size > 0
+    assert aengine.tokenizer is engine.tokenizer and aengine.quantization is None
+    before = aengine.step_records()
+    asyncio.run(collect(aengine, "surface", list(range(20, 30)), SamplingParams(max_tokens=3, **GREEDY)))
+    after = aengine.step_records()
+    assert isinstance(after, list) and after[-1] is engine.runner.records[-1] and after != before
+    assert after[-1].real_tokens >= 1
+    # The tiny model's 256 ids are too few for the real tokenizer's grammars: a stand-in compiler,
+    # to see the call run in a worker thread (never the event loop's) and its errors come through.
+    threads = []
+
+    class Grammars:
+        def compile(self, spec):
+            threads.append(threading.get_ident())
+            if spec.regex == "(a":
+                raise GrammarError("structured_outputs.regex: bad")
+            return ("compiled", spec.regex)
+
+    outer = AsyncLLMEngine(types.SimpleNamespace(grammars=Grammars()), start=False)
+    loop_thread = threading.get_ident()
+    assert asyncio.run(outer.compile_constraint(StructuredOutputsParams(regex="[a-c]"))) == ("compiled", "[a-c]")
+    with pytest.raises(GrammarError, match="regex: bad"):
+        asyncio.run(outer.compile_constraint(StructuredOutputsParams(regex="(a")))
+    assert len(threads) == 2 and loop_thread not in threads
 
 
 def test_20_concurrent_streams_complete_correctly(engine, aengine):

@@ -129,3 +129,69 @@ def test_bottom_layers_import_no_heavy_library(package, heavy):
                             check=False, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"jserve.{package} imports {result.stdout.strip()}"
+
+
+
+def _reach_ins(path: pathlib.Path, modules: set[str]) -> list[str]:
+    """Where `path` reaches past the engine's public surface: the LLMEngine inside an
+    AsyncLLMEngine (`.engine` read off anything called `engine`), a `.runner`, or a private
+    (underscore) name of another jserve module, imported (`from jserve.x import _y`) or read off
+    the imported module (`x._y`)."""
+    tree = ast.parse(path.read_text())
+    aliases = set()  # the names this file binds to jserve modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update(a.asname or a.name.split(".")[0] for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module in modules:
+            aliases.update(a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in modules)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jserve":
+            found += [(node.lineno, f"{where} imports {a.name} from {node.module}") for a in node.names
+                      if _private(a.name)]
+        elif isinstance(node, ast.Attribute):
+            value = node.value
+            owner = getattr(value, "id", None) or getattr(value, "attr", None)  # a name's, an attribute's
+            if node.attr == "runner":
+                found.append((node.lineno, f"{where} reads .runner"))
+            elif node.attr == "engine" and owner == "engine":
+                found.append((node.lineno, f"{where} reads engine.engine (the LLMEngine)"))
+            elif _private(node.attr) and isinstance(value, ast.Name) and value.id in aliases:
+                found.append((node.lineno, f"{where} reads {value.id}.{node.attr}"))
+    return [hit for _, hit in sorted(found)]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_the_server_uses_only_the_engines_public_surface():
+    """jserve/server/ talks to `AsyncLLMEngine`'s methods and properties, and to other modules'
+    public names; never to the LLMEngine, the runner, or another module's private helpers."""
+    modules = set(_graph())
+    found = [hit for path in sorted((PACKAGE / "server").rglob("*.py")) for hit in _reach_ins(path, modules)]
+    assert not found, "\n".join(found)
+
+
+def test_the_surface_test_sees_each_reach_in(tmp_path, monkeypatch):
+    """The checker itself: each kind of reach-in is reported, and the public spellings are not."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    bad = tmp_path / "bad.py"
+    bad.write_text("from jserve.server import protocol\n"
+                   "from jserve.server.protocol import _show\n"
+                   "import jserve.server.fields as f\n"
+                   "import os\n"
+                   "def attach(state, engine):\n"
+                   "    engine.engine.stats()\n"
+                   "    state.engine.engine.config\n"
+                   "    getattr(engine, 'x').runner.records\n"
+                   "    protocol._bool({}, 'x')\n"
+                   "    f._CHECKS\n"
+                   "    os._exit(0)\n"
+                   "    state._private_but_not_a_module\n"
+                   "    protocol.show(engine.step_records(), state.engine.vocab_size)\n")
+    found = _reach_ins(bad, {"jserve", "jserve.server", "jserve.server.protocol", "jserve.server.fields"})
+    assert [hit.split(" ", 1)[1] for hit in found] == [
+        "imports _show from jserve.server.protocol", "reads engine.engine (the LLMEngine)",
+        "reads engine.engine (the LLMEngine)", "reads .runner", "reads protocol._bool", "reads f._CHECKS"], found

@@ -127,6 +127,56 @@ class AsyncLLMEngine:
         for queue, loop in streams:
             _post(loop, [(queue, error)])
 
+    # ------------------------------------------------------------------------------ what the server reads
+    # Fixed once the engine is built, so any thread may read them.
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.max_num_seqs
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: the token ids a request may carry."""
+        return self.engine.runner.config.vocab_size
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens the KV pages hold in all (pages x page size; 0 for an engine without pages)."""
+        runner = self.engine.runner
+        return getattr(runner, "num_pages", 0) * getattr(runner, "page_size", 0)
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        """The weights' quantization record (label, bits, quality report); None: float weights."""
+        return self.engine.quantization
+
+    def step_records(self) -> list:
+        """The recent steps' `StepRecord`s, oldest first (a C-level copy: safe beside the thread)."""
+        return list(self.engine.runner.records.copy())
+
+    def prepare_constraints(self) -> None:
+        """Start building the grammar compiler's vocabulary in the background."""
+        self.engine.grammars.prepare()
+
+    async def compile_constraint(self, spec: Any) -> Any:
+        """Compile a structured-outputs spec (cached) in the grammar compiler's threads, off the
+        event loop and the engine thread; GrammarError if it cannot be, GrammarBusy if too many wait."""
+        return await asyncio.to_thread(self.engine.grammars.compile, spec)
+
+    def close(self) -> None:
+        """After `shutdown` (no step in flight): stop a multi-host run's followers and the
+        runner's background compilation thread."""
+        self.engine.runner.stop_followers()
+        self.engine.runner.close()
+
     # ------------------------------------------------------------------------------ asyncio API
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
@@ -152,7 +202,7 @@ class AsyncLLMEngine:
                              f"{type(prompt_token_ids).__name__}") from None
         grammar = None  # compiled in the compiler's threads and handed over: never on the engine thread
         if params.structured_outputs is not None:
-            grammar = await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
+            grammar = await self.compile_constraint(params.structured_outputs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:

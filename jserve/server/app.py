@@ -110,21 +110,18 @@ class ServerState:
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         """Serve with `engine` (its LLMEngine built and warmed up): the server is now ready."""
-        llm = engine.engine
-        config = llm.config
-        runner = llm.runner
-        limits = self.limits.resolve(max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                                     num_kv_tokens=getattr(runner, "num_pages", 0) * getattr(runner, "page_size", 0))
-        self.pool = tokenizer_pool.TokenizerPool(llm.tokenizer, max_jobs=limits.max_tokenize_jobs,
+        limits = self.limits.resolve(max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
+                                     num_kv_tokens=engine.num_kv_tokens)
+        self.pool = tokenizer_pool.TokenizerPool(engine.tokenizer, max_jobs=limits.max_tokenize_jobs,
                                                  workers=self.tokenizer_workers)
-        self.tokenizer = llm.tokenizer
-        self.capacity = config.max_num_seqs
-        self.admission = Admission(config.max_num_seqs + limits.max_queue, limits.max_queued_tokens)
-        parser = self.tool_call_parser or tool_parsers.parser_for_template(llm.tokenizer.chat_template)
-        self.ctx = protocol.Context(self.model_names, config.max_model_len, llm.runner.config.vocab_size, limits,
+        self.tokenizer = engine.tokenizer
+        self.capacity = engine.max_num_seqs
+        self.admission = Admission(engine.max_num_seqs + limits.max_queue, limits.max_queued_tokens)
+        parser = self.tool_call_parser or tool_parsers.parser_for_template(engine.tokenizer.chat_template)
+        self.ctx = protocol.Context(self.model_names, engine.max_model_len, engine.vocab_size, limits,
                                     allow_priority=self.scheduling_policy == "priority", tool_parser=parser)
-        self.quantization = quantization_summary(llm.quantization)
-        llm.grammars.prepare()  # llguidance's vocabulary, in the background
+        self.quantization = quantization_summary(engine.quantization)
+        engine.prepare_constraints()  # llguidance's vocabulary, in the background
         self.metrics.set_quantization(self.quantization)
         self.engine = engine
         self.metrics.ready.set(1)
@@ -174,12 +171,14 @@ class ServerState:
         if self.pool is not None:
             self.pool.shutdown()
 
-    def _begin(self, seqs: int, tokens: int) -> None:
+    def begin_request(self, seqs: int, tokens: int) -> None:
+        """Count a request's engine sequences in (admission, in-flight gauge)."""
         self.admission.take(seqs, tokens)
         self.num_in_flight += seqs
         self.metrics.in_flight.set(self.num_in_flight)
 
-    def _end(self, seqs: int, tokens: int) -> None:
+    def end_request(self, seqs: int, tokens: int) -> None:
+        """Count them out again, once the engine is done with them."""
         self.admission.give_back(seqs, tokens)
         self.num_in_flight -= seqs
         self.metrics.in_flight.set(self.num_in_flight)
@@ -280,8 +279,7 @@ async def metrics(request: web.Request) -> web.Response:
     if state.engine is not None and state.problem() is None:
         with contextlib.suppress(EngineDeadError):
             stats = await state.engine.stats()
-            records = state.engine.engine.runner.records.copy()  # a C-level copy: safe beside the thread
-            state.metrics.update_engine(stats, records)
+            state.metrics.update_engine(stats, state.engine.step_records())
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -301,14 +299,14 @@ async def tokenize(request: web.Request) -> web.Response:
     fields.check_fields(body, fields.TOKENIZE)
     protocol.check_model(body, state.ctx)
     if "messages" in body:
-        add_gen = protocol._bool(body, "add_generation_prompt", True)
+        add_gen = protocol.bool_field(body, "add_generation_prompt", True)
         _, ids = await _render(state, protocol.parse_messages(body), add_gen)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            raise bad_request(f"prompt must be a string (or give messages), got {protocol._show(prompt)}",
+            raise bad_request(f"prompt must be a string (or give messages), got {protocol.show(prompt)}",
                               param="prompt")
-        add_special = protocol._bool(body, "add_special_tokens", True)
+        add_special = protocol.bool_field(body, "add_special_tokens", True)
         ids = await _encode(state, prompt, add_special)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.ctx.max_model_len})
 
@@ -322,7 +320,7 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens")
     if tokens == []:
         return web.json_response({"prompt": ""})
-    ids = protocol._token_ids(tokens, "tokens", state.tokenizer.vocab_size)
+    ids = protocol.token_ids(tokens, "tokens", state.tokenizer.vocab_size)
     return web.json_response({"prompt": await state.pool.run(4 * len(ids), tokenizer_pool.decode, ids)})
 
 
@@ -372,7 +370,7 @@ async def _compile_constraint(state: ServerState, req: protocol.GenerateRequest)
     if spec is None:
         return
     try:
-        await asyncio.to_thread(state.engine.engine.grammars.compile, spec)
+        await state.engine.compile_constraint(spec)
     except GrammarBusy as e:
         raise APIError(503, str(e), code="grammar_compiler_busy", headers={"Retry-After": "2"}) from None
     except GrammarError as e:

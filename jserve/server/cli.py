@@ -243,7 +243,9 @@ async def serve(args: argparse.Namespace) -> int:
         logger.warning("shutting down (grace period %.0f s)", args.grace_period)
     await state.drain(args.grace_period)
     if loaded.done() and loaded.exception() is None and state.fatal != HUNG:
-        loaded.result().engine.runner.stop_followers()  # the engine thread has stopped: no step in flight
-        loaded.result().engine.runner.close()  # the lazy buckets' thread, after the shape it compiles
+        # The engine thread has stopped (no step in flight): the followers, then the lazy
+        # buckets' thread, after the shape it compiles. An engine loaded during the drain was
+        # never attached, but its runner is stopped all the same.
+        (state.engine or AsyncLLMEngine(loaded.result().engine, start=False)).close()
     await runner.cleanup()
     return 1 if state.fatal is not None else 0

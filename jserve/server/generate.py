@@ -149,7 +149,7 @@ async def run_generation(request: web.Request, state: "ServerState",
             "created": created, "model": state.model_name}
     tok = state.tokenizer
     seqs, tokens = req.num_seqs, req.cost_tokens(state.ctx.limits.max_total_tokens)
-    state._begin(seqs, tokens)
+    state.begin_request(seqs, tokens)
     released = False
 
     def release() -> None:
@@ -158,7 +158,7 @@ async def run_generation(request: web.Request, state: "ServerState",
         nonlocal released
         if not released:
             released = True
-            state._end(seqs, tokens)
+            state.end_request(seqs, tokens)
     salt = engine_salt(request.get(TENANT, ""), req.cache_salt)
     write_timeout = state.timeouts.write
     response: web.StreamResponse | None = None

@@ -78,10 +78,10 @@ class Context:
 # ------------------------------------------------------------------------------ field readers
 
 def _type_error(name: str, want: str, value: Any) -> APIError:
-    return bad_request(f"{name} must be {want}, got {_show(value)}", param=name)
+    return bad_request(f"{name} must be {want}, got {show(value)}", param=name)
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -93,7 +93,7 @@ def _int(body: dict, name: str, default: Any = None, lo: int | None = None, hi: 
     if isinstance(value, bool) or not isinstance(value, int):
         raise _type_error(name, "an integer", value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise bad_request(f"{name} must be in [{lo}, {hi}], got {_show(value)}", param=name)
+        raise bad_request(f"{name} must be in [{lo}, {hi}], got {show(value)}", param=name)
     return value
 
 
@@ -106,7 +106,7 @@ def _float(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
-def _bool(body: dict, name: str, default: bool = False) -> bool:
+def bool_field(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -122,9 +122,9 @@ def _str(body: dict, name: str) -> str | None:
     return value
 
 
-def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
+def token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
     if not isinstance(value, list) or not value:
-        raise bad_request(f"{name} must be a non-empty list of token ids, got {_show(value)}", param=name)
+        raise bad_request(f"{name} must be a non-empty list of token ids, got {show(value)}", param=name)
     for t in value:
         if isinstance(t, bool) or not isinstance(t, int):
             raise _type_error(name, "a list of integer token ids", t)
@@ -141,7 +141,7 @@ def check_model(body: dict, ctx: Context) -> None:
         raise _type_error("model", "a string", model)
     if model not in ctx.model_names:
         served = ", ".join(f"`{m}`" for m in ctx.model_names)
-        raise APIError(400, f"The model `{_show(model)[1:-1]}` does not exist; this server serves {served}.",
+        raise APIError(400, f"The model `{show(model)[1:-1]}` does not exist; this server serves {served}.",
                        param="model", code="model_not_found")
 
 
@@ -159,7 +159,7 @@ def _stop(body: dict, limits: Limits) -> list[str] | str | None:
     for s in items:
         if len(s) > limits.max_stop_chars:
             raise bad_request(f"each stop string may be at most {limits.max_stop_chars} characters, got one of "
-                              f"{len(s)}: {_show(s)}", param="stop")
+                              f"{len(s)}: {show(s)}", param="stop")
     return stop
 
 
@@ -174,7 +174,7 @@ def _stop_token_ids(body: dict, ctx: Context) -> list[int] | None:
         if isinstance(t, bool) or not isinstance(t, int):
             raise _type_error("stop_token_ids", "a list of integer token ids", t)
         if not 0 <= t < ctx.vocab_size:
-            raise bad_request(f"token id {_show(t)} in stop_token_ids is outside the vocabulary "
+            raise bad_request(f"token id {show(t)} in stop_token_ids is outside the vocabulary "
                               f"[0, {ctx.vocab_size})", param="stop_token_ids")
     return list(stop_ids)
 
@@ -213,9 +213,9 @@ def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int
         repetition_penalty=repetition_penalty, presence_penalty=_float(body, "presence_penalty", 0.0),
         frequency_penalty=_float(body, "frequency_penalty", 0.0), seed=_int(body, "seed", None, -2**63, 2**64 - 1),
         max_tokens=max_tokens, min_tokens=_int(body, "min_tokens", 0, 0, ctx.max_model_len), stop=stop,
-        stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"), structured_outputs=constraint)
+        stop_token_ids=stop_ids, ignore_eos=bool_field(body, "ignore_eos"), logprobs=logprobs,
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
+        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output"), structured_outputs=constraint)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -227,12 +227,12 @@ def _common(body: dict, ctx: Context, allowed: frozenset[str]) -> dict:
     fields.check_fields(body, allowed)
     check_model(body, ctx)
     _str(body, "user")
-    stream = _bool(body, "stream")
+    stream = bool_field(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     fields.check_fields(options or {}, fields.STREAM_OPTIONS, "stream_options")
-    include_usage = _bool(options or {}, "include_usage")
+    include_usage = bool_field(options or {}, "include_usage")
     priority = _int(body, "priority", 0, -2**31, 2**31 - 1)
     if priority != 0 and not ctx.allow_priority:
         raise bad_request(f"priority is not accepted (got {priority}): this server schedules first come, first "
@@ -299,10 +299,10 @@ def parse_completion(body: dict, ctx: Context) -> GenerateRequest:
             raise bad_request(f"a prompt may have at most {ctx.limits.max_input_tokens} tokens, but the prompt has "
                               f"{len(item)}", param="prompt", code="context_length_exceeded")
         else:
-            prompts.append((None, _token_ids(item, "prompt", ctx.vocab_size)))
+            prompts.append((None, token_ids(item, "prompt", ctx.vocab_size)))
     if body.get("suffix") not in (None, ""):
         raise bad_request("suffix is not supported", param="suffix")
-    echo = _bool(body, "echo")
+    echo = bool_field(body, "echo")
     logprobs = _int(body, "logprobs", None, 0, ctx.limits.max_logprobs)
     if echo and logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", param="echo")
@@ -316,7 +316,7 @@ def parse_completion(body: dict, ctx: Context) -> GenerateRequest:
 def parse_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad_request(f"messages must be a non-empty list of messages, got {_show(messages)}", param="messages")
+        raise bad_request(f"messages must be a non-empty list of messages, got {show(messages)}", param="messages")
     out = []
     for i, m in enumerate(messages):
         name = f"messages[{i}]"
@@ -325,14 +325,14 @@ def parse_messages(body: dict) -> list[dict]:
         fields.check_fields(m, fields.MESSAGE, name)
         role = m.get("role")
         if role not in _ROLES:
-            raise bad_request(f"{name}.role must be one of {', '.join(_ROLES)}, got {_show(role)}", param=name)
+            raise bad_request(f"{name}.role must be one of {', '.join(_ROLES)}, got {show(role)}", param=name)
         content = m.get("content")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise bad_request(f"{name}.content parts must be {{'type': 'text', 'text': str}}, got "
-                                      f"{_show(part)}", param=f"{name}.content")
+                                      f"{show(part)}", param=f"{name}.content")
                 fields.check_fields(part, fields.CONTENT_PART, f"{name}.content[{j}]")
                 parts.append(part["text"])
             content = "".join(parts)
@@ -365,7 +365,7 @@ def _message_tool_calls(calls: Any, name: str) -> list[dict]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_request(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                              f"\"arguments\"}}}}, got {_show(call)}", param=where)
+                              f"\"arguments\"}}}}, got {show(call)}", param=where)
         fields.check_fields(call, fields.TOOL_CALL, where)
         fields.check_fields(fn, fields.TOOL_CALL_FUNCTION, f"{where}.function")
         arguments = fn.get("arguments", "{}")
@@ -373,7 +373,7 @@ def _message_tool_calls(calls: Any, name: str) -> list[dict]:
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except (ValueError, RecursionError):
-                raise bad_request(f"{where}.function.arguments must be JSON text, got {_show(arguments)}",
+                raise bad_request(f"{where}.function.arguments must be JSON text, got {show(arguments)}",
                                   param=f"{where}.function.arguments") from None
         if not isinstance(arguments, dict):
             raise _type_error(f"{where}.function.arguments", "a JSON object", arguments)
@@ -395,8 +395,8 @@ def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
     """Every field of a /v1/chat/completions body; the messages are left for the chat template."""
     common = _common(body, ctx, fields.CHAT)
     messages = parse_messages(body)
-    add_generation_prompt = _bool(body, "add_generation_prompt", True)
-    want_logprobs = _bool(body, "logprobs")
+    add_generation_prompt = bool_field(body, "add_generation_prompt", True)
+    want_logprobs = bool_field(body, "logprobs")
     top = _int(body, "top_logprobs", None, 0, ctx.limits.max_logprobs)
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")

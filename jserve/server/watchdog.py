@@ -63,7 +63,7 @@ async def fail(state, problem: str, settle: float = 5.0) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(state.wait_idle(), settle)
     if problem == DEAD and await asyncio.to_thread(engine.shutdown, 5.0):  # joined: the engine is ours to read
-        stats = engine.engine.stats()
+        stats = await engine.stats()
         logger.error("engine failed; requests left in flight: %d, pages in use: %d", state.num_in_flight,
                      stats.get("pages_in_use", -1))
     else:
