@@ -40,17 +40,16 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     runner gets as many pages as the target's, of the same size (the KV budget covers both)."""
     from jserve.core import buckets
     from jserve.runtime import backends
-    from jserve.runtime.kv_cache import device_memory_bytes, kv_page_dtype, plan_memory
+    from jserve.runtime.kv_cache import kv_page_dtype
 
     config = resolve_max_model_len(config, model_config)
     spec = config.speculative_config
-    mesh, dp, plan_config = None, 1, model_config
+    mesh, dp, tp = None, 1, 1
     if config.mesh is not None:
-        from jserve.runtime.sharding import device_share, make_mesh, mesh_sizes, params_per_device, place_params
+        from jserve.runtime.sharding import make_mesh, mesh_sizes
 
         mesh = make_mesh(config.mesh)
         dp, tp = mesh_sizes(mesh)["dp"], mesh_sizes(mesh)["tp"]
-        plan_config = device_share(model_config, tp)  # what one device holds: weights and KV heads
     config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
     weight_dtype = quant.float_dtype(params)
     kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else kv_page_dtype(config.kv_cache_dtype)
@@ -58,23 +57,11 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     page_size = config.page_size if config.page_size is not None else backend.default_page_size
     num_pages = config.num_pages
     if num_pages is None:
-        device = None if config.kv_cache_bytes is not None else device_memory_bytes()
-        budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
-            None if device is not None else DEFAULT_CPU_KV_BYTES)
-        weight_bytes = quant.param_bytes(params) if mesh is None else (
-            params_per_device(model_config, tp) * weight_dtype.itemsize)
-        if draft is not None:
-            weight_bytes += quant.param_bytes(draft[1])  # the draft model's weights share the device
-        # The budget (explicit, or the device's memory) is per device; each dp group has its own.
-        plan = plan_memory(plan_config, weight_dtype_bytes=weight_dtype.itemsize, kv_dtype=kv_dtype.name,
-                           page_size=page_size, context=config.max_model_len, device_bytes=device,
-                           memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
-                           max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
-        num_pages = plan.num_pages * dp
-        if draft is not None:  # the same number of pages again, in the draft model's KV layout
-            target_page, draft_page = (c.kv_bytes_per_token(kv_dtype.itemsize) for c in (plan_config, draft[0]))
-            num_pages = max(2, num_pages * target_page // (target_page + draft_page))
+        num_pages = _planned_pages(config, model_config, params, draft, page_size=page_size, kv_dtype=kv_dtype,
+                                   mesh=mesh, dp=dp, tp=tp)
     if mesh is not None:
+        from jserve.runtime.sharding import place_params
+
         # Pad/replicate heads for tp and put every weight in its sharding (jserve.runtime.sharding).
         model_config, params = place_params(model_config, params, mesh, layout=backend.param_layout)
         num_pages -= num_pages % dp
@@ -88,23 +75,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                     max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None)
     draft_runner = None
     if spec is not None and spec.method == "draft_model":
-        if draft is None:
-            raise ValueError("speculative_config method 'draft_model': the draft model was not loaded")
-        draft_config, draft_params = draft
-        if draft_config.max_position_embeddings < config.max_model_len:
-            raise ValueError(f"the draft model's context ({draft_config.max_position_embeddings}) is shorter than "
-                             f"max_model_len ({config.max_model_len}): give a shorter max_model_len or another draft")
-        if draft_config.vocab_size != model_config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the "
-                             f"target's ({model_config.vocab_size}): a draft needs the same tokenizer")
-        # A backend of its own: a backend keeps what it learnt preparing its model's weights.
-        draft_runner = Runner(draft_config, draft_params, num_pages=num_pages, page_size=page_size,
-                              max_model_len=config.max_model_len, kv_dtype=kv_dtype,
-                              backend=backends.create(config.backend),
-                              batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens,
-                              max_decode_steps=spec.num_speculative_tokens + 1)
-        if config.warmup:
-            draft_runner.warmup()
+        draft_runner = _draft_runner(config, model_config, draft, num_pages=num_pages, page_size=page_size,
+                                     kv_dtype=kv_dtype, batch_buckets=batch_buckets)
     if runner.multiprocess:
         import jax
 
@@ -114,3 +86,54 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     if config.warmup:
         runner.warmup(lazy=config.lazy_buckets)
     return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)
+
+
+def _planned_pages(config: EngineConfig, model_config, params: dict, draft, *, page_size: int, kv_dtype,
+                   mesh, dp: int, tp: int) -> int:
+    """The page pool from the memory plan: the KV budget (explicit, or the device's memory) is
+    per device, and each dp group has its own; a draft model's weights and pages share it."""
+    from jserve.runtime.kv_cache import device_memory_bytes, plan_memory
+    from jserve.runtime.sharding import device_share, params_per_device
+
+    weight_dtype = quant.float_dtype(params)
+    plan_config = model_config if mesh is None else device_share(model_config, tp)  # one device's share
+    device = None if config.kv_cache_bytes is not None else device_memory_bytes()
+    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else (
+        None if device is not None else DEFAULT_CPU_KV_BYTES)
+    weight_bytes = quant.param_bytes(params) if mesh is None else (
+        params_per_device(model_config, tp) * weight_dtype.itemsize)
+    if draft is not None:
+        weight_bytes += quant.param_bytes(draft[1])  # the draft model's weights share the device
+    plan = plan_memory(plan_config, weight_dtype_bytes=weight_dtype.itemsize, kv_dtype=kv_dtype.name,
+                       page_size=page_size, context=config.max_model_len, device_bytes=device,
+                       memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
+                       max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
+    num_pages = plan.num_pages * dp
+    if draft is not None:  # the same number of pages again, in the draft model's KV layout
+        target_page, draft_page = (c.kv_bytes_per_token(kv_dtype.itemsize) for c in (plan_config, draft[0]))
+        num_pages = max(2, num_pages * target_page // (target_page + draft_page))
+    return num_pages
+
+
+def _draft_runner(config: EngineConfig, model_config, draft, *, num_pages: int, page_size: int, kv_dtype,
+                  batch_buckets) -> Runner:
+    """The draft model's runner: its pages mirror the target's (count and size)."""
+    from jserve.runtime import backends
+
+    if draft is None:
+        raise ValueError("speculative_config method 'draft_model': the draft model was not loaded")
+    draft_config, draft_params = draft
+    if draft_config.max_position_embeddings < config.max_model_len:
+        raise ValueError(f"the draft model's context ({draft_config.max_position_embeddings}) is shorter than "
+                         f"max_model_len ({config.max_model_len}): give a shorter max_model_len or another draft")
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the "
+                         f"target's ({model_config.vocab_size}): a draft needs the same tokenizer")
+    # A backend of its own: a backend keeps what it learnt preparing its model's weights.
+    runner = Runner(draft_config, draft_params, num_pages=num_pages, page_size=page_size,
+                    max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backends.create(config.backend),
+                    batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens,
+                    max_decode_steps=config.speculative_config.num_speculative_tokens + 1)
+    if config.warmup:
+        runner.warmup()
+    return runner

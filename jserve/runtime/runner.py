@@ -30,7 +30,7 @@ from jserve.runtime.overlap import Launched, OverlapLauncher
 from jserve.runtime.sampler import SamplingArrays, penalty_history
 from jserve.runtime.step_log import StepLog
 from jserve.runtime.step_masks import StepMasks
-from jserve.runtime.steps import PromptLogprobs, StepInputs, StepOutput, StepRecord, StepRow
+from jserve.runtime.steps import PreparedCall, PromptLogprobs, StepInputs, StepOutput, StepRecord, StepRow
 
 
 class Runner:
@@ -44,15 +44,12 @@ class Runner:
                  max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
                  huge_pages: bool = True, max_decode_steps: int = 1, num_speculative_tokens: int = 0,
                  max_verify_rows: int | None = None):
-        """`backend`: a `jserve.runtime.backends.Backend`, or its name for `backends.create` (with
-        `native_matmuls` and `huge_pages`, see there); it decides the page size (when None), the
-        params' and pages' layout and every operation. `params`: checkpoint weights (stacked) or a
-        model state in the backend's layout. With a ('dp', 'tp') `mesh`, `params` must already be
-        laid out and placed for it (`jserve.runtime.sharding.place_params`); buckets,
-        `max_num_batched_tokens` and page ids are then per data-parallel group, and `num_pages`
-        counts all groups' pages. `max_decode_steps` > 1 compiles `execute_decode_steps` for every
-        decode batch bucket; `num_speculative_tokens` k > 0 `execute_verify`, at k + 1 tokens per
-        row, for the batch buckets up to the one holding `max_verify_rows` (None: all)."""
+        """`backend`: a `Backend`, or its name for `backends.create` (with `native_matmuls` and
+        `huge_pages`); it decides the page size (when None), the layouts and every operation.
+        `params`: checkpoint weights (stacked) or a model state in the backend's layout; with a
+        ('dp', 'tp') `mesh`, laid out and placed for it (`sharding.place_params`), and buckets,
+        `max_num_batched_tokens` and page ids are per data-parallel group. The last three
+        arguments: `MultiTokenSteps`."""
         self.config = config
         self.mesh = mesh
         self.backend = backends.create(backend, mesh=mesh, native_matmuls=native_matmuls, huge_pages=huge_pages)
@@ -83,6 +80,9 @@ class Runner:
         self.masks = StepMasks(config.vocab_size, self._put)  # the sampler's grammar bitmasks
         self._init_programs()
         self.multi = MultiTokenSteps(self, max_decode_steps, num_speculative_tokens, max_verify_rows)
+        self.max_decode_steps = self.multi.max_decode_steps
+        self.num_speculative_tokens = self.multi.num_speculative_tokens
+        self.verify_buckets = self.multi.verify_buckets
         self.overlap = OverlapLauncher(self)
         self.broadcast = StepBroadcast(self)
 
@@ -145,38 +145,12 @@ class Runner:
         """Whether `launch` may dispatch steps."""
         return self.single_group
 
-    @property
-    def records(self):
-        """The recent `StepRecord`s (`step_log.records`)."""
-        return self.step_log.records
-
-    @property
-    def max_decode_steps(self) -> int:
-        return self.multi.max_decode_steps
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        return self.multi.num_speculative_tokens
-
-    @property
-    def verify_buckets(self) -> tuple[int, ...]:
-        return self.multi.verify_buckets
-
-    @property
-    def num_compilations(self) -> int:
-        return self.compiles.num_compilations
-
-    @property
-    def num_compilations_after_warmup(self) -> int:
-        return self.compiles.num_after_warmup
-
-    @property
-    def num_score_compilations(self) -> int:
-        return self.compiles.num_score
-
-    @property
-    def warmed_up(self) -> bool:
-        return self.compiles.warmed_up
+    # The counters and records that stats, tests and benchmarks read, where their owners keep them.
+    records = property(lambda self: self.step_log.records)
+    num_compilations = property(lambda self: self.compiles.num_compilations)
+    num_compilations_after_warmup = property(lambda self: self.compiles.num_after_warmup)
+    num_score_compilations = property(lambda self: self.compiles.num_score)
+    warmed_up = property(lambda self: self.compiles.warmed_up)
 
     @property
     def device(self):
@@ -231,8 +205,8 @@ class Runner:
         placed[row.dp_group] = row
         targets = np.full((B, T), -1, np.int32)
         targets[row.dp_group, :row.num_tokens] = row.prompt_targets
-        x = self._place(self.host_inputs(placed, B, T))
-        targets = self._place(targets)
+        x = self.place(self.host_inputs(placed, B, T))
+        targets = self.place(targets)
         mask = self.masks.device(B, self.grammar_rows(placed))
 
         def call():
@@ -251,7 +225,9 @@ class Runner:
         call = self.prepare(all_rows, parts, kind)
 
         def run():
-            out = self._dispatch(kind, call.B, call.T, call.inputs, self.grammar_rows(call.placed))
+            grammar_rows = self.grammar_rows(call.placed)  # on every process, when there are several
+            out = (self.broadcast.lead(kind, call.B, call.T, call.inputs, grammar_rows) if self.multiprocess
+                   else self.device_step(call.inputs, grammar_rows))
             self.overlap.last_feed = out.pop("feed", None)  # only `launch` feeds a call from it (and warm-up)
             return out
 
@@ -293,7 +269,7 @@ class Runner:
 
     # ------------------------------------------------------------------ calls
 
-    def prepare(self, all_rows: Sequence[StepRow], parts, kind: str) -> "PreparedCall":
+    def prepare(self, all_rows: Sequence[StepRow], parts, kind: str) -> PreparedCall:
         """A decode or mixed call's shape, each row's slot and the host inputs; `parts[g]`: the
         row indices of group g, placed in the g-th block of rows."""
         rows = [all_rows[i] for part in parts for i in part]
@@ -336,17 +312,11 @@ class Runner:
         return step_rows.cost(self.config, rows, param_bytes=self.param_bytes, num_params=self.num_params,
                               kv_itemsize=self.kv_itemsize, kv_scale_bytes=self.kv_scale_bytes)
 
-    def _dispatch(self, kind: str, B: int, T: int, inputs: StepInputs, constraints):
-        """Run the compiled step on host inputs (on every process, when there are several)."""
-        if self.multiprocess:
-            return self.broadcast.lead(kind, B, T, inputs, constraints)
-        return self.device_step(inputs, constraints)
-
     def device_step(self, inputs: StepInputs, constraints=(), fed=None):
         """The forward, dispatched (the device runs it meanwhile); then the grammar bitmask
         (filled now, unless it came with `inputs`) and the sampler. `fed`: (the previous call's
         samples, dst, src) for `overlap.feed_tokens`, which puts them into the tokens first."""
-        x = self._place(inputs)
+        x = self.place(inputs)
         tokens = self.device_tokens(x.tokens)
         if fed is not None:
             tokens = self.overlap.feed_fn(tokens, *fed)
@@ -373,10 +343,10 @@ class Runner:
     def _put(self, x: np.ndarray):
         """A host array on the device, committed as the pages are (one compiled signature)."""
         if self.mesh is not None:
-            return self._place(x)
+            return self.place(x)
         return jax.device_put(x, _device_of(self.params))
 
-    def _place(self, tree):
+    def place(self, tree):
         """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""
         if self.mesh is None:
             return tree
@@ -389,8 +359,6 @@ class Runner:
             return jax.make_array_from_callback(x.shape, rows, lambda idx: x[idx])
 
         return jax.tree.map(put, tree)
-
-    place = _place
 
     def step_fn(self, batch: int, tokens: int):
         """The jitted forward (`device_steps.forward`) for a (global batch, tokens) shape, with the
@@ -447,22 +415,8 @@ class Runner:
         return self.dp if kind in ("decode", "mixed") else 1
 
     def pack_mixed(self, lengths: list[int]) -> list[list[int]]:
-        """Rows (by their token counts) into mixed calls of at most the largest row and token
-        buckets, in order."""
-        cap, max_rows = self.token_buckets[-1], self.batch_buckets[-1]
-        packs: list[list[int]] = []
-        total = 0
-        for j, n in enumerate(lengths):
-            if n > cap:
-                raise ValueError(f"a chunk of {n} tokens exceeds the largest token bucket {cap}: "
-                                 f"the scheduler must split it")
-            if packs and len(packs[-1]) < max_rows and total + n <= cap:
-                packs[-1].append(j)
-                total += n
-            else:
-                packs.append([j])
-                total = n
-        return packs
+        """Rows (by their token counts) into mixed calls within the largest row and token buckets."""
+        return step_rows.pack_mixed(lengths, max_tokens=self.token_buckets[-1], max_rows=self.batch_buckets[-1])
 
     # ------------------------------------------------------------------ life cycle
 
@@ -482,18 +436,6 @@ class Runner:
             for leaf in jax.tree.leaves((self.params, self.kv)):
                 if isinstance(leaf, jax.Array) and not leaf.is_deleted():
                     leaf.delete()
-
-
-class PreparedCall:
-    """A decode or mixed call ready to run: its shape (B rows in all, T tokens), its rows, each
-    row's slot (by its index in the step's rows), the rows by slot, and the host inputs."""
-
-    __slots__ = ("kind", "B", "T", "rows", "slot_of", "placed", "inputs")
-
-    def __init__(self, kind: str, B: int, T: int, rows: list[StepRow], slot_of: dict[int, int],
-                 placed: list[StepRow | None], inputs: StepInputs):
-        self.kind, self.B, self.T, self.rows = kind, B, T, rows
-        self.slot_of, self.placed, self.inputs = slot_of, placed, inputs
 
 
 def _device_of(params) -> Any:

@@ -106,3 +106,21 @@ def cost(config: ModelConfig, rows, *, param_bytes: int, num_params: int, kv_ite
     flops = 2 * layer_params * new + 2 * c.hidden_size * c.vocab_size * len(rows)
     flops += 4 * c.num_layers * c.num_heads * c.head_dim * attended
     return int(bytes_needed), int(flops)
+
+
+def pack_mixed(lengths: list[int], *, max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Rows (by their token counts) into mixed calls of at most `max_rows` rows and `max_tokens`
+    tokens, in order: each call's row indices."""
+    packs: list[list[int]] = []
+    total = 0
+    for j, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ValueError(f"a chunk of {n} tokens exceeds the largest token bucket {max_tokens}: "
+                             f"the scheduler must split it")
+        if packs and len(packs[-1]) < max_rows and total + n <= max_tokens:
+            packs[-1].append(j)
+            total += n
+        else:
+            packs.append([j])
+            total = n
+    return packs

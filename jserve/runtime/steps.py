@@ -161,3 +161,16 @@ class StepInputs:
     @classmethod
     def of(cls, packed: tuple, sampling: Any, history: Any, mask: Any = None) -> "StepInputs":
         return cls(*packed, sampling, history, mask)
+
+
+@dataclasses.dataclass
+class PreparedCall:
+    """A decode or mixed call ready to run (`Runner.prepare`)."""
+
+    kind: str
+    B: int  # rows in all (every group's block)
+    T: int  # tokens per row (decode) or per group (mixed)
+    rows: list[StepRow]  # in slot order
+    slot_of: dict[int, int]  # a row's index in the step's rows -> its slot
+    placed: list[StepRow | None]  # the rows by slot (None: padding)
+    inputs: StepInputs
