@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jserve.bench.report import finite_json, table
+from jserve.bench.runs import add_arguments, check_args, run_benchmark
 from jserve.bench.server import ServerProcess
 
 # The figures compared: name -> the path into `compute_metrics`' dict.
@@ -33,8 +34,7 @@ def figures(metrics: dict) -> dict[str, Any]:
     return {**out, "completed": metrics["completed"], "failed": metrics["failed"]}
 
 
-def add_ab_parser(subparsers: Any, add_arguments: Callable[[argparse.ArgumentParser], None],
-                  check_args: Callable) -> argparse.ArgumentParser:
+def add_ab_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("ab", help="the same load against two servers started with other flags, alternated",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", required=True, metavar="FLAGS", help="`jserve serve` flags of server A (one string)")
@@ -58,8 +58,6 @@ def add_ab_parser(subparsers: Any, add_arguments: Callable[[argparse.ArgumentPar
 def run_ab(args: argparse.Namespace, serve: Callable[..., Any] = ServerProcess) -> dict:
     """The alternating runs; `serve(flags, timeout=...)` makes a context manager that yields a
     server (with `.url`): ServerProcess, or a stand-in (tests, servers already up)."""
-    from jserve.bench.cli import run_benchmark
-
     flags = {"A": args.a, "B": args.b}
     rows = []
     with contextlib.ExitStack() as stack:
@@ -99,8 +97,6 @@ def run_ab(args: argparse.Namespace, serve: Callable[..., Any] = ServerProcess) 
 
 def parse_ab_args(argv: list[str]) -> argparse.Namespace:
     """`jserve bench ab`'s arguments from a list (for run_ab called from code)."""
-    from jserve.bench.cli import add_arguments, check_args
-
     root = argparse.ArgumentParser(prog="jserve bench")
-    add_ab_parser(root.add_subparsers(), add_arguments, check_args)
+    add_ab_parser(root.add_subparsers())
     return root.parse_args(["ab", *argv])

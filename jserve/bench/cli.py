@@ -1,22 +1,17 @@
-"""`jserve bench`: arguments, the planned runs (one load, or a sweep of concurrencies or rates), and
-`run_benchmark`, which runs them and writes results.json and plots; `jserve bench ab` (jserve.bench.ab)
-runs one load against two servers in alternation."""
+"""`jserve bench`: the command line over `jserve.bench.runs` (one load or a sweep against a running
+server); `jserve bench ab` (jserve.bench.ab) runs one load against two servers in alternation."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from jserve.bench import server_metrics
-from jserve.bench.client import fetch_model, run_load
-from jserve.bench.plots import write_plots
-from jserve.bench.report import compute_metrics, finite_json, format_table
-from jserve.bench.workloads import COPY_OUT, LONG_IN, LONG_OUT, NAMED_WORKLOADS, SHORT_IN, SHORT_OUT, build_workload
+from jserve.bench.ab import add_ab_parser
+from jserve.bench.runs import add_arguments, check_args, plan_runs, run_benchmark
+
+__all__ = ["add_bench_parser", "main", "parse_args", "plan_runs", "run_benchmark"]
 
 DESCRIPTION = "Online serving benchmark for any OpenAI-compatible server (jserve, llama.cpp, vLLM, ...)."
 EPILOG = """\
@@ -30,61 +25,6 @@ examples:
 matplotlib installed, cdf_<run>.png latency CDFs and sweep.png for sweeps. Against jserve the
 figures are set beside the server's own /metrics deltas (TTFT, token counts, compilations).
 """
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by `jserve bench` and `jserve bench ab`)."""
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
-    p.add_argument("--model", default=None,
-                   help="model name sent in each request (default: the first of GET /v1/models)")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--workload", default="mix",
-                   help=f"one of {', '.join(NAMED_WORKLOADS)} (copy: repeat or fix the typos of a given passage, "
-                        f"{COPY_OUT} output tokens, so the output repeats the prompt), or a JSONL file of "
-                        '{"prompt", "max_tokens"} or {"input_len", "output_len"} records')
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per run (default 64, or the file's record count; a file is cycled)")
-    p.add_argument("--scale", type=float, default=1.0,
-                   help=f"multiply the named workloads' lengths (in {SHORT_IN}/{LONG_IN}, out {SHORT_OUT}/{LONG_OUT})")
-    p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the Poisson arrivals")
-    load = p.add_argument_group("load (default: --concurrency 1)")
-    load.add_argument("--concurrency", type=int, default=None,
-                      help="max requests in flight (with --request-rate: a cap on top of the rate)")
-    load.add_argument("--request-rate", type=float, default=None,
-                      help="Poisson arrivals at this many requests/s ('inf': all at once)")
-    load.add_argument("--sweep-concurrency", type=_ints, default=None, metavar="N,N,...")
-    load.add_argument("--sweep-rate", type=_floats, default=None, metavar="R,R,...")
-    load.add_argument("--warmup-requests", type=int, default=0,
-                      help="send this many unmeasured requests (same workload, other prompts) before the runs")
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--slo-e2e-ms", type=float, default=None)
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (total)")
-    p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    p.add_argument("--no-server-metrics", action="store_true",
-                   help="don't scrape the server's /metrics before and after each run")
-    p.add_argument("--output-dir", default=None, help="write results.json and PNG plots here")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--quiet", action="store_true", help="don't print the tables")
-
-
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.sweep_concurrency and args.sweep_rate:
-        p.error("--sweep-concurrency and --sweep-rate are exclusive")
-    if args.request_timeout <= 0:
-        p.error("--request-timeout must be positive")
-    if args.warmup_requests < 0:
-        p.error("--warmup-requests must be >= 0")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,9 +43,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=lambda args: bench_command(p, args))
-    from jserve.bench.ab import add_ab_parser
-
-    add_ab_parser(p.add_subparsers(dest="bench_mode", metavar="{ab}"), add_arguments, check_args)
+    add_ab_parser(p.add_subparsers(dest="bench_mode", metavar="{ab}"))
     return p
 
 
@@ -113,66 +51,6 @@ def bench_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_args(p, args)
     result = asyncio.run(run_benchmark(args))
     return 1 if all(r["metrics"]["completed"] == 0 for r in result["runs"]) else 0
-
-
-def plan_runs(args: argparse.Namespace) -> tuple[list[dict], str | None]:
-    """The runs' loads, and the swept key (None for a single run)."""
-    if args.sweep_concurrency:
-        return [{"concurrency": c, "request_rate": args.request_rate} for c in args.sweep_concurrency], "concurrency"
-    if args.sweep_rate:
-        return [{"concurrency": args.concurrency, "request_rate": r} for r in args.sweep_rate], "request_rate"
-    conc = args.concurrency if args.concurrency or args.request_rate else 1
-    return [{"concurrency": conc, "request_rate": args.request_rate}], None
-
-
-def _label(load: dict) -> str:
-    parts = []
-    if load["request_rate"] is not None:
-        parts.append(f"rate={load['request_rate']:g}")
-    if load["concurrency"] is not None:
-        parts.append(f"concurrency={load['concurrency']}")
-    return " ".join(parts)
-
-
-async def run_benchmark(args: argparse.Namespace) -> dict:
-    """Run every planned load and return (and write, with --output-dir) the results."""
-    specs = build_workload(args.workload, args.num_requests, args.endpoint, args.scale, args.seed)
-    if args.model is None:
-        args.model = await fetch_model(args)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    scrape = not getattr(args, "no_server_metrics", False)
-    warmup = None
-    if getattr(args, "warmup_requests", 0):
-        # Other prompts than the measured ones (another seed): a prefix cache must not profit.
-        n = args.warmup_requests
-        others = build_workload(args.workload, n if args.num_requests else None, args.endpoint, args.scale,
-                                args.seed + 1_000_003)
-        records, duration = await run_load([others[i % len(others)] for i in range(n)], args, min(n, 16), None)
-        warmup = {"requests": n, "completed": sum(r.ok for r in records), "duration_s": duration}
-    loads, sweep_key = plan_runs(args)
-    runs = []
-    for load in loads:
-        before = await server_metrics.scrape(args.base_url, headers) if scrape else None
-        records, duration = await run_load(specs, args, load["concurrency"], load["request_rate"])
-        after = await server_metrics.scrape(args.base_url, headers) if before is not None else None
-        metrics = compute_metrics(records, duration, args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
-        metrics["server_metrics"] = server_metrics.compare(before, after, metrics)
-        label = _label(load)
-        if not args.quiet:
-            print(format_table(label, metrics), flush=True)
-            if metrics["server_metrics"]:
-                print(server_metrics.format_agreement(metrics["server_metrics"]), flush=True)
-        runs.append({"label": label, "load": load, "metrics": metrics, "requests": [asdict(r) for r in records]})
-    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
-    result = {"config": config, "sweep": sweep_key, "warmup": warmup, "runs": runs}
-    if args.output_dir:
-        out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(finite_json(result), indent=1, allow_nan=False))
-        result["plots"] = [] if args.no_plots else write_plots(out, runs, sweep_key)
-        if not args.quiet:
-            print(f"wrote {out / 'results.json'}" + "".join(f", {p}" for p in result["plots"]))
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
