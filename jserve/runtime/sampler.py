@@ -194,62 +194,94 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
       `top_logprobs` float32 [batch, k].
     """
     logits = logits.astype(jnp.float32)
-    raw = logits
-    temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
-    seed, step = sampling.seed, sampling.step
-    repetition, presence = sampling.repetition_penalty, sampling.presence_penalty
-    frequency = sampling.frequency_penalty
-    greedy = temperature <= 0.0
+    greedy = sampling.temperature <= 0.0
+    tokens = _processed_pick(logits, sampling, greedy, penalties, bitmask)
+    return {"tokens": tokens, **_logprobs_if_wanted(logits, tokens, sampling.logprobs, num_logprobs)}
 
-    def draw(logits, best):
-        scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
-        filtered = jax.lax.cond(needs_filter, _filtered_logits, lambda l, *_: l, scaled, top_k, top_p, min_p)
-        # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
-        # (those draws cost more than the whole model step on a CPU; docs/performance.md).
-        probs = jax.nn.softmax(filtered, axis=-1)
-        cdf = jnp.cumsum(probs, axis=-1)
-        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, step)
-        u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
-        sampled = argmax(cdf > u[:, None])
-        return jnp.where(greedy, best, sampled)
 
-    def pick(logits):
-        best = argmax(logits)
-        return jax.lax.cond(jnp.all(greedy), lambda l, b: b, draw, logits, best)
+def _draw(logits: jax.Array, best: jax.Array, sampling: SamplingArrays, greedy: jax.Array) -> jax.Array:
+    """A token per row drawn at its temperature after top-k / top-p / min-p, with its own key;
+    `best` where the row is greedy."""
+    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
+    scaled = logits / jnp.where(greedy, 1.0, sampling.temperature)[:, None]
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+    filtered = jax.lax.cond(needs_filter, _filtered_logits, lambda l, *_: l, scaled, top_k, top_p, min_p)
+    # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
+    # (those draws cost more than the whole model step on a CPU; docs/performance.md).
+    probs = jax.nn.softmax(filtered, axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(sampling.seed, sampling.step)
+    u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
+    sampled = argmax(cdf > u[:, None])
+    return jnp.where(greedy, best, sampled)
 
-    # Only steps that carry a penalised row pay for the [batch, vocab] counts, and only steps with
-    # a constrained row for unpacking the bitmask. The tokens, not the processed logits, leave the
-    # conditional: a [batch, vocab] result would be copied out of it on every step.
+
+def _pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Array) -> jax.Array:
+    """Each row's token from its logits: the argmax, and `_draw` only in a step with a row that
+    is not greedy."""
+    best = argmax(logits)
+    return jax.lax.cond(jnp.all(greedy), lambda l, b: b, lambda l, b: _draw(l, b, sampling, greedy),
+                        logits, best)
+
+
+def _processed_pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Array,
+                    penalties, bitmask: jax.Array | None) -> jax.Array:
+    """int32 [batch]: `_pick` after the penalties and the grammar mask (`sample`'s arguments).
+
+    Only steps that carry a penalised row pay for the [batch, vocab] counts, and only steps with
+    a constrained row for unpacking the bitmask. The tokens, not the processed logits, leave the
+    conditional: a [batch, vocab] result would be copied out of it on every step."""
+    def pick(l):
+        return _pick(l, sampling, greedy)
+
     def penalised(l):
         seen, in_prompt = penalties(l.shape[-1]) if callable(penalties) else token_counts(*penalties, l.shape[-1])
-        return pick(apply_penalties(l, seen, in_prompt, repetition, presence, frequency))
+        return pick(apply_penalties(l, seen, in_prompt, sampling.repetition_penalty,
+                                    sampling.presence_penalty, sampling.frequency_penalty))
 
     branches = [pick]
     if penalties is not None:
         branches.append(penalised)
     if bitmask is not None:
         branches += [lambda l, f=f: f(apply_bitmask(l, bitmask)) for f in list(branches)]
+    if len(branches) == 1:
+        return branches[0](logits).astype(jnp.int32)
+    index = _branch_index(sampling, penalties is not None, bitmask)
+    return jax.lax.switch(index, branches, logits).astype(jnp.int32)
+
+
+def _branch_index(sampling: SamplingArrays, penalties: bool, bitmask: jax.Array | None) -> jax.Array:
+    """Which of `_processed_pick`'s branches the step takes: +1 with a penalised row (when
+    `penalties`), +1 or +2 (after the penalties' branches) with a constrained row."""
     index = jnp.int32(0)
-    if penalties is not None:
-        index += jnp.any((repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)).astype(jnp.int32)
+    if penalties:
+        index += jnp.any((sampling.repetition_penalty != 1.0) | (sampling.presence_penalty != 0.0)
+                         | (sampling.frequency_penalty != 0.0)).astype(jnp.int32)
     if bitmask is not None:
-        index += jnp.any(bitmask != -1).astype(jnp.int32) * (2 if penalties is not None else 1)
-    tokens = branches[0](logits) if len(branches) == 1 else jax.lax.switch(index, branches, logits)
-    tokens = tokens.astype(jnp.int32)
+        index += jnp.any(bitmask != -1).astype(jnp.int32) * (2 if penalties else 1)
+    return index
 
-    def logprob_outputs(raw):
-        logprobs = jax.nn.log_softmax(raw, axis=-1)  # of the model's own distribution, as vLLM reports
-        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-        out = {"logprob": chosen, "rank": (jnp.sum(logprobs > chosen[:, None], axis=-1) + 1).astype(jnp.int32)}
-        if num_logprobs:
-            top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-            out["top_ids"], out["top_logprobs"] = top_ids.astype(jnp.int32), top_lp
-        return out
 
-    skipped = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(logprob_outputs, raw))
-    return {"tokens": tokens, **jax.lax.cond(jnp.any(sampling.logprobs != 0), logprob_outputs,
-                                             lambda raw: skipped, raw)}
+def _logprob_outputs(raw: jax.Array, tokens: jax.Array, num_logprobs: int) -> dict[str, jax.Array]:
+    """`sample`'s logprob outputs for the chosen `tokens`, of the model's own distribution `raw`
+    (as vLLM reports them)."""
+    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    out = {"logprob": chosen, "rank": (jnp.sum(logprobs > chosen[:, None], axis=-1) + 1).astype(jnp.int32)}
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+        out["top_ids"], out["top_logprobs"] = top_ids.astype(jnp.int32), top_lp
+    return out
+
+
+def _logprobs_if_wanted(raw: jax.Array, tokens: jax.Array, wanted: jax.Array,
+                        num_logprobs: int) -> dict[str, jax.Array]:
+    """`_logprob_outputs` where a row wants logprobs (`wanted` != 0), else zeros of their shapes."""
+    def outputs(raw):
+        return _logprob_outputs(raw, tokens, num_logprobs)
+
+    skipped = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(outputs, raw))
+    return jax.lax.cond(jnp.any(wanted != 0), outputs, lambda raw: skipped, raw)
 
 
 def prompt_logprobs(logits: jax.Array, next_tokens: jax.Array, *, num_logprobs: int):
