@@ -12,6 +12,7 @@ from typing import Sequence
 
 from jserve.engine.config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
 from jserve.runtime.distributed import add_multihost_args
+from jserve.vllm_args import apply_vllm_args
 
 __all__ = ["add_engine_args", "add_multihost_args", "build_parser", "engine_kwargs", "main", "parse_bytes"]
 
@@ -168,17 +169,19 @@ def _warmup(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from jserve.engine.build import resolve_max_model_len
+    from jserve.engine.build import resolve_max_model_len, resolve_platform_defaults
     from jserve.engine.config import EngineConfig
     from jserve.model.checkpoint import read_model_config, read_quantization
-    from jserve.runtime.backends import NativeCpuBackend, XlaBackend
+    from jserve.runtime.backends import NativeCpuBackend, XlaBackend, canonical_name
     from jserve.runtime.kv_cache import device_memory_bytes, dtype_bytes, plan_memory
 
     config, weight_dtype = read_model_config(args.model)
     weight_dtype = args.weight_dtype or weight_dtype
     settings = resolve_max_model_len(EngineConfig.from_settings(**engine_kwargs(args)), config)
+    settings = resolve_platform_defaults(settings)
     kv_dtype = weight_dtype if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
-    page_size = settings.page_size or (NativeCpuBackend if settings.backend == "cpu" else XlaBackend).default_page_size
+    native = settings.backend is not None and canonical_name(settings.backend) == "native"
+    page_size = settings.page_size or (NativeCpuBackend if native else XlaBackend).default_page_size
     context, budget, fraction = settings.max_model_len, settings.kv_cache_bytes, settings.memory_fraction
     device = args.device_memory
     if device is None and budget is None:
@@ -273,6 +276,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help lines end with the flag's default, where it has one its help does not already say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == [] or (
+            action.default == argparse.SUPPRESS)
+        if "default" in text.lower() or unset or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jserve", description="LLM serving engine on JAX")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -333,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", type=parse_bytes, default=None, help="e.g. 16GiB (default: this device's)")
     p.add_argument("--weight-dtype", default=None, help="default: the checkpoint's")
     # The engine's own settings and defaults (a plan is for an accelerator: pages of the XLA
-    # backend's size unless --attention-backend cpu); the older spellings stay as aliases.
+    # backend's size unless --backend native); the older spellings stay as aliases.
     add_engine_args(p, exclude=("seed", "enable_prefix_caching", "num_pages", "num_scheduler_steps", "max_num_seqs"))
     p.add_argument("--context", dest="max_model_len", type=int, default=argparse.SUPPRESS,
                    help="the same as --max-model-len")
@@ -371,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     from jserve.eval.cli import add_parser as add_eval_parser
     add_eval_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = _DefaultsFormatter
     return parser
 
 
@@ -394,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        apply_vllm_args(args)
         if getattr(args, "mesh", None) and args.func is not _plan and not getattr(args, "distributed", False):
             cpu_devices_for_mesh(args.mesh)  # (a multi-process mesh spans the processes' devices)
         return args.func(args)

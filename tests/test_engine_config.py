@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from jserve.cli import build_parser, engine_kwargs
-from jserve.engine.config import SERVE_DEFAULTS, EngineConfig
+from jserve.engine.config import SERVE_DEFAULTS, EngineConfig, platform_defaults
 
 
 def _flagged():
@@ -46,7 +46,8 @@ def test_flags_reach_the_settings_by_name():
 
 @pytest.mark.parametrize("settings,needle", [
     ({"max_num_seq": 4}, "unknown engine setting 'max_num_seq'"),
-    ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer or None, got 0"),
+    ({"num_scheduler_steps": 0}, "num_scheduler_steps must be an integer >= 1, got 0"),
     ({"page_size": -16}, "page_size must be a positive integer or None, got -16"),
     ({"memory_fraction": 1.5}, r"memory_fraction must be in \(0, 1\], got 1.5"),
     ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype must be one of"),
@@ -67,12 +68,60 @@ def test_llm_names_a_bad_setting_before_loading_anything(tmp_path):
 def test_the_backend_names_are_the_backends():
     """`EngineConfig` (pure Python) lists the backend names; `jserve.runtime.backends.create`
     builds them: the two lists must not drift apart."""
-    from jserve.engine.config import BACKEND_NAMES
+    from jserve.engine.config import BACKEND_ALIASES, BACKEND_NAMES
     from jserve.runtime import backends
 
     assert sorted(BACKEND_NAMES) == sorted(backends.NAMES)
+    assert sorted(BACKEND_ALIASES) == sorted(backends.ALIASES)
     for name in BACKEND_NAMES:
         assert backends.create(name).name == name
+    # The older names pick their backend, with the attention kernel they name.
+    for alias, (name, kernel) in {"cpu": ("native", "cpu"), "cpu_pallas": ("xla", "cpu_pallas"),
+                                  "reference": ("xla-reference", "reference"), "tpu": ("xla", "tpu"),
+                                  "gpu": ("xla", "gpu")}.items():
+        backend = backends.create(alias)
+        assert (backend.name, backend.kernel) == (name, kernel), alias
+    assert backends.create("xla").kernel == "cpu_pallas"  # this CPU's Pallas kernel: the interpreter
+    assert backends.canonical_name(None) == "native"  # on a CPU
+    with pytest.raises(ValueError, match="backend must be one of .*got 'cuda'"):
+        backends.canonical_name("cuda")
+
+
+def test_backend_flag_and_its_older_spelling(caplog):
+    args = build_parser().parse_args(["serve", "--backend", "xla-reference"])
+    assert engine_kwargs(args)["backend"] == "xla-reference"
+    with caplog.at_level("WARNING", logger="jserve"):
+        args = build_parser().parse_args(["serve", "--attention-backend", "cpu_pallas"])
+    assert engine_kwargs(args)["backend"] == "cpu_pallas"
+    assert "--attention-backend is deprecated: use --backend" in caplog.text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--backend", "cuda"])
+
+
+@pytest.mark.parametrize("platform,kind,memory,expected", [
+    ("cpu", "cpu", None, (16, 512)),
+    ("tpu", "TPU v6 lite", 32 * 2**30, (256, 1024)),
+    ("tpu", "TPU v5 lite", 16 * 2**30, (256, 512)),
+    ("gpu", "NVIDIA H200", 104 * 2**30, (1024, 8192)),
+    ("gpu", "NVIDIA H100 80GB HBM3", 60 * 2**30, (1024, 8192)),  # JAX's allocator takes 75 % by default
+    ("gpu", "NVIDIA A100-SXM4-80GB", 80 * 2**30, (256, 2048)),
+    ("gpu", "NVIDIA L4", 22 * 2**30, (256, 2048)),
+])
+def test_batch_defaults_follow_the_device(platform, kind, memory, expected):
+    assert platform_defaults(platform, kind, memory) == expected
+    config = EngineConfig().with_platform_defaults(platform, kind, memory)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == expected
+    # What is given stays; the seqs never exceed the tokens; a native backend is a CPU's.
+    given = EngineConfig(max_num_batched_tokens=8).with_platform_defaults(platform, kind, memory)
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (8, 8)
+    assert EngineConfig(max_num_seqs=3).with_platform_defaults(platform, kind, memory).max_num_seqs == 3
+    native = EngineConfig(backend="native").with_platform_defaults(platform, kind, memory)
+    assert (native.max_num_seqs, native.max_num_batched_tokens) == (16, 512)
+
+
+def test_unsettled_batch_settings_are_not_scheduled():
+    with pytest.raises(ValueError, match="settled first"):
+        EngineConfig().scheduler_config()
 
 
 def test_a_backend_refuses_another_backends_option():
@@ -81,7 +130,7 @@ def test_a_backend_refuses_another_backends_option():
     from jserve.runtime import backends
 
     assert backends.create("reference", native_matmuls=True).scan is True
-    assert backends.create("cpu", scan=True).name == "cpu"
+    assert backends.create("cpu", scan=True).name == "native"
     with pytest.raises(ValueError, match="native_matmuls is an option of the native CPU backend"):
         backends.create("reference", native_matmuls=False)
     with pytest.raises(ValueError, match="scan is an option of the XLA backends"):

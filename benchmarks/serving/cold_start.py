@@ -1,6 +1,6 @@
 """Cold start of `jserve serve`: seconds to ready (/health 200) and to the first token, per backend.
 
-Each run starts `jserve serve [--attention-backend B]` ("default": the server's own choice) in a
+Each run starts `jserve serve [--backend B]` ("default": the server's own choice) in a
 fresh process with an empty `JSERVE_COMPILATION_CACHE` (with `--fresh-kernel-cache` an empty native
 kernel cache too, so the C++ kernels are built again) and times, from the moment the process is
 started, its `/health` answer and then the answer of a one-token `/v1/completions`. The converted
@@ -30,7 +30,7 @@ def run_once(backend: str, args) -> dict:
     caches = {"JSERVE_COMPILATION_CACHE": tempfile.mkdtemp(prefix="jserve-cold-")}
     if args.fresh_kernel_cache:
         caches["JSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="jserve-kernels-")
-    flags = [*(["--attention-backend", backend] if backend != "default" else []),
+    flags = [*(["--backend", backend] if backend != "default" else []),
              *(["--model", args.model] if args.model else []),
              *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
     server = ServerProcess(flags, env=caches, timeout=args.timeout)
@@ -54,7 +54,7 @@ def run_once(backend: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__, out="")
-    p.add_argument("--backends", nargs="+", default=["default"], help="--attention-backend values, or default")
+    p.add_argument("--backends", nargs="+", default=["default"], help="--backend values, or default")
     p.add_argument("--model", default=None, help="default: the server's default model")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--rounds", type=int, default=1, help="runs per backend, alternated")

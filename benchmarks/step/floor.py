@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--kv-bytes", type=parse_bytes, default=None, help="KV budget (default: the engine's)")
     p.add_argument("--copy-bytes", type=parse_bytes, default=parse_bytes("256MiB"))
-    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--backend", "--attention-backend", dest="backend", default=None)
     return p.parse_args(argv)
 
 
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
                     max_num_batched_tokens=max(max(batches), 512), warmup=False, load_format=args.load_format)
     if args.kv_bytes is not None:
         settings["kv_cache_bytes"] = args.kv_bytes
-    if args.attention_backend:
-        settings["backend"] = args.attention_backend
+    if args.backend:
+        settings["backend"] = args.backend
     llm = LLM(model, dtype=args.dtype, **settings)
     runner = llm.runner
     bandwidth = copy_bandwidth(args.copy_bytes)

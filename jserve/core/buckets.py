@@ -10,7 +10,12 @@ from typing import Sequence
 # pages in place (they are donated), so a one-row step does not grow with the pool. A backend
 # without the native attention kernel drops batch 1 (`Backend.batch_buckets`: batch 2 serves it).
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The powers of two below `max_num_seqs`, then `max_num_seqs` itself."""
+    return clip([2**i for i in range(max_num_seqs.bit_length())], max_num_seqs)
 
 
 def pick(buckets: Sequence[int], n: int) -> int:

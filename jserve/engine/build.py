@@ -8,6 +8,7 @@ buckets) and an `LLMEngine` over it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Sequence
 
 from jserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
@@ -17,6 +18,7 @@ from jserve.runtime.runner import Runner
 from jserve.text.tokenizer import Tokenizer
 
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
+logger = logging.getLogger(__name__)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config) -> EngineConfig:
@@ -31,6 +33,24 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> EngineConfig:
     return config
 
 
+def resolve_platform_defaults(config: EngineConfig) -> EngineConfig:
+    """The config with the batch settings left unset taken from this device's platform defaults."""
+    import jax
+
+    from jserve.runtime.kv_cache import device_memory_bytes
+
+    device = jax.devices()[0]
+    return config.with_platform_defaults(device.platform, getattr(device, "device_kind", ""),
+                                         device_memory_bytes(device))
+
+
+def _device_kind() -> str:
+    import jax
+
+    device = jax.devices()[0]
+    return f"{len(jax.devices())} x {getattr(device, 'device_kind', device.platform)}"
+
+
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  config: EngineConfig, quantization: dict[str, Any] | None = None,
                  draft: tuple[Any, dict] | None = None) -> LLMEngine:
@@ -42,7 +62,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     from jserve.runtime import backends
     from jserve.runtime.kv_cache import kv_page_dtype
 
-    config = resolve_max_model_len(config, model_config)
+    config = resolve_platform_defaults(resolve_max_model_len(config, model_config))
     spec = config.speculative_config
     mesh, dp, tp = None, 1, 1
     if config.mesh is not None:
@@ -66,13 +86,17 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         model_config, params = place_params(model_config, params, mesh, layout=backend.param_layout)
         num_pages -= num_pages % dp
     seqs = config.max_num_seqs // dp
-    batch_buckets = [b for b in buckets.DEFAULT_BATCH_BUCKETS if b < seqs] + [seqs]
+    batch_buckets = buckets.decode_buckets(seqs)
     runner = Runner(model_config, params, num_pages=num_pages, page_size=page_size,
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
                     mesh=mesh, max_decode_steps=config.num_scheduler_steps,
                     num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                     max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None)
+    logger.info("engine: backend %s (%s kernel) on %s; max_num_seqs %d, max_num_batched_tokens %d; %d KV pages "
+                "of %d tokens (%d tokens, %s); decode batch buckets %s", backend.name, backend.kernel,
+                _device_kind(), config.max_num_seqs, config.max_num_batched_tokens, num_pages,
+                page_size, num_pages * page_size, kv_dtype.name, list(runner.batch_buckets))
     draft_runner = None
     if spec is not None and spec.method == "draft_model":
         draft_runner = _draft_runner(config, model_config, draft, num_pages=num_pages, page_size=page_size,
@@ -108,6 +132,12 @@ def _planned_pages(config: EngineConfig, model_config, params: dict, draft, *, p
                        page_size=page_size, context=config.max_model_len, device_bytes=device,
                        memory_fraction=config.memory_fraction, kv_budget_bytes=budget,
                        max_num_batched_tokens=config.max_num_batched_tokens, weight_bytes=weight_bytes)
+    if plan.num_pages * page_size < config.max_model_len:
+        raise ValueError(f"the KV pages that fit ({plan.num_pages} of {page_size} tokens per dp group: "
+                         f"{plan.num_pages * page_size} tokens) do not hold one context of --max-model-len "
+                         f"{config.max_model_len}: lower --max-model-len, raise --memory-fraction (now "
+                         f"{config.memory_fraction:g}) or --kv-cache-bytes, shrink the pages with --kv-cache-dtype "
+                         "bfloat16 / int8 / fp8, or shard over more devices (--mesh tp=N, -tp N)")
     num_pages = plan.num_pages * dp
     if draft is not None:  # the same number of pages again, in the draft model's KV layout
         target_page, draft_page = (c.kv_bytes_per_token(kv_dtype.itemsize) for c in (plan_config, draft[0]))

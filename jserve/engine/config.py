@@ -16,7 +16,8 @@ from jserve.core.scheduler import SchedulerConfig
 from jserve.core.speculative import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")  # vLLM's --kv-cache-dtype; "auto": the weights'
-BACKEND_NAMES = ("cpu", "tpu", "gpu", "reference", "cpu_pallas")  # jserve.runtime.backends.NAMES
+BACKEND_NAMES = ("native", "xla", "xla-reference")  # jserve.runtime.backends.NAMES
+BACKEND_ALIASES = ("cpu", "tpu", "gpu", "reference", "cpu_pallas")  # jserve.runtime.backends.ALIASES
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")  # at load; "gguf": a GGUF file's own quantized weights
 QUALITY_GATES = ("enforce", "warn", "off")
 LOAD_FORMATS = ("auto", "dummy")
@@ -37,10 +38,22 @@ def parse_bytes(text: str) -> int:
 
 
 def _setting(default: Any, help: str, *, flag: str | None = "", parse: Callable | None = None,
-             choices: tuple | None = None) -> Any:
-    """A field with its command-line flag ("": from its name; None: no flag) and help."""
+             choices: tuple | None = None, old_flag: str | None = None) -> Any:
+    """A field with its command-line flag ("": from its name; None: no flag) and help; `old_flag`,
+    an older spelling still accepted, with a warning."""
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "parse": parse,
-                                                        "choices": choices})
+                                                        "choices": choices, "old_flag": old_flag})
+
+
+class _OldFlag(argparse.Action):
+    """Stores like "store", and warns (once per parse) when the older spelling was used."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == self.metadata_old_flag:
+            import logging
+
+            logging.getLogger("jserve").warning("%s is deprecated: use %s", option_string, self.option_strings[0])
+        setattr(namespace, self.dest, values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +63,12 @@ class EngineConfig:
     max_model_len: int | None = _setting(
         None, f"context length (prompt + output); default the model's, at most {DEFAULT_MAX_MODEL_LEN}",
         parse=int)
-    max_num_seqs: int = _setting(16, "sequences per step (the largest decode batch)", parse=int)
-    max_num_batched_tokens: int = _setting(512, "tokens computed per step (the largest prefill chunk)",
-                                           parse=int)
+    max_num_seqs: int | None = _setting(None, "sequences per step (the largest decode batch); default the "
+                                               "platform's (platform_defaults): 16 on a CPU, 256 on a TPU, "
+                                               "256 on a GPU (1024 with 70 GiB or more)", parse=int)
+    max_num_batched_tokens: int | None = _setting(
+        None, "tokens computed per step (the largest prefill chunk); default the platform's: 512 on a "
+              "CPU, 512 on a TPU v5e (1024 on a v6e), 2048 on a GPU (8192 with 70 GiB or more)", parse=int)
     enable_prefix_caching: bool = _setting(True, "reuse the KV pages of a cached prompt prefix")
     page_size: int | None = _setting(None, "tokens per KV page (default: the backend's, 64 on the native "
                                            "CPU backend, else 16)", parse=int)
@@ -62,9 +78,13 @@ class EngineConfig:
     memory_fraction: float = _setting(0.9, "of accelerator memory for the engine, when neither "
                                            "--num-pages nor --kv-cache-bytes is given", parse=float)
     seed: int = _setting(0, "seeds requests that give none")
-    backend: Any = _setting(None, "execution backend by its paged-attention kernel: cpu (native CPU "
-                                  "kernels), tpu, gpu, reference, cpu_pallas (XLA); default: the "
-                                  "platform's", flag="--attention-backend", choices=BACKEND_NAMES)
+    backend: Any = _setting(None, "how steps run: native (C++ kernels on a CPU), xla (XLA with the "
+                                  "platform's Pallas attention kernel: Mosaic on a TPU or GPU, the Pallas "
+                                  "interpreter on a CPU), xla-reference (XLA with dense attention); "
+                                  "default: native on a CPU, else xla. The older --attention-backend "
+                                  "names (cpu, tpu, gpu, reference, cpu_pallas) are aliases for one "
+                                  "release", choices=BACKEND_NAMES + BACKEND_ALIASES,
+                            old_flag="--attention-backend")
     kv_cache_dtype: str = _setting("auto", "KV page dtype (auto: the weights'); bfloat16 halves the KV "
                                            "bytes, int8 and fp8 (float8_e4m3fn codes with a float32 scale "
                                            "per token and KV head) about halve them again",
@@ -111,11 +131,11 @@ class EngineConfig:
                                                     "(default: per scheme)", parse=float)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("max_model_len", "page_size", "num_pages", "kv_cache_bytes"):
+        if not isinstance(self.num_scheduler_steps, int) or isinstance(self.num_scheduler_steps, bool) \
+                or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages",
+                     "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -123,8 +143,9 @@ class EngineConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if isinstance(self.backend, str) and self.backend not in BACKEND_NAMES:
-            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        if isinstance(self.backend, str) and self.backend not in BACKEND_NAMES + BACKEND_ALIASES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES} (or the older {BACKEND_ALIASES}), "
+                             f"got {self.backend!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.quantization_group_size is not None and (
@@ -162,8 +183,24 @@ class EngineConfig:
             raise ValueError(f"unknown engine setting {unknown[0]!r}; the settings are: {', '.join(names)}")
         return cls(**settings)
 
+    def with_platform_defaults(self, platform: str, device_kind: str = "",
+                               device_memory: int | None = None) -> "EngineConfig":
+        """The config with `max_num_seqs` and `max_num_batched_tokens` that were left None set to
+        `platform_defaults`' (a native backend counts as a CPU)."""
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            return self
+        if self.backend in ("native", "cpu"):
+            platform = "cpu"
+        seqs, tokens = platform_defaults(platform, device_kind, device_memory)
+        tokens = self.max_num_batched_tokens or tokens
+        return dataclasses.replace(self, max_num_batched_tokens=tokens,
+                                   max_num_seqs=self.max_num_seqs or min(seqs, tokens))
+
     def scheduler_config(self, dp: int = 1, max_model_len: int | None = None) -> SchedulerConfig:
         """The scheduler's knobs; with `dp` groups, each group's share of seqs and tokens."""
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            raise ValueError("max_num_seqs and max_num_batched_tokens are settled first "
+                             "(EngineConfig.with_platform_defaults)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) % dp:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of dp ({dp})")
@@ -172,6 +209,24 @@ class EngineConfig:
                                max_model_len=max_model_len or self.max_model_len,
                                enable_prefix_caching=self.enable_prefix_caching,
                                num_scheduler_steps=self.num_scheduler_steps)
+
+
+_LARGE_GPUS = ("h100", "h200", "h20", "gh200", "b100", "b200", "gb200", "mi300", "mi325", "mi355")
+
+
+def platform_defaults(platform: str, device_kind: str = "", device_memory: int | None = None) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) for a device: a CPU's fit two cores; a TPU's and a
+    GPU's are vLLM's for its API server (`EngineArgs.get_batch_defaults`): by TPU generation, and
+    by GPU memory (70 GiB or more, A100s excepted, batch more). `device_memory` is what JAX's
+    allocator may use (75 % of an H100's 80 GiB by default), so the large GPUs are also known by name."""
+    if platform == "tpu":
+        kind = device_kind.lower()
+        return 256, 1024 if ("v6" in kind or "trillium" in kind) else 512
+    if platform == "gpu":
+        kind = device_kind.lower()
+        big = (any(name in kind for name in _LARGE_GPUS) or (device_memory or 0) >= 70 * 2**30) and "a100" not in kind
+        return (1024, 8192) if big else (256, 2048)
+    return 16, 512
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:
@@ -190,7 +245,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...]
             kwargs["type"] = meta["parse"] or (int if isinstance(f.default, int) else str)
             if meta["choices"]:
                 kwargs["choices"] = list(meta["choices"])
-        group.add_argument(flag, **kwargs)
+        flags = [flag]
+        if meta["old_flag"]:
+            flags.append(meta["old_flag"])
+            kwargs["action"] = _OldFlag
+        action = group.add_argument(*flags, **kwargs)
+        action.metadata_old_flag = meta["old_flag"]
         names.append(f.name)
     parser.set_defaults(engine_settings=tuple(names))
 

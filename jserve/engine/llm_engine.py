@@ -334,6 +334,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": sum(t.num_prefix_hit_tokens for t in self.page_tables),
             "prefix_cache_query_tokens": sum(t.num_prefix_query_tokens for t in self.page_tables),
             "padded_token_fraction": (padded - real) / padded if padded else 0.0,
+            "computed_tokens": real,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             **self._idle_stats(),

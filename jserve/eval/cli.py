@@ -42,8 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "(llama-perplexity's --chunks)")
     p.add_argument("--batch-size", type=int, default=4, help="chunks per forward pass (memory: ~50 MB of "
                    "logits per chunk and model at a 49k vocabulary)")
-    p.add_argument("--attention-backend", dest="backend", default=None,
-                   help="execution backend (default: the platform's, as the engine picks)")
+    p.add_argument("--backend", "--attention-backend", dest="backend", default=None,
+                   help="execution backend, as serve's --backend (default: the platform's)")
     p.add_argument("--no-greedy", action="store_true", help="skip greedy agreement on the golden prompts")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--out", default=None, help="also write the JSON report to this file")

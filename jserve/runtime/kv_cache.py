@@ -120,8 +120,15 @@ def plan_memory(config: ModelConfig, *, weight_dtype_bytes: int, kv_dtype: str =
         usable = int(device_bytes * memory_fraction)
         budget = usable - weights - acts
     if budget < 2 * per_token * page_size:
-        raise ValueError(f"no room for KV pages: {budget / 2**20:.1f} MiB left after "
-                         f"{weights / 2**20:.1f} MiB of weights and {acts / 2**20:.1f} MiB of activations")
+        where = (f"--kv-cache-bytes {kv_budget_bytes}" if kv_budget_bytes is not None else
+                 f"{memory_fraction:g} (--memory-fraction) of {device_bytes / 2**30:.1f} GiB")
+        raise ValueError(f"no room for KV pages: {budget / 2**20:.1f} MiB left of {where} after "
+                         f"{weights / 2**20:.1f} MiB of weights and {acts / 2**20:.1f} MiB of activations "
+                         f"(--max-num-batched-tokens {max_num_batched_tokens}); a page of {page_size} tokens "
+                         f"needs {per_token * page_size / 2**20:.2f} MiB. Raise --memory-fraction or "
+                         "--kv-cache-bytes, lower --max-num-batched-tokens, shrink the pages with "
+                         "--kv-cache-dtype bfloat16 / int8 / fp8 or the weights with --quantization, or shard "
+                         "them over more devices (--mesh tp=N, -tp N)")
     return MemoryPlan(device_bytes=int(device_bytes), usable_bytes=int(usable), weight_bytes=int(weights),
                       activation_bytes=int(acts), kv_bytes_per_token=per_token, page_size=page_size,
                       num_pages=int(budget // (per_token * page_size)), context=context)

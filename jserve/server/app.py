@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from jserve import __version__
 from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jserve.server import fields, protocol, tokenizer_pool, watchdog
 from jserve.server.body import read_json
@@ -36,7 +37,7 @@ from jserve.structured.grammar import GrammarBusy, GrammarError
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-_OPEN_PATHS = ("/health", "/metrics")
+_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 def quantization_summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -100,6 +101,7 @@ class ServerState:
         self.shutting_down = False
         self.fatal: str | None = None  # watchdog.DEAD / HUNG once the engine is declared dead
         self.num_in_flight = 0  # engine requests (sequences) started and not yet finished
+        self.num_finished = 0  # HTTP requests the engine has finished with (the stats line)
         self.created = int(time.time())
         self.quantization: dict[str, Any] | None = None  # quantization_summary, once attached
         self._idle: asyncio.Event | None = None
@@ -181,6 +183,7 @@ class ServerState:
         """Count them out again, once the engine is done with them."""
         self.admission.give_back(seqs, tokens)
         self.num_in_flight -= seqs
+        self.num_finished += 1
         self.metrics.in_flight.set(self.num_in_flight)
         if self.num_in_flight == 0 and self._idle is not None:
             self._idle.set()
@@ -195,6 +198,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
     app[STATE] = state
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
@@ -272,6 +276,10 @@ async def health(request: web.Request) -> web.Response:
     if problem is None:
         return web.json_response({"status": "ok"})
     return web.json_response({"status": problem}, status=503)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import gc
 import logging
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from jserve.model.named import DEFAULT_MODEL, NAMED_MODELS, named_model
+from jserve.server import logs
 from jserve.server.http import Timeouts
 from jserve.server.limits import Limits
 from jserve.server.watchdog import DEFAULT_STEP_TIMEOUT
@@ -57,6 +59,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to `jserve`'s subparsers (its func: `serve_command`)."""
     from jserve.engine.config import SERVE_DEFAULTS, add_engine_args, parse_bytes
     from jserve.runtime.distributed import add_multihost_args
+    from jserve.vllm_args import add_vllm_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", default=None, help=MODEL_HELP)
@@ -68,8 +71,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="start from a compile artifact made by `jserve warmup --out DIR` (a mismatch "
                    "is named in the log, then the steps compile as usual)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable); "
                    "default: the comma-separated keys in $JSERVE_API_KEY (kept out of the process list); "
                    "none: no auth")
@@ -86,6 +89,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "implies; without one, 'auto' is refused and 'required' / named tools still work)")
     p.add_argument("--tokenizer-workers", type=int, default=1,
                    help="processes that tokenize large inputs off the event loop (0: tokenize inline)")
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", default="info", choices=logs.LEVELS)
+    g.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                   help="text: timestamped lines; json: one JSON object a line")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between stats lines while requests run")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request as it arrives (id, route, model, prompt tokens, sampling) and finishes")
     g = p.add_argument_group("limits (429 past the admission ones, 400 past the per-request ones)")
     for field in dataclasses.fields(Limits):
         g.add_argument("--" + field.name.replace("_", "-"), type=int, default=None, help=_LIMIT_HELP[field.name])
@@ -104,6 +116,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     add_engine_args(p)  # --seed among them
+    add_vllm_args(p)
     p.set_defaults(**SERVE_DEFAULTS)
     add_multihost_args(p)
     p.set_defaults(func=serve_command)
@@ -115,6 +128,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from jserve.runtime import distributed
     from jserve.text.chat_template import load_chat_template
 
+    logs.configure(args.log_level, args.log_format)
     limits(args)  # bad values fail before the model loads
     load_chat_template(args.chat_template)  # as does a bad template
     check_model(args.model, keep_quantized=args.quantization == "gguf")  # or a named model's missing package
@@ -216,8 +230,15 @@ async def serve(args: argparse.Namespace) -> int:
                         tool_call_parser=args.tool_call_parser)
     runner = web.AppRunner(build_app(state, max_body_bytes=args.max_body_bytes), **state.timeouts.runner_kwargs())
     await runner.setup()
-    await CappedSite(runner, args.host, args.port, max_connections=state.timeouts.max_connections).start()
-    logger.warning("listening on http://%s:%d (warming up)", args.host, args.port)
+    try:
+        await CappedSite(runner, args.host, args.port, max_connections=state.timeouts.max_connections).start()
+    except OSError as e:
+        await runner.cleanup()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {args.port} on {args.host} is in use (another server?): stop it or pass "
+                             "--port") from None
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    logger.info("listening on http://%s:%d (warming up)", args.host, args.port)
 
     # A daemon thread, not to_thread: a signal during loading must not wait for the load to end.
     loaded: asyncio.Future = loop.create_future()
@@ -236,11 +257,15 @@ async def serve(args: argparse.Namespace) -> int:
         llm = loaded.result()  # a load error propagates: exit non-zero
         frozen = freeze_startup_heap()
         state.attach(AsyncLLMEngine(llm.engine))
-        logger.warning("ready: serving %s on http://%s:%d (%d startup objects frozen out of the garbage "
-                       "collector)", ", ".join(names), args.host, args.port, frozen)
+        logger.info("ready: serving %s on http://%s:%d (%d startup objects frozen out of the garbage "
+                    "collector)", ", ".join(names), args.host, args.port, frozen)
+        stats = None if args.disable_log_stats else asyncio.ensure_future(logs.StatsLine(
+            state.engine.stats, lambda: state.num_finished, args.log_stats_interval).run())
         await stopping
+        if stats is not None:
+            stats.cancel()
     if state.fatal is None:
-        logger.warning("shutting down (grace period %.0f s)", args.grace_period)
+        logger.info("shutting down (grace period %.0f s)", args.grace_period)
     await state.drain(args.grace_period)
     if loaded.done() and loaded.exception() is None and state.fatal != HUNG:
         # The engine thread has stopped (no step in flight): the followers, then the lazy

@@ -1,8 +1,10 @@
 """Backends: how the paged runner's steps execute (`Backend`, the runtime's one seam).
 
-`create(name)` builds one by its `--attention-backend` name: "cpu" is the native CPU backend;
-"tpu", "gpu", "reference" and "cpu_pallas" are the XLA backend with that attention kernel; None
-picks the platform's (native on a CPU, XLA elsewhere).
+`create(name)` builds one by its `--backend` name: "native" (the native CPU kernels), "xla" (XLA
+with the platform's Pallas attention kernel: Mosaic on a TPU or GPU, Pallas' interpreter on a
+CPU) or "xla-reference" (XLA with the dense reference attention); None picks the platform's
+(native on a CPU, XLA elsewhere). The older names, which name the attention kernel, stay as
+aliases (`ALIASES`): "cpu", and "tpu", "gpu", "cpu_pallas", "reference" for that XLA kernel.
 """
 
 from __future__ import annotations
@@ -17,34 +19,48 @@ from jserve.runtime.backends.native_cpu import NativeCpuBackend
 from jserve.runtime.backends.xla import KERNELS as XLA_KERNELS
 from jserve.runtime.backends.xla import XlaBackend
 
-NAMES = ("cpu", *XLA_KERNELS)
+NAMES = ("native", "xla", "xla-reference")
+# The older names, each naming its attention kernel: kept as aliases of the backend that runs it.
+ALIASES = {"cpu": "native", "reference": "xla-reference", **{k: "xla" for k in XLA_KERNELS if k != "reference"}}
 
-__all__ = ["NAMES", "Backend", "NativeCpuBackend", "XlaBackend", "create", "default_name", "prebuild"]
+__all__ = ["ALIASES", "NAMES", "Backend", "NativeCpuBackend", "XlaBackend", "canonical_name", "create",
+           "default_name", "prebuild"]
 
 
 def default_name() -> str:
-    """The backend for this platform: the XLA one with Mosaic kernels on TPU and GPU, else native."""
-    return {"tpu": "tpu", "gpu": "gpu"}.get(jax.devices()[0].platform, "cpu")
+    """The backend for this platform: XLA with the Mosaic kernels on TPU and GPU, else native."""
+    return "xla" if jax.devices()[0].platform in ("tpu", "gpu") else "native"
+
+
+def canonical_name(name: str | None) -> str:
+    """`name` (None: the platform's, an alias: its backend) as one of `NAMES`; ValueError naming
+    an unknown one."""
+    name = name or default_name()
+    if name in NAMES:
+        return name
+    if name in ALIASES:
+        return ALIASES[name]
+    raise ValueError(f"backend must be one of {NAMES} (or the older {tuple(ALIASES)}), got {name!r}")
 
 
 def create(name: str | Backend | None = None, *, mesh: Any = None, **options: Any) -> Backend:
     """The backend called `name` (a Backend passes through); `options` go to its constructor
-    (`huge_pages`, and `native_matmuls` for "cpu" or `scan` for the XLA ones). Another backend's
+    (`huge_pages`, and `native_matmuls` for "native" or `scan` for the XLA ones). Another backend's
     option at its default value is ignored (callers such as the Runner pass both); set to anything
     else it is a ValueError naming it."""
     if isinstance(name, Backend):
         return name
-    name = name or default_name()
-    if name == "cpu":
+    backend = canonical_name(name)
+    if backend == "native":
         if options.pop("scan", True) is not True:
-            raise ValueError("scan is an option of the XLA backends; the native CPU backend ('cpu') runs its "
+            raise ValueError("scan is an option of the XLA backends; the native CPU backend ('native') runs its "
                              "layers unrolled")
         return NativeCpuBackend(mesh=mesh, **options)
-    if name in XLA_KERNELS:
-        if options.pop("native_matmuls", True) is not True:
-            raise ValueError(f"native_matmuls is an option of the native CPU backend ('cpu'), not of {name!r}")
-        return XlaBackend(name, mesh=mesh, **options)
-    raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
+    if options.pop("native_matmuls", True) is not True:
+        raise ValueError(f"native_matmuls is an option of the native CPU backend ('native'), not of {name!r}")
+    # An alias names its kernel exactly ("tpu" lowers the Mosaic TPU kernel on any host, for export).
+    kernel = "reference" if backend == "xla-reference" else (name if name in XLA_KERNELS else None)
+    return XlaBackend(kernel, mesh=mesh, **options)
 
 
 def prebuild(name: str | Backend | None = None, *, quantized_weights: bool = False,
@@ -56,7 +72,7 @@ def prebuild(name: str | Backend | None = None, *, quantized_weights: bool = Fal
     starting them one after another. The float kernels always; the builds with the quantized
     kernels too for quantized weights (the matmul and the decoder layer) and KV pages (the
     attention). Nothing to do (no threads) for an XLA backend."""
-    if isinstance(name, Backend) or (name or default_name()) != "cpu":
+    if isinstance(name, Backend) or canonical_name(name) != "native":
         return []
     from pallas_kernels.native import decoder_layer, matmul, paged_attention
 

@@ -31,7 +31,7 @@ class Backend(abc.ABC):
       huge_pages: back CPU weights and KV pages with transparent huge pages where the OS allows.
     """
 
-    name: str  # what `--attention-backend` calls it
+    name: str  # what `--backend` calls it (`backends.NAMES`)
     param_layout: str  # "list" or "stacked" (`jserve.model.LAYOUTS`)
     kv_layout: str  # "per_layer" or "folded" (`jserve.runtime.kv_cache.KV_LAYOUTS`)
     default_page_size: int  # tokens per KV page when the user gives none

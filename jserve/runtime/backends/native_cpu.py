@@ -60,7 +60,7 @@ class NativeCpuBackend(Backend):
         tests and benchmarks that compare the two.
     """
 
-    name = "cpu"
+    name = "native"
     param_layout = "list"
     kv_layout = "per_layer"
     default_page_size = 64  # scattered pages read faster in larger chunks (docs/performance.md)

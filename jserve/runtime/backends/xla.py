@@ -51,7 +51,7 @@ class XlaBackend(Backend):
         if kernel not in KERNELS:
             raise ValueError(f"the XLA backend's attention kernel must be one of {KERNELS}, got {kernel!r}")
         super().__init__(kernel, mesh=mesh, huge_pages=huge_pages)
-        self.name = kernel
+        self.name = "xla-reference" if kernel == "reference" else "xla"
         self.scan = scan
         if not scan:
             self.param_layout = "list"
