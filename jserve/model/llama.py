@@ -16,11 +16,11 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jserve.model import moe, quant
-from jserve.model.config import LAYER_MATMULS, LONG_ROPE_FLAG, ModelConfig, rope_inv_freq
+from jserve.model.config import LAYER_MATMULS, ModelConfig
+from jserve.model.rotary import apply_rotary, model_rotary_tables
 
 
 class AttentionSpec(NamedTuple):
@@ -98,52 +98,6 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def rotary_tables(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [batch, tokens, 1, rope_dim] for `apply_rotary`, once per step for all layers;
-    `inv_freq` [rope_dim / 2], or per token [batch, tokens, rope_dim / 2]; both times `scale`
-    (LongRoPE's attention factor) where it is not 1.
-
-    (Computed once: inside every layer, XLA:CPU evaluates a sin and a cos table per layer.)
-    """
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, rope_dim/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    # The barrier materialises the tables: without it XLA fuses sin and cos into every layer's
-    # rotation and evaluates them per element of q and k.
-    return jax.lax.optimization_barrier((cos, sin))
-
-
-def model_rotary_tables(config: ModelConfig, positions: jax.Array, local: bool = False):
-    """The step's `rotary_tables` for `config` (`local`: Gemma 3's sliding layers'). With LongRoPE
-    a position may carry `LONG_ROPE_FLAG` (its sequence is longer than the original context:
-    `ModelConfig.long_rope`): that token rotates by the long factors, the others by the short ones,
-    both times the attention factor."""
-    def inv(long=False):
-        return jnp.asarray(np.asarray(rope_inv_freq(config, local, long=long), np.float32))
-
-    if local or config.long_rope_after is None:
-        return rotary_tables(positions, inv())
-    long = positions >= LONG_ROPE_FLAG
-    per_token = jnp.where(long[..., None], inv(long=True), inv())  # [batch, tokens, rope_dim / 2]
-    return rotary_tables(jnp.where(long, positions - LONG_ROPE_FLAG, positions), per_token,
-                         config.rope_scaling.attention_factor)
-
-
-def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half rotary embedding. x [batch, tokens, heads, head_dim]; cos, sin from rotary_tables,
-    [..., rope_dim]: with rope_dim < head_dim (partial rotary) the first rope_dim dims rotate, among
-    themselves, and the others pass unchanged."""
-    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-    dim = cos.shape[-1]
-    if dim < x.shape[-1]:
-        return jnp.concatenate([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], axis=-1)
-    half = dim // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float | None = 0.02) -> nnx.Param:
     if scale is None:  # norm weights
         return nnx.Param(jnp.ones(shape, dtype))
@@ -212,55 +166,70 @@ class DecoderLayer(nnx.Module):
         sliding layers have their own rotary base.
         """
         c = self.config
-        if sliding is None:
-            if c.mixed_layers and not isinstance(layer, int):
-                raise ValueError("a layer of a stack with sliding and full layers needs its kind "
-                                 "(sliding=...) when its index is traced")
-            sliding = c.layer_is_sliding(layer if isinstance(layer, int) else 0)
+        sliding = self._is_sliding(layer) if sliding is None else sliding
         if isinstance(cos, tuple):
             cos, sin = cos[int(sliding)], sin[int(sliding)]
         spec = AttentionSpec(c.attention_scale, c.sliding_window if sliding else None, c.attn_logit_softcap)
+        out, cache = self._attention(x, cos, sin, cache, layer, meta, ops, spec)
+        x = x + out
+        return x + self._mlp(self._norm(x, self.mlp_norm), ops), cache
+
+    def _is_sliding(self, layer: Any) -> bool:
+        """Whether layer `layer` is a sliding-window one, by the config."""
+        c = self.config
+        if c.mixed_layers and not isinstance(layer, int):
+            raise ValueError("a layer of a stack with sliding and full layers needs its kind "
+                             "(sliding=...) when its index is traced")
+        return c.layer_is_sliding(layer if isinstance(layer, int) else 0)
+
+    def _norm(self, h: jax.Array, weight: nnx.Param) -> jax.Array:
+        c = self.config
+        return rms_norm(h, weight[...], c.rms_norm_eps, c.norm_offset)
+
+    def _attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Any, layer: Any,
+                   meta: Any, ops: ModelOps, spec: AttentionSpec) -> tuple[jax.Array, Any]:
+        """The attention block's output (before the residual) and the cache with its K/V written."""
+        c = self.config
         B, T, _ = x.shape
-        D, F, qd, kvd = (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
-                         c.num_kv_heads * c.head_dim)
-        lin = ops.linear
-
-        def norm(h, weight):
-            return rms_norm(h, weight[...], c.rms_norm_eps, c.norm_offset)
-
-        h = norm(x, self.attn_norm)
-        q, k, v = lin(h, (_w(self.wq), _w(self.wk), _w(self.wv)), (qd, kvd, kvd))
+        qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h = self._norm(x, self.attn_norm)
+        q, k, v = ops.linear(h, (_w(self.wq), _w(self.wk), _w(self.wv)), (qd, kvd, kvd))
         if c.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(B, T, c.num_heads, c.head_dim)
         k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = norm(q, self.q_norm)
-            k = norm(k, self.k_norm)
+            q = self._norm(q, self.q_norm)
+            k = self._norm(k, self.k_norm)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         attn, cache = ops.attention(layer, q, k, v, cache, meta, spec)
-        out = lin(attn.reshape(B, T, qd), _w(self.wo), D)
+        out = ops.linear(attn.reshape(B, T, qd), _w(self.wo), c.hidden_size)
         if c.o_bias:
             out = out + self.bo[...]
         if c.post_norms:
-            out = norm(out, self.attn_post_norm)
-        x = x + out
-        h = norm(x, self.mlp_norm)
+            out = self._norm(out, self.attn_post_norm)
+        return out, cache
+
+    def _mlp(self, h: jax.Array, ops: ModelOps) -> jax.Array:
+        """The MLP block's output (before the residual) from its normed input `h`: the dense MLP or
+        the mixture of experts."""
+        c = self.config
+        D, F = c.hidden_size, c.intermediate_size
         if c.moe:
             down = moe.moe_mlp(self, h, ops)
         else:
-            gate, up = lin(h, (_w(self.w_gate), _w(self.w_up)), (F, F))
+            gate, up = ops.linear(h, (_w(self.w_gate), _w(self.w_up)), (F, F))
             if c.mlp_bias:
                 gate, up = gate + self.b_gate[...], up + self.b_up[...]
             act = jax.nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-            down = lin(act * up, _w(self.w_down), D)
+            down = ops.linear(act * up, _w(self.w_down), D)
             if c.mlp_bias:
                 down = down + self.b_down[...]
         if c.post_norms:
-            down = norm(down, self.mlp_post_norm)
-        return x + down, cache
+            down = self._norm(down, self.mlp_post_norm)
+        return down
 
 
 def unrolled_layers(layers: Any, x, cos, sin, cache, meta, ops: ModelOps):
