@@ -43,7 +43,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id)
-    logger.warning("process %d of %d, %d local / %d global devices", jax.process_index(),
+    logger.info("process %d of %d, %d local / %d global devices", jax.process_index(),
                    jax.process_count(), jax.local_device_count(), jax.device_count())
     return jax.process_index()
 
@@ -66,7 +66,7 @@ def from_args(args: argparse.Namespace) -> bool:
 def follow(llm) -> int:
     """A follower's whole job: run process 0's steps until it stops; returns the steps run."""
     steps = llm.engine.runner.follow()
-    logger.warning("process 0 stopped the run after %d steps", steps)
+    logger.info("process 0 stopped the run after %d steps", steps)
     return steps
 
 
