@@ -12,6 +12,7 @@ from typing import Sequence
 
 from jserve.engine.config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
 from jserve.runtime.distributed import add_multihost_args
+from jserve.server import logs
 from jserve.vllm_args import apply_vllm_args
 
 __all__ = ["add_engine_args", "add_multihost_args", "build_parser", "engine_kwargs", "main", "parse_bytes"]
@@ -408,8 +409,11 @@ def cpu_devices_for_mesh(mesh: str, environ=os.environ) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "log_format"):  # serve: a long-lived process logs with timestamps, at INFO
+        logs.configure(args.log_level, args.log_format)
+    else:
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
     try:
         apply_vllm_args(args)
         if getattr(args, "mesh", None) and args.func is not _plan and not getattr(args, "distributed", False):

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -140,6 +141,44 @@ def test_a_fault_mid_batch_ends_requests_cleanly_and_exits_one(smollm2_checkpoin
         log = proc.stderr.read()
         assert "injected fault" in log  # the cause is logged
         assert re.search(r"requests left in flight: 0, pages in use: 0", log), log[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_a_vllm_serve_command_line_runs_unchanged(smollm2_checkpoint):
+    """A typical `vllm serve` line (test_vllm_args.VLLM_LINE, its served name `llama` last; its host
+    and port are the test's)
+    starts the server: timestamped INFO lines, each no-op flag logged once, and a request with
+    the line's API key answered; then the periodic stats line."""
+    from test_vllm_args import VLLM_LINE
+
+    line = shlex.split(VLLM_LINE)
+    for flag in ("--host", "--port"):
+        i = line.index(flag)
+        del line[i:i + 2]
+    proc, url = _start(smollm2_checkpoint, *line, "--log-stats-interval", "0.5")
+    try:
+        async def chat():
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-test"}) as session:
+                body = {"model": "llama", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    result = await resp.json()
+                await asyncio.sleep(1.2)  # two stats intervals
+                async with session.get(url + "/version") as version:
+                    assert version.status == 200
+                return result
+
+        assert asyncio.run(chat())["usage"]["completion_tokens"] == 40
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        log = proc.stderr.read()
+        assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO jserve.server.cli: ready: serving llama", log,
+                         re.M), log
+        assert log.count("--trust-remote-code: accepted, no effect") == 1, log
+        assert re.search(r"INFO jserve.stats: [\d.]+ tokens/s computed, 1 requests finished", log), log
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -128,7 +128,6 @@ def serve_command(args: argparse.Namespace) -> int:
     from jserve.runtime import distributed
     from jserve.text.chat_template import load_chat_template
 
-    logs.configure(args.log_level, args.log_format)
     limits(args)  # bad values fail before the model loads
     load_chat_template(args.chat_template)  # as does a bad template
     check_model(args.model, keep_quantized=args.quantization == "gguf")  # or a named model's missing package
