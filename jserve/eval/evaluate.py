@@ -54,61 +54,22 @@ def evaluate_many(candidates: Sequence[EvalModel], reference: EvalModel | None =
     vocab = {m.config.vocab_size for m in models}
     if len(vocab) != 1:
         raise ValueError(f"the models' vocabularies differ ({sorted(vocab)}): KL needs the same one")
-    if tokens is None:
-        text = text or default_text()
-        tokens, bos = text_tokens(models[0], text)
-        for m in models[1:]:
-            if m.tokenizer is not None and m.tokenizer is not models[0].tokenizer and text_tokens(m, text)[0] != tokens:
-                raise ValueError(f"{m.label} and {models[0].label} tokenize the text differently")
-        text_info = {**text.describe(), "tokens": len(tokens)}
-    else:
-        tokens = [int(t) for t in tokens]
-        text_info = {**(text.describe() if text else {"source": "token ids", "sha256": "", "chars": 0}),
-                     "tokens": len(tokens)}
+    tokens, bos, text_info = _eval_tokens(models, text, tokens, bos)
     chunks = chunk_tokens(tokens, ctx, bos=bos, max_chunks=max_chunks)
     log(f"{len(tokens)} tokens -> {chunks.num_chunks} chunks of {ctx}, scoring {chunks.num_scored} tokens each, "
         f"{len(models)} models")
-
-    t0 = time.perf_counter()
-    scorers = [ScoringModel(m.config, m.params, backend, m.label) for m in models]
-    prepare_s = time.perf_counter() - t0
-    backend_name = scorers[0].backend.name
-    parts: list[list[dict[str, np.ndarray]]] = [[] for _ in candidates]
-    t0 = time.perf_counter()
-    for batches in zip(*(iter_logits(s, chunks, batch_size) for s in scorers)):
-        start, first_logits = batches[0]
-        n, vocab_size = first_logits.shape[0], first_logits.shape[-1]
-        targets = chunks.targets[start:start + n].reshape(-1)
-        ref = batches[-1][1].reshape(-1, vocab_size) if reference is not None else None
-        for i in range(len(candidates)):
-            parts[i].append(token_stats(batches[i][1].reshape(-1, vocab_size), targets, ref))
-        log(f"chunks {start + n}/{chunks.num_chunks} ({time.perf_counter() - t0:.0f} s)")
-    score_s = time.perf_counter() - t0
-    del scorers
-    all_targets = chunks.targets.reshape(-1)
-    summaries = [summarize({k: np.concatenate([p[k] for p in ps]) for k in ps[0]}, all_targets) for ps in parts]
-
+    summaries, backend_name, timings = _score(models, len(candidates), reference is not None, chunks,
+                                              batch_size, backend, log)
     greedy_results: list[dict | None] = [None] * len(candidates)
     greedy_s = [0.0] * len(candidates)
     if greedy and reference is not None:
-        source, prompts, max_tokens = greedy_mod.prompts_for(reference)
-        log(f"greedy generation: {len(prompts)} prompts x {max_tokens} tokens ({source})")
-        t0 = time.perf_counter()
-        ref_out = greedy_mod.generate_greedy(reference, prompts, max_tokens, backend)
-        ref_s = time.perf_counter() - t0
-        for i, c in enumerate(candidates):
-            t0 = time.perf_counter()
-            out = greedy_mod.generate_greedy(c, prompts, max_tokens, backend)
-            greedy_results[i] = {"source": source, "max_tokens": max_tokens, **greedy_mod.agreement(out, ref_out)}
-            greedy_s[i] = ref_s + time.perf_counter() - t0
+        greedy_results, greedy_s = _greedy(candidates, reference, backend, log)
 
     from jserve import __version__
 
     reports = []
     for i, (c, s) in enumerate(zip(candidates, summaries)):
-        timings = {"prepare": prepare_s, "score": score_s}
-        if greedy_results[i] is not None:
-            timings["greedy"] = greedy_s[i]
+        report_timings = {**timings, **({"greedy": greedy_s[i]} if greedy_results[i] is not None else {})}
         reports.append(EvalReport(
             candidate=c.describe(), reference=reference.describe() if reference is not None else None,
             text=text_info, ctx=ctx, first=chunks.first, bos=bos, chunks=chunks.num_chunks,
@@ -117,6 +78,66 @@ def evaluate_many(candidates: Sequence[EvalModel], reference: EvalModel | None =
             nll={"candidate": s["nll_q"], "reference": s.get("nll_r")},
             top1_accuracy={"candidate": s["top1_accuracy_q"], "reference": s.get("top1_accuracy_r")},
             ln_ppl_ratio=s.get("ln_ppl_ratio"), kl=s.get("kl"), top1_agreement=s.get("top1_agreement"),
-            rms_delta_p=s.get("rms_delta_p"), greedy=greedy_results[i], timings_s=timings,
+            rms_delta_p=s.get("rms_delta_p"), greedy=greedy_results[i], timings_s=report_timings,
             backend=backend_name, jserve_version=__version__))
     return reports
+
+
+def _eval_tokens(models: list[EvalModel], text: EvalText | None, tokens: Sequence[int] | None,
+                 bos: int | None) -> tuple[list[int], int | None, dict[str, Any]]:
+    """(tokens, bos, the report's text description): the given tokens, or `text` (default: the
+    pydoc prose) in the first model's tokenizer, which every other model's must match."""
+    if tokens is None:
+        text = text or default_text()
+        tokens, bos = text_tokens(models[0], text)
+        for m in models[1:]:
+            if m.tokenizer is not None and m.tokenizer is not models[0].tokenizer and text_tokens(m, text)[0] != tokens:
+                raise ValueError(f"{m.label} and {models[0].label} tokenize the text differently")
+        return tokens, bos, {**text.describe(), "tokens": len(tokens)}
+    tokens = [int(t) for t in tokens]
+    return tokens, bos, {**(text.describe() if text else {"source": "token ids", "sha256": "", "chars": 0}),
+                         "tokens": len(tokens)}
+
+
+def _score(models: list[EvalModel], num_candidates: int, with_reference: bool, chunks: Any, batch_size: int,
+           backend: Any, log: Callable[[str], None]) -> tuple[list[dict], str, dict[str, float]]:
+    """Run every model over the chunks in lockstep (the reference last in `models`): each
+    candidate's `summarize`d statistics, the backend's name and the prepare / score seconds."""
+    t0 = time.perf_counter()
+    scorers = [ScoringModel(m.config, m.params, backend, m.label) for m in models]
+    prepare_s = time.perf_counter() - t0
+    backend_name = scorers[0].backend.name
+    parts: list[list[dict[str, np.ndarray]]] = [[] for _ in range(num_candidates)]
+    t0 = time.perf_counter()
+    for batches in zip(*(iter_logits(s, chunks, batch_size) for s in scorers)):
+        start, first_logits = batches[0]
+        n, vocab_size = first_logits.shape[0], first_logits.shape[-1]
+        targets = chunks.targets[start:start + n].reshape(-1)
+        ref = batches[-1][1].reshape(-1, vocab_size) if with_reference else None
+        for i in range(num_candidates):
+            parts[i].append(token_stats(batches[i][1].reshape(-1, vocab_size), targets, ref))
+        log(f"chunks {start + n}/{chunks.num_chunks} ({time.perf_counter() - t0:.0f} s)")
+    score_s = time.perf_counter() - t0
+    del scorers
+    all_targets = chunks.targets.reshape(-1)
+    summaries = [summarize({k: np.concatenate([p[k] for p in ps]) for k in ps[0]}, all_targets) for ps in parts]
+    return summaries, backend_name, {"prepare": prepare_s, "score": score_s}
+
+
+def _greedy(candidates: Sequence[EvalModel], reference: EvalModel, backend: Any,
+            log: Callable[[str], None]) -> tuple[list[dict | None], list[float]]:
+    """Each candidate's greedy agreement with `reference` on the fixed prompts, and its seconds
+    (the reference's generation included)."""
+    source, prompts, max_tokens = greedy_mod.prompts_for(reference)
+    log(f"greedy generation: {len(prompts)} prompts x {max_tokens} tokens ({source})")
+    t0 = time.perf_counter()
+    ref_out = greedy_mod.generate_greedy(reference, prompts, max_tokens, backend)
+    ref_s = time.perf_counter() - t0
+    results: list[dict | None] = []
+    seconds = []
+    for c in candidates:
+        t0 = time.perf_counter()
+        out = greedy_mod.generate_greedy(c, prompts, max_tokens, backend)
+        results.append({"source": source, "max_tokens": max_tokens, **greedy_mod.agreement(out, ref_out)})
+        seconds.append(ref_s + time.perf_counter() - t0)
+    return results, seconds
