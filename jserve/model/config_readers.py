@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from jserve.model.config_moe import moe_from_gguf, moe_from_hf
 from jserve.model.rope import ROPE_TYPES, RopeScaling
 
 # HF `architectures` entry (or GGUF `general.architecture`) -> our family name.
@@ -112,46 +113,20 @@ def from_hf_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
         **kwargs,
-        **(_moe_from_hf(family, cfg) if family in MOE_FAMILIES else {}),
+        **(moe_from_hf(family, cfg) if family in MOE_FAMILIES else {}),
     )
+
 
 def _from_hf_gemma(family: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Gemma 2 (`gemma2`) or Gemma 3's text model (`gemma3_text`, alone or as a multimodal
     checkpoint's `text_config`), with transformers' defaults for the keys a config leaves out."""
-    if "text_config" in cfg:  # Gemma3ForConditionalGeneration: the language model's config
-        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
-        if cfg.get("model_type", "gemma3_text") != "gemma3_text":
-            raise ValueError(f"unsupported Gemma 3 text_config model_type {cfg['model_type']!r}")
+    cfg = _gemma_text_config(cfg)
     c = {**_GEMMA_DEFAULTS[family], **{k: v for k, v in cfg.items() if k in _GEMMA_DEFAULTS[family]
                                        and (v is not None or k.endswith("softcapping"))}}
-    if cfg.get("use_bidirectional_attention"):
-        raise ValueError("unsupported Gemma variant: use_bidirectional_attention (an embedding "
-                         "model, e.g. EmbeddingGemma) is not a causal decoder")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or c["hidden_activation"]
-    if act not in _GELU_TANH:
-        raise ValueError(f"unsupported Gemma hidden_activation {act!r} (supported: {', '.join(_GELU_TANH)})")
+    _check_gemma_variant(cfg, c)
     layers = int(c["num_hidden_layers"])
-    types = cfg.get("layer_types")
-    if types is None:  # older configs: Gemma 2 alternates; Gemma 3 has one full layer in `pattern`
-        pattern = 2 if family == "gemma2" else int(cfg.get("sliding_window_pattern")
-                                                   or cfg.get("_sliding_window_pattern") or 6)
-        types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-    unknown = sorted(set(types) - {SLIDING, FULL})
-    if unknown:
-        raise ValueError(f"unsupported Gemma layer types {unknown} (supported: {SLIDING}, {FULL})")
-    # Rotary settings: transformers 5 writes `rope_parameters` (per layer type for Gemma 3);
-    # 4.x top-level rope_theta / rope_scaling / rope_local_base_freq.
-    rope = dict(cfg.get("rope_parameters") or {})
-    local_theta = None
-    if family == "gemma3":
-        full = dict(rope.get(FULL) or {})
-        local = dict(rope.get(SLIDING) or {})
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported rotary scaling on Gemma 3's sliding layers: {local!r}")
-        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq") or c["rope_local_base_freq"]))
-        rope = full
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta") or c["rope_theta"]))
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    types = _gemma_layer_types(family, cfg, layers)
+    theta, scaling, local_theta = _gemma_rope(family, cfg, c)
     attention_bias = bool(cfg.get("attention_bias", False))
     eos = c["eos_token_id"]
     soft = c["attn_logit_softcapping"]
@@ -187,6 +162,60 @@ def _from_hf_gemma(family: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
         rope_local_theta=local_theta,
     )
 
+
+def _gemma_text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A Gemma 3 multimodal checkpoint's (Gemma3ForConditionalGeneration) language model's
+    config, with the checkpoint's architectures; any other config itself."""
+    if "text_config" not in cfg:
+        return cfg
+    cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+    if cfg.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ValueError(f"unsupported Gemma 3 text_config model_type {cfg['model_type']!r}")
+    return cfg
+
+
+def _check_gemma_variant(cfg: Mapping[str, Any], c: Mapping[str, Any]) -> None:
+    """Refuse the Gemma variants the layer does not implement (`c`: cfg over the defaults)."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("unsupported Gemma variant: use_bidirectional_attention (an embedding "
+                         "model, e.g. EmbeddingGemma) is not a causal decoder")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or c["hidden_activation"]
+    if act not in _GELU_TANH:
+        raise ValueError(f"unsupported Gemma hidden_activation {act!r} (supported: {', '.join(_GELU_TANH)})")
+
+
+def _gemma_layer_types(family: str, cfg: Mapping[str, Any], layers: int) -> list[str]:
+    """Each layer's kind (SLIDING or FULL): `layer_types`, or from an older config's pattern."""
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: Gemma 2 alternates; Gemma 3 has one full layer in `pattern`
+        pattern = 2 if family == "gemma2" else int(cfg.get("sliding_window_pattern")
+                                                   or cfg.get("_sliding_window_pattern") or 6)
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    unknown = sorted(set(types) - {SLIDING, FULL})
+    if unknown:
+        raise ValueError(f"unsupported Gemma layer types {unknown} (supported: {SLIDING}, {FULL})")
+    return types
+
+
+def _gemma_rope(family: str, cfg: Mapping[str, Any], c: Mapping[str, Any]) -> tuple[float, Any, float | None]:
+    """(rope_theta, the rope_scaling dict or None, Gemma 3's sliding layers' base or None).
+
+    transformers 5 writes `rope_parameters` (per layer type for Gemma 3); 4.x top-level
+    rope_theta / rope_scaling / rope_local_base_freq."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    local_theta = None
+    if family == "gemma3":
+        full = dict(rope.get(FULL) or {})
+        local = dict(rope.get(SLIDING) or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rotary scaling on Gemma 3's sliding layers: {local!r}")
+        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq") or c["rope_local_base_freq"]))
+        rope = full
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta") or c["rope_theta"]))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    return theta, scaling, local_theta
+
+
 def from_gguf_metadata(meta: Mapping[str, Any], *, has_output_tensor: bool,
                        has_qkv_bias: bool = False,
                        rope_factors: tuple[Any, Any] | None = None) -> dict[str, Any]:
@@ -198,14 +227,7 @@ def from_gguf_metadata(meta: Mapping[str, Any], *, has_output_tensor: bool,
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
                          f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
 
-    def get(key, default=None, required=False):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            if required:
-                raise ValueError(f"GGUF metadata lacks required key {full!r}")
-            return default
-        return meta[full]
-
+    get = _gguf_getter(meta, arch)
     hidden = int(get("embedding_length", required=True))
     num_heads = int(get("attention.head_count", required=True))
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
@@ -225,7 +247,7 @@ def from_gguf_metadata(meta: Mapping[str, Any], *, has_output_tensor: bool,
     elif rope_factors is not None:
         raise ValueError(f"GGUF tensors rope_factors_long / rope_factors_short (LongRoPE) are supported "
                          f"for phi3 only, not {arch!r}")
-    moe = _moe_from_gguf(arch, get)
+    moe = moe_from_gguf(arch, get)
     family = "mixtral" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch]
     return dict(
         architecture=family,
@@ -249,6 +271,21 @@ def from_gguf_metadata(meta: Mapping[str, Any], *, has_output_tensor: bool,
         **moe,
         **phi3,
     )
+
+
+def _gguf_getter(meta: Mapping[str, Any], arch: str):
+    """`get(key, default=None, required=False)`: metadata key `{arch}.{key}`; a missing required
+    key is a ValueError naming it."""
+    def get(key, default=None, required=False):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            if required:
+                raise ValueError(f"GGUF metadata lacks required key {full!r}")
+            return default
+        return meta[full]
+
+    return get
+
 
 def _from_gguf_gemma(arch: str, meta: Mapping[str, Any], get, *, vocab: int, scaling,
                      has_output_tensor: bool) -> dict[str, Any]:
@@ -305,49 +342,6 @@ def _from_gguf_gemma(arch: str, meta: Mapping[str, Any], get, *, vocab: int, sca
         final_logit_softcap=float(final) if final else None,
         rope_local_theta=float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
     )
-
-
-def _moe_from_hf(family: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The experts of a Qwen3-MoE, Qwen2-MoE or Mixtral config.json. Supported: every layer sparse
-    (the checkpoint layout stacks one kind of layer), SwiGLU experts, softmax routing."""
-    if family == "mixtral":
-        experts, width, norm = cfg.get("num_local_experts", 8), cfg["intermediate_size"], True
-    else:  # transformers 5 saves Qwen's num_experts as num_local_experts
-        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
-        width, norm = cfg.get("moe_intermediate_size", 0), bool(cfg.get("norm_topk_prob", False))
-        if experts and (int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers")):
-            raise ValueError(f"unsupported {family} variant: dense MLP layers among the sparse ones "
-                             f"(decoder_sparse_step {cfg.get('decoder_sparse_step')}, mlp_only_layers "
-                             f"{cfg.get('mlp_only_layers')}); only every layer sparse is supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported {family} hidden_act {cfg.get('hidden_act')!r} (supported: silu)")
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
-    return dict(num_experts=int(experts), num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
-                norm_topk_prob=norm, moe_intermediate_size=int(width), shared_expert_intermediate_size=shared,
-                shared_expert_gate=shared > 0)
-
-
-def _moe_from_gguf(arch: str, get) -> dict[str, Any]:
-    """The experts llama.cpp's converter records ({arch}.expert_count, expert_used_count,
-    expert_feed_forward_length, expert_shared_feed_forward_length); llama.cpp renormalises the
-    top-k weights for Mixtral and Qwen3-MoE and not for Qwen2-MoE (`expert_weights_norm`, where
-    written, wins)."""
-    experts = int(get("expert_count", 0) or 0)
-    if not experts:
-        if arch in ("qwen3moe", "qwen2moe"):
-            raise ValueError(f"GGUF metadata lacks {arch}.expert_count")
-        return {}
-    if arch not in ("llama", "qwen3moe", "qwen2moe"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} with experts (supported: llama (Mixtral), "
-                         f"qwen3moe, qwen2moe)")
-    width = get("expert_feed_forward_length") if arch != "llama" else get("feed_forward_length")
-    if width is None:
-        raise ValueError(f"GGUF metadata lacks {arch}.expert_feed_forward_length")
-    shared = int(get("expert_shared_feed_forward_length", 0) or 0) if arch == "qwen2moe" else 0
-    return dict(num_experts=experts, num_experts_per_tok=int(get("expert_used_count", required=True)),
-                norm_topk_prob=bool(get("expert_weights_norm", arch != "qwen2moe")),
-                moe_intermediate_size=int(width), shared_expert_intermediate_size=shared,
-                shared_expert_gate=shared > 0)
 
 
 def _check_phi3(cfg: Mapping[str, Any]) -> None:

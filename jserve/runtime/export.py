@@ -2,8 +2,8 @@
 decode, prefill and mixed steps (the ragged kernel), the speculative verify step and the sampler,
 with the platform's real kernels, over abstract weights and pages, so nothing of the model's size
 is allocated (an 8B model's steps export on a laptop). CI runs it for TPU and CUDA: a change that
-breaks accelerator lowering fails the suite (tests/test_export.py); `scripts/export_steps.py`
-does it by hand.
+breaks accelerator lowering fails the suite (tests/test_export.py); `jserve export` does it by
+hand.
 """
 
 from __future__ import annotations
@@ -51,60 +51,99 @@ def export_steps(config: ModelConfig, platform: str, *, dtype: str = "bfloat16",
     The weights are `dtype` and the KV pages bfloat16 (what the GPU kernel takes)."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {tuple(PLATFORMS)}, got {platform!r}")
-    backend = create_backend(PLATFORMS[platform])
-    wdtype = jnp.dtype(dtype)
-    stacked = {k: jax.ShapeDtypeStruct(s, wdtype) for k, s in param_shapes(config).items()}
-    params = jax.eval_shape(functools.partial(backend.prepare_params, config), stacked)
-    kv = jax.eval_shape(lambda: backend.init_kv(config, num_pages, page_size, jnp.bfloat16, None))
-    ops = backend.ops(config)
-    graphdef = model_graphdef(config, backend.param_layout)
-    max_pages = math.ceil(max_model_len / page_size)
+    steps = _StepExporter.build(config, platform, jnp.dtype(dtype), page_size, num_pages, max_model_len)
     token_buckets = tuple(t for t in token_buckets if t <= max_model_len)
+    for B in batch_buckets:
+        yield steps.decode(B)
+    for T in token_buckets:  # a prefill: one chunk
+        yield steps.mixed("prefill", [steps.row(T)], T)
+    if token_buckets:  # decode rows and a chunk in one call
+        B, T = max(batch_buckets), token_buckets[-1]
+        yield steps.mixed("mixed", [steps.row(1)] * (B - 1) + [steps.row(T - B + 1)], T)
+    if num_speculative_tokens:
+        yield steps.verify(batch_buckets[0], num_speculative_tokens)
+    for B in batch_buckets:
+        yield steps.sample(B)
 
-    def inputs(B: int, T: int, drafts: int = 0):
-        rows = [StepRow(0, [0] * (T - drafts), [0] * max_pages, draft_ids=[0] * drafts)] * B
+
+@dataclasses.dataclass(frozen=True)
+class _StepExporter:
+    """What every exported step shares (the platform, the abstract weights and KV pages, the
+    model's structure and operations), and the export of each kind of step."""
+
+    config: ModelConfig
+    platform: str
+    params: Any
+    kv: Any
+    graphdef: Any
+    ops: Any
+    page_size: int
+    max_model_len: int
+
+    @classmethod
+    def build(cls, config: ModelConfig, platform: str, wdtype: Any, page_size: int, num_pages: int,
+              max_model_len: int) -> "_StepExporter":
+        backend = create_backend(PLATFORMS[platform])
+        stacked = {k: jax.ShapeDtypeStruct(s, wdtype) for k, s in param_shapes(config).items()}
+        params = jax.eval_shape(functools.partial(backend.prepare_params, config), stacked)
+        kv = jax.eval_shape(lambda: backend.init_kv(config, num_pages, page_size, jnp.bfloat16, None))
+        return cls(config, platform, params, kv, model_graphdef(config, backend.param_layout),
+                   backend.ops(config), page_size, max_model_len)
+
+    @property
+    def max_pages(self) -> int:
+        return math.ceil(self.max_model_len / self.page_size)
+
+    def row(self, num_tokens: int, num_drafts: int = 0) -> StepRow:
+        """A row of `num_tokens` tokens (then `num_drafts` draft tokens) over a whole context's pages."""
+        return StepRow(0, [0] * num_tokens, [0] * self.max_pages, draft_ids=[0] * num_drafts)
+
+    def inputs(self, B: int, T: int, drafts: int = 0):
+        """A padded step's packed inputs, greedy sampling rows and an empty penalty history."""
+        rows = [self.row(T - drafts, drafts)] * B
         packed = step_rows.pack([dataclasses.replace(r, token_ids=[*r.token_ids, *r.draft_ids]) for r in rows],
-                                B, T, max_pages=max_pages, page_size=page_size)
+                                B, T, max_pages=self.max_pages, page_size=self.page_size)
         sampling = SamplingArrays.build([None] * B, B)
-        history = penalty_history([], B, max_model_len, config.vocab_size)
+        history = penalty_history([], B, self.max_model_len, self.config.vocab_size)
         return packed, sampling, history
 
-    def run(kind, bucket, fn, *args):
+    def run(self, kind: str, bucket: tuple[int, ...], fn, *args) -> tuple[ExportedStep, Any]:
+        """Export `fn` at `args`' shapes (the KV pages donated, as the runner does)."""
         exported = jax.export.export(jax.jit(fn, donate_argnames=("kv",) if kind != "sample" else ()),
-                                     platforms=(platform,))(*_abstract(args))
+                                     platforms=(self.platform,))(*_abstract(args))
         targets = re.findall(r"custom_call @(\w+)", exported.mlir_module())
         calls = sum(t == "tpu_custom_call" or t.startswith("mosaic_gpu") for t in targets)
         # The StableHLO bytecode (serialize() wraps it in flatbuffers, a package not needed otherwise).
         return ExportedStep(kind, bucket, len(exported.mlir_module_serialized), calls), exported
 
-    forward = functools.partial(device_steps.forward, graphdef, ops)
-    for B in batch_buckets:
-        (tokens, positions, meta, last), _, _ = inputs(B, 1)
-        yield run("decode", (B, 1), lambda params, kv, *a: forward(params, kv, *a), params, kv, tokens, positions,
-                  meta, last)
-    def mixed(kind, rows):  # a mixed step (the ragged kernel) of these rows' tokens in a bucket of T
-        R, T = len(rows), token_buckets[-1] if kind == "mixed" else sum(r.num_tokens for r in rows)
-        tokens, positions, meta, last = step_rows.pack_ragged([rows], R, T, max_pages=max_pages, page_size=page_size)
-        return run(kind, (R, T), lambda params, kv, *a: forward(params, kv, *a), params, kv, tokens, positions,
-                   meta, last)
+    def _forward(self, kind: str, bucket: tuple[int, ...], tokens, positions, meta, last):
+        forward = functools.partial(device_steps.forward, self.graphdef, self.ops)
+        return self.run(kind, bucket, lambda params, kv, *a: forward(params, kv, *a), self.params, self.kv,
+                        tokens, positions, meta, last)
 
-    for T in token_buckets:  # a prefill: one chunk
-        yield mixed("prefill", [StepRow(0, [0] * T, [0] * max_pages)])
-    if token_buckets:  # decode rows and a chunk in one call
-        B, T = max(batch_buckets), token_buckets[-1]
-        yield mixed("mixed", [StepRow(0, [0], [0] * max_pages)] * (B - 1) + [StepRow(0, [0] * (T - B + 1),
-                                                                                     [0] * max_pages)])
-    if num_speculative_tokens:
-        verify = functools.partial(device_steps.verify, graphdef, ops)
-        T = num_speculative_tokens + 1
-        B = batch_buckets[0]
-        (tokens, positions, meta, _), sampling, history = inputs(B, T, num_speculative_tokens)
-        drafts = np.zeros((B, num_speculative_tokens), np.int32)
-        mask = np.full((B * T, bitmask_width(config.vocab_size)), -1, np.int32)
-        yield run("verify", (B, T), lambda params, kv, *a: verify(params, kv, *a), params, kv, tokens, positions,
-                  meta, drafts, sampling, history, mask)
-    for B in batch_buckets:
-        _, sampling, history = inputs(B, 1)
-        logits = jax.ShapeDtypeStruct((B, config.vocab_size), jnp.float32)
-        mask = np.full((B, bitmask_width(config.vocab_size)), -1, np.int32)
-        yield run("sample", (B,), device_steps.sample_rows, logits, sampling, history, mask)
+    def decode(self, B: int) -> tuple[ExportedStep, Any]:
+        (tokens, positions, meta, last), _, _ = self.inputs(B, 1)
+        return self._forward("decode", (B, 1), tokens, positions, meta, last)
+
+    def mixed(self, kind: str, rows: list[StepRow], T: int) -> tuple[ExportedStep, Any]:
+        """A mixed step (the ragged kernel) of these rows' tokens in a bucket of T."""
+        R = len(rows)
+        tokens, positions, meta, last = step_rows.pack_ragged([rows], R, T, max_pages=self.max_pages,
+                                                              page_size=self.page_size)
+        return self._forward(kind, (R, T), tokens, positions, meta, last)
+
+    def verify(self, B: int, num_drafts: int) -> tuple[ExportedStep, Any]:
+        """The speculative verify step of `num_drafts` drafts per row."""
+        verify = functools.partial(device_steps.verify, self.graphdef, self.ops)
+        T = num_drafts + 1
+        (tokens, positions, meta, _), sampling, history = self.inputs(B, T, num_drafts)
+        drafts = np.zeros((B, num_drafts), np.int32)
+        mask = np.full((B * T, bitmask_width(self.config.vocab_size)), -1, np.int32)
+        return self.run("verify", (B, T), lambda params, kv, *a: verify(params, kv, *a), self.params, self.kv,
+                        tokens, positions, meta, drafts, sampling, history, mask)
+
+    def sample(self, B: int) -> tuple[ExportedStep, Any]:
+        _, sampling, history = self.inputs(B, 1)
+        logits = jax.ShapeDtypeStruct((B, self.config.vocab_size), jnp.float32)
+        mask = np.full((B, bitmask_width(self.config.vocab_size)), -1, np.int32)
+        return self.run("sample", (B,), device_steps.sample_rows, logits, sampling, history, mask)
