@@ -91,52 +91,72 @@ def _chunk_text(choice: dict) -> str:
     return choice.get("text") or ""
 
 
+class _Failed(Exception):
+    """A request's failure: its message becomes the record's `error`."""
+
+
 async def send_request(session: aiohttp.ClientSession, url: str, body: dict, rec: RequestRecord,
                        t0: float, timeout: float, headers: dict) -> RequestRecord:
+    """Send one streaming request and fill `rec` in (its times relative to `t0`); a failure is
+    recorded in `rec.error`, never raised."""
     start = time.perf_counter()
     rec.start = start - t0
-    last = None
-    usage = None
     try:
         async with session.post(url, json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             rec.status = resp.status
             if resp.status != 200:
                 text = (await resp.text())[:500]
-                rec.error = f"HTTP {resp.status}: {text}"
-                return rec
-            async for data in _sse_events(resp):
-                if data.strip() == "[DONE]":
-                    break
-                try:
-                    obj = json.loads(data)
-                except json.JSONDecodeError:
-                    rec.error = f"bad SSE data: {data[:200]}"
-                    return rec
-                if obj.get("error"):
-                    err = obj["error"]
-                    rec.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
-                    return rec
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                text = "".join(_chunk_text(c) for c in obj.get("choices") or [])
-                if text:
-                    now = time.perf_counter()
-                    if last is None:
-                        rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                    rec.content_chunks += 1
-                    rec.text_chars += len(text)
+                raise _Failed(f"HTTP {resp.status}: {text}")
+            usage = await _read_stream(resp, rec, start)
         end = time.perf_counter()
+    except _Failed as e:
+        rec.error = str(e)
+        return rec
     except asyncio.TimeoutError:
         rec.error = f"timeout after {timeout:g}s"
         return rec
     except (aiohttp.ClientError, OSError, ValueError) as e:  # ValueError: an over-long SSE line
         rec.error = f"{type(e).__name__}: {e}"
         return rec
-    rec.e2e = end - start
+    return _complete(rec, end - start, usage)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, start: float) -> dict | None:
+    """Read the SSE stream into `rec` (time to the first content, the gaps between content chunks,
+    their count and characters); returns the usage the stream carried, if any. Raises _Failed on
+    bad data or an error event."""
+    last = None
+    usage = None
+    async for data in _sse_events(resp):
+        if data.strip() == "[DONE]":
+            break
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError:
+            raise _Failed(f"bad SSE data: {data[:200]}") from None
+        if obj.get("error"):
+            err = obj["error"]
+            raise _Failed(f"stream error: {err.get('message', err) if isinstance(err, dict) else err}")
+        if obj.get("usage"):
+            usage = obj["usage"]
+        text = "".join(_chunk_text(c) for c in obj.get("choices") or [])
+        if text:
+            now = time.perf_counter()
+            if last is None:
+                rec.ttft = now - start
+            else:
+                rec.itl.append(now - last)
+            last = now
+            rec.content_chunks += 1
+            rec.text_chars += len(text)
+    return usage
+
+
+def _complete(rec: RequestRecord, e2e: float, usage: dict | None) -> RequestRecord:
+    """`rec` after a stream that ended: its token counts (from `usage`, else one per content
+    chunk), server-side timings and time per output token; ok unless no content came."""
+    rec.e2e = e2e
     if usage:
         rec.prompt_tokens = usage.get("prompt_tokens")
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
