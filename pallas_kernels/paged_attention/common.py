@@ -71,3 +71,25 @@ def dequantize(codes: jax.Array, scales: jax.Array | None) -> jax.Array:
     scales [...]."""
     x = codes.astype(jnp.float32)
     return x if scales is None else x * scales[..., None]
+
+
+def online_softmax_update(s, mask, v, m_ref, l_ref, acc_ref, rows=..., v_scales=None) -> None:
+    """One key block of the TPU kernels' online softmax (float32, in VMEM scratch).
+
+    s: scores [rows, keys]; mask: which of them attend; v: the block's values [keys, head_dim];
+    m_ref, l_ref: running max and denominator [.., 128], replicated across lanes (the layout
+    JAX's ragged paged attention uses); acc_ref [.., head_dim]; `rows` indexes all three.
+    v_scales: None (float pages), or a function loading the value scales [1, keys] of quantized
+    pages, called where they multiply the probabilities (after the denominator's update).
+    """
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_prev = m_ref[rows]
+    m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
+    alpha = jnp.exp(m_prev - m_next)
+    m_ref[rows] = m_next
+    l_ref[rows] = alpha * l_ref[rows] + p.sum(axis=-1, keepdims=True)
+    if v_scales is not None:
+        p = p * v_scales()
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_ref[rows] = alpha[:, :1] * acc_ref[rows] + pv

@@ -108,17 +108,9 @@ def _decode_kernel(
     max_blocks = pl.cdiv(max_pages, pages_per_block)
     num_items = pl.cdiv(batch * max_blocks, chunk) * chunk  # static bound on live blocks
     q_start, q_len = q_start_ref[...], q_lens_ref[...]
-    # Row b's live keys [begin, end) -> its blocks first[b] .. first[b] + count[b] - 1, which
-    # are items starts[b] .. ends[b] - 1 of the work list.
-    begin, end = key_range(q_start, q_len, 0, 0, sliding_window=sliding_window)
-    begin = jnp.broadcast_to(begin, end.shape)
-    first = begin // block_len
-    count = jnp.where(end > begin, pl.cdiv(end, block_len) - first, 0)
-    ends = jnp.cumsum(count)
-    starts = ends - count
-    item = lax.broadcasted_iota(jnp.int32, (num_items, 1), 0)
-    item_row = jnp.minimum(jnp.sum(item >= ends[None, :], axis=1), batch - 1)
-    item_block = jnp.clip(item[:, 0] - starts[item_row] + first[item_row], 0, max_blocks - 1)
+    starts, count, ends, item_row, item_block = _work_list(
+        q_start, q_len, block_len=block_len, max_blocks=max_blocks, num_items=num_items,
+        sliding_window=sliding_window)
 
     table = page_indices_ref[...]
     table = jnp.pad(table, ((0, 0), (0, max_blocks * pages_per_block - max_pages)))
@@ -136,45 +128,77 @@ def _decode_kernel(
         r = lax.dynamic_slice_in_dim(item_row, c * chunk, chunk)
         j = lax.dynamic_slice_in_dim(item_block, c * chunk, chunk)
         rows = (table[r, j][:, None, :] + head_offset).reshape(-1)  # [chunk * kv_heads * ppb]
-        shape = (chunk, num_kv_heads, block_len, head_dim)
-        k = k_rows[rows].reshape(shape).astype(jnp.float32)
-        s = jnp.einsum("wkgd,wktd->wkgt", q[r], k)
-        scales = [x[rows].reshape(shape[:3])[:, :, None, :] for x in scale_rows]  # [w, k, 1, t]
-        if scales:
-            s = s * scales[0]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = j[:, None, None, None] * block_len + lax.broadcasted_iota(
-            jnp.int32, (1, 1, 1, block_len), 3)
-        mask = attention_mask(key_pos, row, q_start[r][:, None, None, None],
-                              q_len[r][:, None, None, None], groups=groups,
-                              sliding_window=sliding_window)  # [chunk, 1, groups, block_len]
-        s = jnp.where(mask, s, MASK_VALUE)
-        m = s.max(axis=-1, keepdims=True)
-        p = jnp.where(mask, jnp.exp(s - m), 0.0)
-        v = v_rows[rows].reshape(shape).astype(jnp.float32)
-        l = p.sum(axis=-1, keepdims=True)
-        if scales:
-            p = p * scales[1]
-        # Multiply-then-sum lets XLA fuse the V gather into the reduction (no gathered copy).
-        acc = (p[..., None] * v[:, :, None]).sum(axis=3)
+        partials = _attend_items(r, j, rows, (q, q_start, q_len, row), (k_rows, v_rows, scale_rows),
+                                 block_len=block_len, soft_cap=soft_cap, sliding_window=sliding_window)
         return tuple(lax.dynamic_update_slice_in_dim(buf, x, c * chunk, 0)
-                     for buf, x in zip(bufs, (m, l, acc)))
+                     for buf, x in zip(bufs, partials))
 
     init = (jnp.full((num_items, num_kv_heads, groups, 1), MASK_VALUE, jnp.float32),
             jnp.zeros((num_items, num_kv_heads, groups, 1), jnp.float32),
             jnp.zeros((num_items, num_kv_heads, groups, head_dim), jnp.float32))
     m, l, acc = lax.fori_loop(0, pl.cdiv(ends[-1], chunk), body, init)
-    # Combine each row's blocks (flash-decoding): rescale to the row's max, sum, normalize.
+    o_ref[...] = _combine_items(m, l, acc, starts, count, max_blocks).astype(o_ref.dtype)
+
+
+def _work_list(q_start, q_len, *, block_len: int, max_blocks: int, num_items: int,
+               sliding_window: int | None):
+    """Row b's live keys [begin, end) -> its blocks first[b] .. first[b] + count[b] - 1, which
+    are items starts[b] .. ends[b] - 1 of the work list; returns starts, count, ends and each
+    item's row and key block."""
+    begin, end = key_range(q_start, q_len, 0, 0, sliding_window=sliding_window)
+    begin = jnp.broadcast_to(begin, end.shape)
+    first = begin // block_len
+    count = jnp.where(end > begin, pl.cdiv(end, block_len) - first, 0)
+    ends = jnp.cumsum(count)
+    starts = ends - count
+    item = lax.broadcasted_iota(jnp.int32, (num_items, 1), 0)
+    item_row = jnp.minimum(jnp.sum(item >= ends[None, :], axis=1), q_start.shape[0] - 1)
+    item_block = jnp.clip(item[:, 0] - starts[item_row] + first[item_row], 0, max_blocks - 1)
+    return starts, count, ends, item_row, item_block
+
+
+def _attend_items(r, j, rows, queries, pool, *, block_len: int, soft_cap: float | None,
+                  sliding_window: int | None):
+    """A chunk of work items (item w: row r[w], key block j[w], whose pages are `rows` of the
+    pool's page rows) -> each item's partial softmax: max m, sum l, unnormalised P.V acc."""
+    (q, q_start, q_len, row), (k_rows, v_rows, scale_rows) = queries, pool
+    chunk, (_, num_kv_heads, groups, head_dim) = r.shape[0], q.shape
+    shape = (chunk, num_kv_heads, block_len, head_dim)
+    k = k_rows[rows].reshape(shape).astype(jnp.float32)
+    s = jnp.einsum("wkgd,wktd->wkgt", q[r], k)
+    scales = [x[rows].reshape(shape[:3])[:, :, None, :] for x in scale_rows]  # [w, k, 1, t]
+    if scales:
+        s = s * scales[0]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    key_pos = j[:, None, None, None] * block_len + lax.broadcasted_iota(
+        jnp.int32, (1, 1, 1, block_len), 3)
+    mask = attention_mask(key_pos, row, q_start[r][:, None, None, None],
+                          q_len[r][:, None, None, None], groups=groups,
+                          sliding_window=sliding_window)  # [chunk, 1, groups, block_len]
+    s = jnp.where(mask, s, MASK_VALUE)
+    m = s.max(axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    v = v_rows[rows].reshape(shape).astype(jnp.float32)
+    l = p.sum(axis=-1, keepdims=True)
+    if scales:
+        p = p * scales[1]
+    # Multiply-then-sum lets XLA fuse the V gather into the reduction (no gathered copy).
+    acc = (p[..., None] * v[:, :, None]).sum(axis=3)
+    return m, l, acc
+
+
+def _combine_items(m, l, acc, starts, count, max_blocks: int):
+    """Each row's items merged (flash-decoding): rescaled to the row's max, summed, normalised."""
     blk = lax.broadcasted_iota(jnp.int32, (1, max_blocks), 1)
-    sel = jnp.minimum(starts[:, None] + blk, num_items - 1)  # [batch, max_blocks]
+    sel = jnp.minimum(starts[:, None] + blk, m.shape[0] - 1)  # [batch, max_blocks]
     valid = (blk < count[:, None])[..., None, None, None]
     m = jnp.where(valid, m[sel], MASK_VALUE)
     w = jnp.where(valid, jnp.exp(m - m.max(axis=1, keepdims=True)), 0.0)
     l = (w * l[sel]).sum(axis=1)
     acc = (w * acc[sel]).sum(axis=1)
     # Padded rows (and rows with no key) have l == 0 -> output 0.
-    o_ref[...] = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+    return jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "groups",
@@ -213,24 +237,11 @@ def paged_attention_rows(
     are only widened, never multiplied out row by row.
     """
     batch, num_kv_heads, rows, head_dim = q.shape
-    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     scales = () if k_scales is None else (k_scales, v_scales)
+    args = (q_start, q_lens, page_indices, q, k_pages, v_pages, *scales)
     if rows == groups:  # decode: one token per row
-        # About one block per row per step (so the last step wastes less than one block per
-        # row), at most _CHUNK_KEYS keys.
-        chunk = max(1, min(batch, _CHUNK_KEYS // (pages_per_block * k_pages.shape[2])))
-        kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
-                                   sliding_window=sliding_window, pages_per_block=pages_per_block,
-                                   chunk=chunk)
-        return pl.pallas_call(
-            kernel,
-            grid=(),
-            in_specs=[whole(q_start), whole(q_lens), whole(page_indices), whole(q),
-                      whole(k_pages), whole(v_pages), *map(whole, scales)],
-            out_specs=whole(q),
-            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-            interpret=True,
-        )(q_start, q_lens, page_indices, q, k_pages, v_pages, *scales)
+        return _decode_call(args, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                            pages_per_block=pages_per_block)
     kernel = functools.partial(_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, groups=groups,
                                pages_per_block=pages_per_block)
@@ -238,9 +249,34 @@ def paged_attention_rows(
     return pl.pallas_call(
         kernel,
         grid=(batch,),
-        in_specs=[whole(q_start), whole(q_lens), whole(page_indices), row_block,
-                  whole(k_pages), whole(v_pages), *map(whole, scales)],
+        in_specs=[_whole(q_start), _whole(q_lens), _whole(page_indices), row_block,
+                  _whole(k_pages), _whole(v_pages), *map(_whole, scales)],
         out_specs=row_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=True,
-    )(q_start, q_lens, page_indices, q, k_pages, v_pages, *scales)
+    )(*args)
+
+
+def _whole(x) -> pl.BlockSpec:
+    """x as a single block: the whole array at every grid step."""
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _decode_call(args, *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
+                 pages_per_block: int):
+    """`_decode_kernel` on the kernel's arguments `args`, in one step (`grid=()`)."""
+    q, k_pages = args[3], args[4]
+    # About one block per row per step (so the last step wastes less than one block per
+    # row), at most _CHUNK_KEYS keys.
+    chunk = max(1, min(q.shape[0], _CHUNK_KEYS // (pages_per_block * k_pages.shape[2])))
+    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, pages_per_block=pages_per_block,
+                               chunk=chunk)
+    return pl.pallas_call(
+        kernel,
+        grid=(),
+        in_specs=[_whole(x) for x in args],
+        out_specs=_whole(q),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=True,
+    )(*args)

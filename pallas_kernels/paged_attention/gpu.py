@@ -107,56 +107,106 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, quantized: bool, sm_scale: flo
     its block's slice of them beside its pages, the key scales multiply the scores of their keys and
     the value scales the probabilities before P.V (the softmax denominator sums the unscaled ones).
     """
-    if quantized:
-        (ks_ref, vs_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, meta_smem, lse_smem, ks_smem,
-         vs_smem, k_wide, v_wide, q_bar, meta_bar, k_bars, v_bars) = refs
-    else:
-        (o_ref, lse_ref, q_smem, k_smem, v_smem, meta_smem, lse_smem, q_bar, meta_bar, k_bars,
-         v_bars) = refs
-    b, h = lax.axis_index("b"), lax.axis_index("h")
-    rb, split = lax.div(lax.axis_index("r"), splits), lax.rem(lax.axis_index("r"), splits)
-    page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
-    block_len = pages_per_block * page_size
-    row0 = rb * BLOCK_ROWS
+    block = _CudaBlock(meta_ref, q_ref, k_ref, v_ref, refs, quantized=quantized, sm_scale=sm_scale,
+                       soft_cap=soft_cap, sliding_window=sliding_window, groups=groups,
+                       pages_per_block=pages_per_block, max_pages=max_pages, stages=stages,
+                       splits=splits, interpret=interpret)
+    block.run()
 
-    # A plain bulk copy (no tensor map), so the row may be longer than TMA's 256-element box.
-    plgpu.copy_gmem_to_smem(meta_ref.at[b], meta_smem, meta_bar,
-                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, BLOCK_ROWS)], q_smem, q_bar)
-    plgpu.barrier_wait(meta_bar)
-    q_start, q_len = meta_smem[0], meta_smem[1]
 
-    # Key range [begin, end) of this row block's real tokens (common.key_range, in scalars).
-    first_token = lax.div(row0, groups)
-    last_token = jnp.minimum(lax.div(row0 + BLOCK_ROWS - 1, groups), q_len - 1)
-    end = jnp.where(first_token <= last_token, q_start + last_token + 1, 0)
-    begin = jnp.int32(0)
-    if sliding_window is not None:
-        begin = jnp.maximum(q_start + first_token - sliding_window + 1, 0)
-    first = lax.div(begin, block_len)
-    stop = jnp.maximum(lax.div(end + block_len - 1, block_len), first)
-    if splits > 1:  # this CUDA block's share: a contiguous run of the key blocks
-        share = lax.div(stop - first + splits - 1, splits)
-        first = first + split * share
-        stop = jnp.maximum(jnp.minimum(stop, first + share), first)
+class _CudaBlock:
+    """One CUDA block of `_kernel`: its refs and static options, and the steps of its work (the
+    method calls trace `_kernel`'s program in order)."""
 
-    def fetch(j, slot):
+    def __init__(self, meta_ref, q_ref, k_ref, v_ref, refs, *, quantized: bool, sm_scale: float,
+                 soft_cap: float | None, sliding_window: int | None, groups: int,
+                 pages_per_block: int, max_pages: int, stages: int, splits: int, interpret: bool):
+        self.meta_ref, self.q_ref, self.k_ref, self.v_ref = meta_ref, q_ref, k_ref, v_ref
+        self.ks_ref = self.vs_ref = self.ks_smem = self.vs_smem = self.k_wide = self.v_wide = None
+        if quantized:
+            (self.ks_ref, self.vs_ref, self.o_ref, self.lse_ref, self.q_smem, self.k_smem, self.v_smem,
+             self.meta_smem, self.lse_smem, self.ks_smem, self.vs_smem, self.k_wide, self.v_wide,
+             self.q_bar, self.meta_bar, self.k_bars, self.v_bars) = refs
+        else:
+            (self.o_ref, self.lse_ref, self.q_smem, self.k_smem, self.v_smem, self.meta_smem,
+             self.lse_smem, self.q_bar, self.meta_bar, self.k_bars, self.v_bars) = refs
+        self.quantized, self.sm_scale, self.soft_cap = quantized, sm_scale, soft_cap
+        self.sliding_window, self.groups, self.pages_per_block = sliding_window, groups, pages_per_block
+        self.max_pages, self.stages, self.splits, self.interpret = max_pages, stages, splits, interpret
+        self.b, self.h = lax.axis_index("b"), lax.axis_index("h")
+        self.rb, self.split = lax.div(lax.axis_index("r"), splits), lax.rem(lax.axis_index("r"), splits)
+        self.page_size, self.head_dim = k_ref.shape[2], k_ref.shape[3]
+        self.block_len = pages_per_block * self.page_size
+        self.row0 = self.rb * BLOCK_ROWS
+
+    def run(self):
+        """The program: the page-table row and queries in, the key blocks through the stages, the
+        output out."""
+        b, h, row0 = self.b, self.h, self.row0
+        # A plain bulk copy (no tensor map), so the row may be longer than TMA's 256-element box.
+        plgpu.copy_gmem_to_smem(self.meta_ref.at[b], self.meta_smem, self.meta_bar,
+                                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+        plgpu.copy_gmem_to_smem(self.q_ref.at[b, h, pl.ds(row0, BLOCK_ROWS)], self.q_smem, self.q_bar)
+        plgpu.barrier_wait(self.meta_bar)
+        q_start, q_len = self.meta_smem[0], self.meta_smem[1]
+        first, stop = self.key_block_range(q_start, q_len)
+        for s in range(self.stages):
+            @pl.when(first + s < stop)
+            def _():
+                self.fetch(first + s, s)
+
+        plgpu.barrier_wait(self.q_bar)
+        shape = (BLOCK_ROWS, self.block_len)
+        row = row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _MASK, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, self.head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+        body = functools.partial(self.key_block, first=first, stop=stop, q_start=q_start, q_len=q_len,
+                                 row=row, col=col)
+        self.write_output(*lax.fori_loop(first, stop, body, (acc, m_i, l_i)))
+
+    def key_block_range(self, q_start, q_len):
+        """[first, stop): the key blocks of this CUDA block's share of the row block's key range
+        [begin, end) (common.key_range, in scalars)."""
+        groups, block_len, splits = self.groups, self.block_len, self.splits
+        first_token = lax.div(self.row0, groups)
+        last_token = jnp.minimum(lax.div(self.row0 + BLOCK_ROWS - 1, groups), q_len - 1)
+        end = jnp.where(first_token <= last_token, q_start + last_token + 1, 0)
+        begin = jnp.int32(0)
+        if self.sliding_window is not None:
+            begin = jnp.maximum(q_start + first_token - self.sliding_window + 1, 0)
+        first = lax.div(begin, block_len)
+        stop = jnp.maximum(lax.div(end + block_len - 1, block_len), first)
+        if splits > 1:  # this CUDA block's share: a contiguous run of the key blocks
+            share = lax.div(stop - first + splits - 1, splits)
+            first = first + self.split * share
+            stop = jnp.maximum(jnp.minimum(stop, first + share), first)
+        return first, stop
+
+    def fetch(self, j, slot):
+        """Start key block j's copies into stage `slot`: its pages' K and V (and scales)."""
+        page_size, pages_per_block, h = self.page_size, self.pages_per_block, self.h
         for i in range(pages_per_block):
             # Slots past the table's end only hold positions >= every length: clamp, then mask.
-            page = meta_smem[_META + jnp.minimum(j * pages_per_block + i, max_pages - 1)]
+            page = self.meta_smem[_META + jnp.minimum(j * pages_per_block + i, self.max_pages - 1)]
             rows = pl.ds(i * page_size, page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, rows], k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, rows], v_bars.at[slot])
-        if quantized:  # the block's scales: block_len * 4 bytes, a multiple of 128 (one copy)
-            keys = pl.ds(j * block_len, block_len)
-            for ref, buf, bar in ((ks_ref, ks_smem, k_bars), (vs_ref, vs_smem, v_bars)):
-                plgpu.copy_gmem_to_smem(ref.at[b, h, keys], buf.at[slot], bar.at[slot],
+            plgpu.copy_gmem_to_smem(self.k_ref.at[h, page], self.k_smem.at[slot, rows], self.k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(self.v_ref.at[h, page], self.v_smem.at[slot, rows], self.v_bars.at[slot])
+        if self.quantized:  # the block's scales: block_len * 4 bytes, a multiple of 128 (one copy)
+            keys = pl.ds(j * self.block_len, self.block_len)
+            for ref, buf, bar in ((self.ks_ref, self.ks_smem, self.k_bars),
+                                  (self.vs_ref, self.vs_smem, self.v_bars)):
+                plgpu.copy_gmem_to_smem(ref.at[self.b, h, keys], buf.at[slot], bar.at[slot],
                                         oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
-    def widen(codes, wide):
+    def widen(self, codes, wide):
         """A stage's code block into the 16-bit block the matmul reads (exact: every code is
         a value of the compute dtype)."""
-        if interpret:
+        if self.interpret:
             wide[...] = codes[...].astype(wide.dtype)
             return
         x = plgpu.load(codes, layout=plgpu.Layout.WGMMA_8BIT)
@@ -168,95 +218,88 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, quantized: bool, sm_scale: flo
         # warps before any of them got past the barrier that followed it (the other block's).
         plgpu.commit_smem()
 
-    def column(scales):
+    def column(self, scales):
         """A stage's f32 scales [block_len] as a row vector over the score columns."""
-        if interpret:
+        if self.interpret:
             return scales[...][None, :]
         x = plgpu.load(scales, layout=plgpu.Layout.WGMMA.reduce(0))
-        return lax.broadcast_in_dim(x, (BLOCK_ROWS, block_len), [1])
+        return lax.broadcast_in_dim(x, (BLOCK_ROWS, self.block_len), [1])
 
-    for s in range(stages):
-        @pl.when(first + s < stop)
-        def _():
-            fetch(first + s, s)
-
-    plgpu.barrier_wait(q_bar)
-    row = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_len), 0,
-                                        layout=plgpu.Layout.WGMMA)
-    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, block_len), 1,
-                                 layout=plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _MASK, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), 0.0, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32),
-                            plgpu.Layout.WGMMA)
-
-    def body(j, carry):
+    def key_block(self, j, carry, *, first, stop, q_start, q_len, row, col):
+        """fori_loop body: the online-softmax update (in log2 units) with key block j."""
         acc, m_i, l_i = carry
-        slot = lax.rem(j - first, jnp.int32(stages))
-        plgpu.barrier_wait(k_bars.at[slot])
-        k_block = k_smem.at[slot]
-        if quantized:
-            widen(k_block, k_wide)
-            k_block = k_wide
-
-        if interpret:  # the GPU interpreter has no wgmma: the same products with jnp
-            s = lax.dot_general(q_smem[...], k_block[...], (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-        else:
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_block.transpose((1, 0)))
-                return acc_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_len), jnp.float32))
-        if quantized:
-            s = s * column(ks_smem.at[slot])  # q . (codes * scale) = (q . codes) * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s * (sm_scale / soft_cap)) * _LOG2E
-        else:
-            s = s * (sm_scale * _LOG2E)  # logits in log2 units
-        rel = j * block_len + col - q_start  # key position relative to the row's first token
-        mask = (rel * groups <= row) & (row < q_len * groups)
-        if sliding_window is not None:
-            mask &= row < (rel + sliding_window) * groups
+        slot = lax.rem(j - first, jnp.int32(self.stages))
+        s = self.scores(slot)
+        rel = j * self.block_len + col - q_start  # key position relative to the row's first token
+        mask = (rel * self.groups <= row) & (row < q_len * self.groups)
+        if self.sliding_window is not None:
+            mask &= row < (rel + self.sliding_window) * self.groups
         s = jnp.where(mask, s, _MASK)
         m_next = jnp.maximum(m_i, s.max(axis=1))
         alpha = jnp.exp2(m_i - m_next)
         p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0])), 0.0)
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        plgpu.barrier_wait(v_bars.at[slot])
-        v_block = v_smem.at[slot]
-        if quantized:
-            widen(v_block, v_wide)
-            v_block = v_wide
-            p = p * column(vs_smem.at[slot])  # sum_k p_k (codes_k * scale_k)
-
-        if interpret:
-            acc = acc + jnp.dot(p.astype(v_block.dtype), v_block[...],
-                                preferred_element_type=jnp.float32)
-        else:
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(v_block.dtype), v_block)
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        acc = self.add_pv(acc, p, slot)
 
         # Both matmuls are done with this slot: refill it with block j + stages.
-        @pl.when(j + stages < stop)
+        @pl.when(j + self.stages < stop)
         def _():
-            fetch(j + stages, slot)
+            self.fetch(j + self.stages, slot)
         return acc, m_next, l_i
 
-    acc, m_i, l_i = lax.fori_loop(first, stop, body, (acc, m_i, l_i))
-    l_safe = jnp.where(l_i > 0.0, l_i, 1.0)  # rows with no key output zeros (acc is 0)
-    out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    q_smem[...] = out.astype(q_smem.dtype)
-    # The row's log-sum-exp in base 2 (m is in log2 units): what `_combine` weighs splits by.
-    lse_smem[...] = jnp.where(l_i > 0.0, m_i + jnp.log(l_safe) * _LOG2E, _MASK)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, split, pl.ds(row0, BLOCK_ROWS)])
-    if splits > 1:
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, split, pl.ds(row0, BLOCK_ROWS)])
-    plgpu.wait_smem_to_gmem(0)
+    def scores(self, slot):
+        """Q.K of stage `slot` once its K has arrived: logits (soft-capped) in log2 units."""
+        plgpu.barrier_wait(self.k_bars.at[slot])
+        k_block = self.k_smem.at[slot]
+        if self.quantized:
+            self.widen(k_block, self.k_wide)
+            k_block = self.k_wide
+
+        if self.interpret:  # the GPU interpreter has no wgmma: the same products with jnp
+            s = lax.dot_general(self.q_smem[...], k_block[...], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        else:
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, self.q_smem, k_block.transpose((1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, self.block_len), jnp.float32))
+        if self.quantized:
+            s = s * self.column(self.ks_smem.at[slot])  # q . (codes * scale) = (q . codes) * scale
+        if self.soft_cap is not None:
+            return self.soft_cap * jnp.tanh(s * (self.sm_scale / self.soft_cap)) * _LOG2E
+        return s * (self.sm_scale * _LOG2E)  # logits in log2 units
+
+    def add_pv(self, acc, p, slot):
+        """acc + P.V of stage `slot` once its V has arrived."""
+        plgpu.barrier_wait(self.v_bars.at[slot])
+        v_block = self.v_smem.at[slot]
+        if self.quantized:
+            self.widen(v_block, self.v_wide)
+            v_block = self.v_wide
+            p = p * self.column(self.vs_smem.at[slot])  # sum_k p_k (codes_k * scale_k)
+
+        if self.interpret:
+            return acc + jnp.dot(p.astype(v_block.dtype), v_block[...],
+                                 preferred_element_type=jnp.float32)
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p.astype(v_block.dtype), v_block)
+        return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+    def write_output(self, acc, m_i, l_i):
+        """The epilogue: the normalised rows (and, with splits, their log-sum-exp) to HBM."""
+        b, h, split, rows = self.b, self.h, self.split, pl.ds(self.row0, BLOCK_ROWS)
+        l_safe = jnp.where(l_i > 0.0, l_i, 1.0)  # rows with no key output zeros (acc is 0)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        self.q_smem[...] = out.astype(self.q_smem.dtype)
+        # The row's log-sum-exp in base 2 (m is in log2 units): what `_combine` weighs splits by.
+        self.lse_smem[...] = jnp.where(l_i > 0.0, m_i + jnp.log(l_safe) * _LOG2E, _MASK)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(self.q_smem, self.o_ref.at[b, h, split, rows])
+        if self.splits > 1:
+            plgpu.copy_smem_to_gmem(self.lse_smem, self.lse_ref.at[b, h, split, rows])
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _combine(out, lse):
@@ -328,13 +371,7 @@ def paged_attention_rows(
     batch, num_kv_heads, rows, head_dim = q.shape
     _, _, page_size, _ = k_pages.shape
     max_pages = page_indices.shape[1]
-    if (pages_per_block * page_size) % 64:
-        raise ValueError(f"pages_per_block * page_size = {pages_per_block} * {page_size} "
-                         "must be a multiple of 64")
-    quantized = k_pages.dtype in QUANT_DTYPES
-    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
-        raise ValueError(f"{k_pages.dtype} pages {'need' if quantized else 'take no'} "
-                         "k_scales and v_scales")
+    quantized = _check_pages(k_pages.dtype, k_scales, v_scales, pages_per_block, page_size)
     dtype = compute_dtype(q.dtype, k_pages.dtype)  # of q, the matmul operands and the output
     padded_rows = pl.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS
     q = jnp.pad(q.astype(dtype), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
@@ -342,57 +379,82 @@ def paged_attention_rows(
     meta = jnp.zeros((batch, width), jnp.int32)
     meta = meta.at[:, 0].set(q_start).at[:, 1].set(q_lens)
     meta = meta.at[:, _META:_META + max_pages].set(page_indices)
-
-    transforms = _transforms(2, head_dim)  # 16-bit blocks: 64-element rows, 128-byte swizzle
-    kv_transforms = _transforms(k_pages.dtype.itemsize, head_dim)
     block_len = pages_per_block * page_size
-    row_blocks = padded_rows // BLOCK_ROWS
     smem = smem_bytes(head_dim, block_len, stages, width, k_pages.dtype.itemsize, quantized)
     if smem > MAX_SMEM:
         raise ValueError(f"pages_per_block={pages_per_block} x page_size={page_size} keys with "
                          f"stages={stages} and head_dim={head_dim} need {smem} bytes of shared "
                          f"memory, over the {MAX_SMEM} a CUDA block may use")
     if splits is None:
-        splits = default_splits(batch * num_kv_heads * row_blocks,
+        splits = default_splits(batch * num_kv_heads * (padded_rows // BLOCK_ROWS),
                                 pl.cdiv(max_pages * page_size, block_len), smem)
-    scales, scale_scratch = (), []
-    if quantized:
-        # Each row's scales in key order, padded to whole blocks: [batch, num_kv_heads, keys].
-        blocks = pl.cdiv(max_pages, pages_per_block)
-        table = jnp.pad(page_indices, ((0, 0), (0, blocks * pages_per_block - max_pages)))
-        scales = tuple(x[:, table].transpose(1, 0, 2, 3).reshape(batch, num_kv_heads, -1)
-                       for x in (k_scales, v_scales))
-        scale_scratch = [plgpu.SMEM((stages, block_len), jnp.float32),
-                         plgpu.SMEM((stages, block_len), jnp.float32),
-                         plgpu.SMEM((block_len, head_dim), dtype, transforms=transforms),
-                         plgpu.SMEM((block_len, head_dim), dtype, transforms=transforms)]
+    scales = _scales_in_key_order(k_scales, v_scales, page_indices, pages_per_block) if quantized else ()
     kernel = functools.partial(
         _kernel, quantized=quantized, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         groups=groups, pages_per_block=pages_per_block, max_pages=max_pages, stages=stages,
         splits=splits, interpret=interpret)
-    out, lse = plgpu.kernel(
+    out, lse = _launch(kernel, meta, q, k_pages, v_pages, scales, splits=splits, stages=stages,
+                       pages_per_block=pages_per_block, interpret=interpret)
+    out = out[:, :, 0] if splits == 1 else _combine(out, lse)
+    return out[:, :, :rows]
+
+
+def _check_pages(kv_dtype, k_scales, v_scales, pages_per_block: int, page_size: int) -> bool:
+    """Whether the pages are quantized; ValueError for a key block wgmma cannot take or scales
+    that do not go with the pages."""
+    if (pages_per_block * page_size) % 64:
+        raise ValueError(f"pages_per_block * page_size = {pages_per_block} * {page_size} "
+                         "must be a multiple of 64")
+    quantized = kv_dtype in QUANT_DTYPES
+    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError(f"{kv_dtype} pages {'need' if quantized else 'take no'} "
+                         "k_scales and v_scales")
+    return quantized
+
+
+def _scales_in_key_order(k_scales, v_scales, page_indices, pages_per_block: int):
+    """Each row's scales in key order, padded to whole blocks: [batch, num_kv_heads, keys]."""
+    batch, max_pages = page_indices.shape
+    blocks = pl.cdiv(max_pages, pages_per_block)
+    table = jnp.pad(page_indices, ((0, 0), (0, blocks * pages_per_block - max_pages)))
+    return tuple(x[:, table].transpose(1, 0, 2, 3).reshape(batch, x.shape[0], -1)
+                 for x in (k_scales, v_scales))
+
+
+def _launch(kernel, meta, q, k_pages, v_pages, scales, *, splits: int, stages: int,
+            pages_per_block: int, interpret: bool):
+    """Runs `_kernel` on its grid: its outputs (per split: rows and their log-sum-exp) and its
+    shared-memory scratch and barriers, in `_kernel`'s order."""
+    batch, num_kv_heads, padded_rows, head_dim = q.shape
+    dtype, kv_dtype, quantized = q.dtype, k_pages.dtype, bool(scales)
+    block_len = pages_per_block * k_pages.shape[2]
+    transforms = _transforms(2, head_dim)  # 16-bit blocks: 64-element rows, 128-byte swizzle
+    kv_transforms = _transforms(kv_dtype.itemsize, head_dim)
+    scale_scratch = []
+    if quantized:
+        scale_scratch = [plgpu.SMEM((stages, block_len), jnp.float32),
+                         plgpu.SMEM((stages, block_len), jnp.float32),
+                         plgpu.SMEM((block_len, head_dim), dtype, transforms=transforms),
+                         plgpu.SMEM((block_len, head_dim), dtype, transforms=transforms)]
+    arrivals = pages_per_block + quantized  # one per copy: a stage's pages (and, quantized, its scales)
+    return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, splits, padded_rows, head_dim),
-                                       dtype),
-                  jax.ShapeDtypeStruct((batch, num_kv_heads, splits, padded_rows),
-                                       jnp.float32)),
-        grid=(batch, num_kv_heads, row_blocks * splits),
+        out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, splits, padded_rows, head_dim), dtype),
+                  jax.ShapeDtypeStruct((batch, num_kv_heads, splits, padded_rows), jnp.float32)),
+        grid=(batch, num_kv_heads, padded_rows // BLOCK_ROWS * splits),
         grid_names=("b", "h", "r"),
         scratch_types=[
             plgpu.SMEM((BLOCK_ROWS, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_len, head_dim), k_pages.dtype, transforms=kv_transforms),
-            plgpu.SMEM((stages, block_len, head_dim), k_pages.dtype, transforms=kv_transforms),
-            plgpu.SMEM((width,), jnp.int32),
+            plgpu.SMEM((stages, block_len, head_dim), kv_dtype, transforms=kv_transforms),
+            plgpu.SMEM((stages, block_len, head_dim), kv_dtype, transforms=kv_transforms),
+            plgpu.SMEM((meta.shape[1],), jnp.int32),
             plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
             *scale_scratch,
             plgpu.Barrier(),
             plgpu.Barrier(),
-            # One arrival per copy: a stage's pages (and, quantized, its scales).
-            plgpu.Barrier(num_arrivals=pages_per_block + quantized, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=pages_per_block + quantized, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(meta, q, k_pages, v_pages, *scales)
-    out = out[:, :, 0] if splits == 1 else _combine(out, lse)
-    return out[:, :, :rows]

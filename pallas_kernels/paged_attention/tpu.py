@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.common import MASK_VALUE, attention_mask, key_range
+from pallas_kernels.paged_attention.common import MASK_VALUE, attention_mask, key_range, online_softmax_update
 
 
 def _kernel(
@@ -59,56 +59,88 @@ def _kernel(
     if quantized:
         ks_ref, vs_ref, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     else:
-        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+        (o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref), ks_ref, vs_ref = refs, None, None
     b, h, rb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block_rows, head_dim = q_ref.shape
-    page_size = k_buf.shape[2]
-    block_len = pages_per_block * page_size
     q_start, q_len = q_start_ref[b], q_lens_ref[b]
-    row0 = rb * block_rows
-    # lax.div, not //: every operand is >= 0, and floor division lowers to sign() on Mosaic.
-    begin, end = key_range(q_start, q_len, lax.div(row0, groups),
-                           lax.div(row0 + block_rows - 1, groups), sliding_window=sliding_window)
-    first, stop = lax.div(begin, block_len), lax.div(end + block_len - 1, block_len)
-
-    def copies(j, slot):
-        out = []
-        for i in range(pages_per_block):
-            # Slots past the table's end only hold positions >= every length: clamp, then mask.
-            page_slot = jnp.minimum(j * pages_per_block + i, max_pages - 1)
-            page = page_indices_ref[b * max_pages + page_slot]
-            for ref, buf, sem in ((k_hbm_ref, k_buf, sems.at[0, slot]),
-                                  (v_hbm_ref, v_buf, sems.at[1, slot])):
-                out.append(pltpu.make_async_copy(ref.at[h, page], buf.at[slot, i], sem))
-        return out
+    row0, first, stop = _key_block_range(rb, q_ref.shape[0], pages_per_block * k_buf.shape[2], q_start,
+                                    q_len, groups=groups, sliding_window=sliding_window)
+    copies = functools.partial(_page_copies, page_indices_ref, (k_hbm_ref, v_hbm_ref), (k_buf, v_buf),
+                               sems, b, h, pages_per_block=pages_per_block, max_pages=max_pages)
 
     @pl.when(first < stop)
     def _():
         for c in copies(first, 0):
             c.start()
 
+    attend = _block_attention(q_ref, row0, q_start, q_len, (k_buf, v_buf), (ks_ref, vs_ref),
+                              (m_ref, l_ref, acc_ref), sm_scale=sm_scale, soft_cap=soft_cap,
+                              sliding_window=sliding_window, groups=groups)
+    lax.fori_loop(first, stop, functools.partial(_pipelined_key_block, first=first, stop=stop,
+                                                 copies=copies, attend=attend), 0)
+    _write_normalised(o_ref, l_ref, acc_ref)
+
+
+def _key_block_range(rb, block_rows: int, block_len: int, q_start, q_len, *, groups: int,
+                sliding_window: int | None):
+    """Row block rb's first packed row and the key blocks [first, stop) its real tokens attend."""
+    row0 = rb * block_rows
+    # lax.div, not //: every operand is >= 0, and floor division lowers to sign() on Mosaic.
+    begin, end = key_range(q_start, q_len, lax.div(row0, groups),
+                           lax.div(row0 + block_rows - 1, groups), sliding_window=sliding_window)
+    return row0, lax.div(begin, block_len), lax.div(end + block_len - 1, block_len)
+
+
+def _page_copies(page_indices_ref, hbm_refs, bufs, sems, b, h, j, slot, *, pages_per_block: int,
+                 max_pages: int):
+    """The DMAs of key block j of row b, KV head h: each of its pages' K and V into `slot`."""
+    (k_hbm_ref, v_hbm_ref), (k_buf, v_buf) = hbm_refs, bufs
+    out = []
+    for i in range(pages_per_block):
+        # Slots past the table's end only hold positions >= every length: clamp, then mask.
+        page_slot = jnp.minimum(j * pages_per_block + i, max_pages - 1)
+        page = page_indices_ref[b * max_pages + page_slot]
+        for ref, buf, sem in ((k_hbm_ref, k_buf, sems.at[0, slot]),
+                              (v_hbm_ref, v_buf, sems.at[1, slot])):
+            out.append(pltpu.make_async_copy(ref.at[h, page], buf.at[slot, i], sem))
+    return out
+
+
+def _pipelined_key_block(j, carry, *, first, stop, copies, attend):
+    """fori_loop body: start key block j + 1's copies into the other slot, wait for block j's,
+    attend to it."""
+    slot = lax.rem(j - first, 2)
+
+    @pl.when(j + 1 < stop)
+    def _():
+        for c in copies(j + 1, 1 - slot):
+            c.start()
+
+    for c in copies(j, slot):
+        c.wait()
+    attend(j, slot)
+    return carry
+
+
+def _block_attention(q_ref, row0, q_start, q_len, bufs, scale_refs, state_refs, *, sm_scale: float,
+                     soft_cap: float | None, sliding_window: int | None, groups: int):
+    """Loads the row block's queries, resets the softmax state; returns attend(j, slot), the
+    online-softmax update of key block j from buffer slot `slot`."""
+    (k_buf, v_buf), (ks_ref, vs_ref), (m_ref, l_ref, acc_ref) = bufs, scale_refs, state_refs
+    quantized = ks_ref is not None
+    block_rows, head_dim = q_ref.shape
+    block_len = k_buf.shape[1] * k_buf.shape[2]
     q = q_ref[...]
     if q.dtype == jnp.float32 or k_buf.dtype == jnp.float32:
         q = q.astype(jnp.float32)
     if quantized and q.dtype not in (jnp.float32, jnp.bfloat16):
         q = q.astype(jnp.float32)  # codes widen exactly into bfloat16 or float32
     row = row0 + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
-    # Softmax state lives in VMEM scratch, m and l replicated across 128 lanes (the layout
-    # JAX's ragged paged attention uses); the loop carries no vectors.
+    # Softmax state lives in VMEM scratch (common.online_softmax_update); the loop carries no vectors.
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def body(j, carry):
-        slot = lax.rem(j - first, 2)
-
-        @pl.when(j + 1 < stop)
-        def _():
-            for c in copies(j + 1, 1 - slot):
-                c.start()
-
-        for c in copies(j, slot):
-            c.wait()
+    def attend(j, slot):
         k = k_buf[slot].reshape(block_len, head_dim).astype(q.dtype)
         v = v_buf[slot].reshape(block_len, head_dim)
         if quantized:
@@ -123,20 +155,14 @@ def _kernel(
         key_pos = j * block_len + lax.broadcasted_iota(jnp.int32, (1, block_len), 1)
         mask = attention_mask(key_pos, row, q_start, q_len, groups=groups,
                               sliding_window=sliding_window)
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_prev = m_ref[...]  # [block_rows, 128]
-        m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
-        alpha = jnp.exp(m_prev - m_next)
-        m_ref[...] = m_next
-        l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
-        if quantized:
-            p = p * vs_ref[:, keys]
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
-        return carry
+        online_softmax_update(s, mask, v, m_ref, l_ref, acc_ref,
+                              v_scales=(lambda: vs_ref[:, keys]) if quantized else None)
 
-    lax.fori_loop(first, stop, body, 0)
+    return attend
+
+
+def _write_normalised(o_ref, l_ref, acc_ref) -> None:
+    """The epilogue: o = acc / l, in o's dtype."""
     l = l_ref[:, :1]
     out = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0)  # no key -> zeros
     o_ref[...] = out.astype(o_ref.dtype)
