@@ -81,6 +81,10 @@ class AsyncLLMEngine:
         self._timings: collections.OrderedDict[str, RequestTimings] = collections.OrderedDict()
         self._timings_lock = threading.Lock()
         self._max_timings = max_timings
+        # Monotone totals for /metrics' counters (engine thread only): finished samples by finish
+        # reason, and the prompt and generated tokens of finished requests.
+        self._finished: collections.Counter[str] = collections.Counter()
+        self._finished_tokens = collections.Counter(prompt=0, generation=0)
         self.num_loop_iterations = 0  # wake-ups of the engine thread (idle proof for tests)
         self._iteration_start: float | None = None  # monotonic start of the engine thread's work now
         self._streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}  # open generate() streams
@@ -152,6 +156,14 @@ class AsyncLLMEngine:
         """Tokens the KV pages hold in all (pages x page size; 0 for an engine without pages)."""
         runner = self.engine.runner
         return getattr(runner, "num_pages", 0) * getattr(runner, "page_size", 0)
+
+    @property
+    def cache_config(self) -> dict[str, Any]:
+        """The KV cache's settings (page size, pages, dtype, prefix caching, memory fraction)."""
+        config, runner = self.engine.config, self.engine.runner
+        return {"page_size": getattr(runner, "page_size", 0), "num_pages": getattr(runner, "num_pages", 0),
+                "kv_cache_dtype": config.kv_cache_dtype, "enable_prefix_caching": config.enable_prefix_caching,
+                "memory_fraction": config.memory_fraction}
 
     @property
     def quantization(self) -> dict[str, Any] | None:
@@ -390,6 +402,9 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 del self._live[out.request_id]
+                self._finished.update(c.finish_reason or "abort" for c in out.outputs)
+                self._finished_tokens.update(prompt=len(out.prompt_token_ids or ()),
+                                             generation=sum(len(c.token_ids) for c in out.outputs))
             if out.finished or not live.seen_first_output:
                 live.seen_first_output = True
                 self._record_timings(out.request_id, live, out)
@@ -431,7 +446,8 @@ class AsyncLLMEngine:
             if name not in stats and scheduler is not None:
                 stats[name] = getattr(scheduler, name)
         stats.update(num_streams=len(self._live), num_loop_iterations=self.num_loop_iterations,
-                     is_running=self.is_running, errored=self.errored)
+                     is_running=self.is_running, errored=self.errored, finished_requests=dict(self._finished),
+                     **{f"finished_{k}_tokens": v for k, v in self._finished_tokens.items()})
         return stats
 
     def _close_loop(self) -> None:

@@ -153,6 +153,7 @@ class Speculator:
         self.num_proposed = 0  # draft tokens verified
         self.num_accepted = 0  # of those, accepted
         self.num_verify_rows = 0  # rows verified with drafts (one per sequence and verify step)
+        self.accepted_per_position = [0] * config.num_speculative_tokens  # rows whose i-th draft was accepted
         self.num_verify_steps = 0
         self.num_turned_down = 0  # steps that could have speculated but ran plain (batch size)
 
@@ -193,6 +194,8 @@ class Speculator:
         self.num_verify_rows += 1
         self.num_proposed += proposed
         self.num_accepted += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
         c = self.config
         state = self._acceptance.get(request_id)
         if state is None:
@@ -214,6 +217,7 @@ class Speculator:
             "spec_verify_rows": self.num_verify_rows,
             "spec_verify_steps": self.num_verify_steps,
             "spec_turned_down_steps": self.num_turned_down,
+            "spec_accepted_per_position": list(self.accepted_per_position),
             "spec_acceptance_rate": self.num_accepted / self.num_proposed if self.num_proposed else 0.0,
             # Tokens each verified row gained per step: 1 + its accepted drafts.
             "spec_mean_accepted_length": 1 + self.num_accepted / self.num_verify_rows if self.num_verify_rows else 0.0,

@@ -125,6 +125,7 @@ class ServerState:
         self.quantization = quantization_summary(engine.quantization)
         engine.prepare_constraints()  # llguidance's vocabulary, in the background
         self.metrics.set_quantization(self.quantization)
+        self.metrics.attach(self.model_name, engine.max_model_len, engine.cache_config)
         self.engine = engine
         self.metrics.ready.set(1)
 

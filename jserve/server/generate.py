@@ -169,7 +169,7 @@ async def run_generation(request: web.Request, state: "ServerState",
                 async for p, out in stream:
                     now = time.monotonic()
                     if last_time is not None:
-                        state.metrics.itl.observe(now - last_time)
+                        state.metrics.observe_itl(now - last_time)
                     last_time = now
                     chunks = []
                     for c in out.outputs:
@@ -199,10 +199,11 @@ async def run_generation(request: web.Request, state: "ServerState",
                 return response
         release()
         usage = _usage(state, rids, req, choices)
-        for rid in rids:
+        for p, rid in enumerate(rids):
             timings = state.engine.request_timings(rid)
             if timings is not None:
-                state.metrics.observe_timings(timings)
+                samples = [len(choices[p * n + i].token_ids) for i in range(n)]
+                state.metrics.observe_timings(timings, req.params, samples)
         if not req.stream:
             body = {**head, "object": "chat.completion" if req.chat else "text_completion",
                     "choices": [_final_choice(req, ch, tok) for ch in choices.values()], "usage": usage}
