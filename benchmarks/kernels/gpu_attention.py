@@ -172,10 +172,10 @@ def copy_bandwidth(measure, iters):
     return 2 * x.size * x.dtype.itemsize / seconds
 
 
-def bench_decode(measure, iters, shape, batch, context, page_size, dtype, variants, copy_bw,
-                 compare=True):
+def decode_inputs(shape, batch, context, page_size, dtype):
+    """A decode batch at `context` tokens per row: the kernels' arguments (q, k_pages, v_pages,
+    q_start, q_lens, table) and the bytes a call must read."""
     num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
-    groups = num_q_heads // num_kv_heads
     rng = np.random.default_rng(1)
     pages_per_seq = -(-context // page_size)
     num_pages = batch * pages_per_seq + 1
@@ -187,9 +187,16 @@ def bench_decode(measure, iters, shape, batch, context, page_size, dtype, varian
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * batch * num_kv_heads * context * head_dim * itemsize
     min_bytes = kv_bytes + 2 * q.size * itemsize + table.size * 4
-    sm_scale = head_dim ** -0.5
     q_start, q_lens = jnp.maximum(lengths - 1, 0), jnp.ones_like(lengths)
+    return (q, k_pages, v_pages, q_start, q_lens, table), min_bytes
 
+
+def decode_impls(shape, page_size, variants, compare=True) -> dict:
+    """The decode implementations to time, by name: the kernel's pipeline variants, the public
+    entry point, the XLA reference and (with `compare`) JAX's Triton kernel."""
+    num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
+    groups = num_q_heads // num_kv_heads
+    sm_scale = head_dim ** -0.5
     fns = {}
     for ppb, stages, splits in variants:
         ppb = max(1, ppb * 16 // page_size)  # variants count 16-token pages: keep their keys
@@ -213,7 +220,13 @@ def bench_decode(measure, iters, shape, batch, context, page_size, dtype, varian
         print(f"JAX's Triton paged attention unavailable: {e}")
     if not compare:  # not JAX's Triton kernel (the reference still checks the outputs)
         fns.pop("JAX Pallas Triton paged_attention", None)
-    args = (q, k_pages, v_pages, q_start, q_lens, table)
+    return fns
+
+
+def bench_decode(measure, iters, shape, batch, context, page_size, dtype, variants, copy_bw,
+                 compare=True):
+    args, min_bytes = decode_inputs(shape, batch, context, page_size, dtype)
+    fns = decode_impls(shape, page_size, variants, compare)
     rows = []
     want = None
     for name, fn in fns.items():

@@ -116,33 +116,49 @@ def print_matmuls(results, formats):
         print(f"{shape:>8} {f'{k}x{n}':>11} {m:>3} | " + " | ".join(f"{c:>20}" for c in cells))
 
 
-def bench_decode(args) -> list[dict]:
-    """SmolLM2-135M decode steps per format, taking turns."""
+def decode_weights(args):
+    """(config, float weights, where they came from): the checkpoint, or random weights of
+    SmolLM2-135M's shapes when none is at hand."""
     from flax import nnx
 
-    from jserve.model import model_graphdef
     from jserve.model.config import ModelConfig
-    from jserve.model.llama import LAYER_MATMULS, LlamaModel
-    from jserve.runtime.backends import NativeCpuBackend
-    from jserve.runtime.paged_attention import PagedMeta
+    from jserve.model.llama import LlamaModel
 
     try:
         from jserve.model.checkpoint import load_checkpoint, resolve_model
 
         config, loaded, _ = load_checkpoint(resolve_model(args.model))
-        source = str(args.model or "smollm2-135m-instruct")
+        return config, loaded, str(args.model or "smollm2-135m-instruct")
     except Exception as e:  # no checkpoint at hand: random weights of SmolLM2-135M's shapes
         print(f"(no checkpoint: {type(e).__name__}: {e}; random weights)")
         config = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                              num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                              max_position_embeddings=8192, tie_word_embeddings=True)
         model = LlamaModel(config, rngs=nnx.Rngs(0))
-        loaded, source = nnx.to_pure_dict(nnx.state(model, nnx.Param)), "random"
-        del model
-    floats = NativeCpuBackend(native_matmuls=False).prepare_params(config, loaded)
-    floats = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), floats)
-    del loaded
-    page, B, ctx = 64, args.batch, args.context
+        return config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), "random"
+
+
+def format_params(floats: dict, fmt: str) -> dict:
+    """The float32 weights in `fmt`: cast, or the layer matmuls quantized and the tied embedding
+    int8 per channel."""
+    from jserve.model.llama import LAYER_MATMULS
+
+    scheme, group, symmetric = FORMATS[fmt]
+    if scheme in ("float32", "bfloat16"):
+        return jax.tree.map(lambda a: a.astype(scheme), floats)
+    layers = {i: {name: quant.quantize(np.asarray(w), scheme, group, symmetric) if name in LAYER_MATMULS
+                  else w for name, w in layer.items()} for i, layer in floats["layers"].items()}
+    return {**floats, "layers": layers, "embed": quant.quantize(np.asarray(floats["embed"]).T, "int8")}
+
+
+def decode_step(config, params: dict, fmt: str, B: int, ctx: int, page: int) -> list:
+    """One format's compiled decode step, run once: [fn, its params, the cache, times, weight bytes]."""
+    from flax import nnx
+
+    from jserve.model import model_graphdef
+    from jserve.runtime.backends import NativeCpuBackend
+    from jserve.runtime.paged_attention import PagedMeta
+
     pages_per_row = -(-(ctx + 1) // page)
     num_pages = 1 + B * pages_per_row
     table = np.arange(1, num_pages, dtype=np.int32).reshape(B, pages_per_row)
@@ -151,34 +167,37 @@ def bench_decode(args) -> list[dict]:
                      jnp.asarray(table))
     tokens = jnp.ones((B, 1), jnp.int32)
     positions = jnp.full((B, 1), ctx, jnp.int32)
-    steps = {}
-    for fmt in args.formats:
-        scheme, group, symmetric = FORMATS[fmt]
-        if scheme in ("float32", "bfloat16"):
-            params = jax.tree.map(lambda a: a.astype(scheme), floats)
-        else:
-            layers = {i: {name: quant.quantize(np.asarray(w), scheme, group, symmetric) if name in LAYER_MATMULS
-                          else w for name, w in layer.items()} for i, layer in floats["layers"].items()}
-            params = {**floats, "layers": layers, "embed": quant.quantize(np.asarray(floats["embed"]).T, "int8")}
-        backend = NativeCpuBackend()
-        params = backend.prepare_params(config, params)
-        ops = backend.ops(config)
-        assert ops.fused, f"{fmt}: the decode step would not run fused"
-        dtype = jnp.float32 if scheme != "bfloat16" else jnp.bfloat16
-        cache = tuple((jnp.zeros((3, num_pages, page, 64), dtype), jnp.zeros((3, num_pages, page, 64), dtype))
-                      for _ in range(config.num_layers))
-        graphdef = model_graphdef(config)
+    backend = NativeCpuBackend()
+    params = backend.prepare_params(config, params)
+    ops = backend.ops(config)
+    assert ops.fused, f"{fmt}: the decode step would not run fused"
+    dtype = jnp.float32 if FORMATS[fmt][0] != "bfloat16" else jnp.bfloat16
+    cache = tuple((jnp.zeros((3, num_pages, page, 64), dtype), jnp.zeros((3, num_pages, page, 64), dtype))
+                  for _ in range(config.num_layers))
+    graphdef = model_graphdef(config)
 
-        def step(p, c, o=ops):
-            m = nnx.merge(graphdef, p)
-            return m(tokens, positions, c, meta, o, logits_index=jnp.zeros((B, 1), jnp.int32))
+    def step(p, c):
+        m = nnx.merge(graphdef, p)
+        return m(tokens, positions, c, meta, ops, logits_index=jnp.zeros((B, 1), jnp.int32))
 
-        fn = jax.jit(step, donate_argnums=(1,))
-        logits, cache = fn(params, cache)
-        jax.block_until_ready(logits)
-        weight_bytes = sum(nbytes(w) if isinstance(w, native.PackedQuantized) else w.size * w.dtype.itemsize
-                           for w in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, native.PackedQuantized)))
-        steps[fmt] = [fn, params, cache, [], weight_bytes]
+    fn = jax.jit(step, donate_argnums=(1,))
+    logits, cache = fn(params, cache)
+    jax.block_until_ready(logits)
+    weight_bytes = sum(nbytes(w) if isinstance(w, native.PackedQuantized) else w.size * w.dtype.itemsize
+                       for w in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, native.PackedQuantized)))
+    return [fn, params, cache, [], weight_bytes]
+
+
+def bench_decode(args) -> list[dict]:
+    """SmolLM2-135M decode steps per format, taking turns."""
+    from jserve.runtime.backends import NativeCpuBackend
+
+    config, loaded, source = decode_weights(args)
+    floats = NativeCpuBackend(native_matmuls=False).prepare_params(config, loaded)
+    floats = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), floats)
+    del loaded
+    B, ctx = args.batch, args.context
+    steps = {fmt: decode_step(config, format_params(floats, fmt), fmt, B, ctx, page=64) for fmt in args.formats}
     del floats
     for _ in range(args.runs):
         for fmt, s in steps.items():

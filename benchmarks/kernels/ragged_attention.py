@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -151,7 +152,7 @@ def live_bytes(rows, shape, page_size, kv_dtype) -> int:
     return 2 * num_kv_heads * per_key * sum(-(-kv // page_size) * page_size for _, kv in rows)
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("gpu", "tpu"), default="gpu")
     parser.add_argument("--dry-run", action="store_true",
@@ -161,7 +162,49 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), help="default: all (dry run: smollm2)")
     parser.add_argument("--page-sizes", nargs="+", type=int, help="default: 16 64 (dry run: 16)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run_case(args, row: dict, rows, shape, page_size, kv_dtype, rng, seed: int, measure, iters: int) -> dict:
+    """Check the kernel on one case against the reference (and time it and the separate calls
+    unless --checks-only); `row` filled in, a failure recorded in it."""
+    window, cap = row["sliding_window"], row["soft_cap"]
+    try:
+        opts = dict(sm_scale=SM_SCALE, soft_cap=cap, sliding_window=window)
+        call, kw = make_inputs(rng, rows, shape, page_size, kv_dtype, seed=seed)
+        fn = kernel_fn(args.backend, args.dry_run, opts)
+        out = jax.block_until_ready(fn(*call, **kw))
+        want = ragged.ragged_paged_attention(*call, backend="reference", **opts, **kw)
+        total = row["tokens"]
+        err = float(jnp.max(jnp.abs(out[:total].astype(jnp.float32)
+                                    - want[:total].astype(jnp.float32))))
+        pad = np.asarray(out[total:].astype(jnp.float32))
+        row.update(max_err=err, padding_zero=bool(np.isfinite(pad).all() and not pad.any()))
+        row["ok"] = bool(err < 3e-2 and row["padding_zero"] and out.dtype == call[0].dtype)
+        row["live_bytes"] = live_bytes(rows, shape, page_size, kv_dtype)
+        if not args.checks_only:
+            row["ragged_s"] = measure(fn, call, kw, iters)
+            row["gbps"] = row["live_bytes"] / row["ragged_s"] / 1e9
+            # the existing kernels, called as the engine does (in a dry run
+            # the reference, only to run this code)
+            sep = separate_calls("reference" if args.dry_run else args.backend, rows, opts)
+            row["separate_s"] = measure(sep, call, kw, iters)
+    except Exception as e:  # noqa: BLE001
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:800]}")
+        traceback.print_exc()
+    return row
+
+
+def print_row(row: dict) -> None:
+    def ms(key):
+        return f"{row[key] * 1e3:.3f}" if key in row else "-"
+    print(f"{row['case']:<44} {'yes' if row['ok'] else 'NO':>3} {row.get('max_err', float('nan')):>9.2e} "
+          f"{row.get('live_bytes', 0) / 1e6:>8.1f} {ms('ragged_s'):>10} {ms('separate_s'):>12} "
+          f"{row.get('gbps', float('nan')):>8.1f}", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     platform = jax.devices()[0].platform
     if not args.dry_run and platform != args.backend:
         print(f"--backend {args.backend} needs a {args.backend.upper()} (this machine has {platform}); "
@@ -172,55 +215,24 @@ def main(argv=None) -> int:
     measure, method = timer(use_cupti=args.backend == "gpu" and not args.dry_run)
     page_sizes = args.page_sizes or ((16,) if args.dry_run else (16, 64))
     names = args.shapes or (["smollm2"] if args.dry_run else list(SHAPES))
-    shapes = {name: SHAPES[name] for name in names}
-    results, failures = [], 0
+    results = []
     header = (f"{'case':<44} {'ok':>3} {'max err':>9} {'live MB':>8} {'ragged ms':>10} "
               f"{'separate ms':>12} {'GB/s':>8}")
     print(f"backend {args.backend}{' (dry run: interpreters on ' + platform + ')' if args.dry_run else ''}; "
           f"timing: {method}\n{header}", flush=True)
-    for shape_name, shape in shapes.items():
-        for page_size in page_sizes:
-            for kv_dtype in (jnp.bfloat16, jnp.int8):
-                for batch_name, rows in batches(args.dry_run).items():
-                    window = 700 if batch_name == "mixed" and not args.dry_run else (
-                        24 if batch_name == "mixed" else None)
-                    cap = 30.0 if shape_name == "smollm2" else None
-                    name = (f"{shape_name}/p{page_size}/{jnp.dtype(kv_dtype).name}/{batch_name}"
-                            f"{'/window' if window else ''}{'/cap' if cap else ''}")
-                    row = dict(case=name, shape=shape_name, page_size=page_size,
-                               kv_dtype=jnp.dtype(kv_dtype).name, batch=batch_name, rows=len(rows),
-                               tokens=sum(q for q, _ in rows), sliding_window=window, soft_cap=cap)
-                    try:
-                        opts = dict(sm_scale=SM_SCALE, soft_cap=cap, sliding_window=window)
-                        call, kw = make_inputs(rng, rows, shape, page_size, kv_dtype, seed=len(results))
-                        fn = kernel_fn(args.backend, args.dry_run, opts)
-                        out = jax.block_until_ready(fn(*call, **kw))
-                        want = ragged.ragged_paged_attention(*call, backend="reference", **opts, **kw)
-                        total = row["tokens"]
-                        err = float(jnp.max(jnp.abs(out[:total].astype(jnp.float32)
-                                                    - want[:total].astype(jnp.float32))))
-                        pad = np.asarray(out[total:].astype(jnp.float32))
-                        row.update(max_err=err, padding_zero=bool(np.isfinite(pad).all() and not pad.any()))
-                        row["ok"] = bool(err < 3e-2 and row["padding_zero"] and out.dtype == call[0].dtype)
-                        row["live_bytes"] = live_bytes(rows, shape, page_size, kv_dtype)
-                        if not args.checks_only:
-                            row["ragged_s"] = measure(fn, call, kw, iters)
-                            row["gbps"] = row["live_bytes"] / row["ragged_s"] / 1e9
-                            # the existing kernels, called as the engine does (in a dry run
-                            # the reference, only to run this code)
-                            sep = separate_calls("reference" if args.dry_run else args.backend, rows, opts)
-                            row["separate_s"] = measure(sep, call, kw, iters)
-                    except Exception as e:  # noqa: BLE001
-                        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:800]}")
-                        traceback.print_exc()
-                    failures += not row["ok"]
-                    results.append(row)
-
-                    def ms(key, row=row):
-                        return f"{row[key] * 1e3:.3f}" if key in row else "-"
-                    print(f"{name:<44} {'yes' if row['ok'] else 'NO':>3} {row.get('max_err', float('nan')):>9.2e} "
-                          f"{row.get('live_bytes', 0) / 1e6:>8.1f} {ms('ragged_s'):>10} {ms('separate_s'):>12} "
-                          f"{row.get('gbps', float('nan')):>8.1f}", flush=True)
+    for shape_name, page_size, kv_dtype, (batch_name, rows) in itertools.product(
+            dict.fromkeys(names), page_sizes, (jnp.bfloat16, jnp.int8), batches(args.dry_run).items()):
+        window = 700 if batch_name == "mixed" and not args.dry_run else (24 if batch_name == "mixed" else None)
+        cap = 30.0 if shape_name == "smollm2" else None
+        name = (f"{shape_name}/p{page_size}/{jnp.dtype(kv_dtype).name}/{batch_name}"
+                f"{'/window' if window else ''}{'/cap' if cap else ''}")
+        row = dict(case=name, shape=shape_name, page_size=page_size,
+                   kv_dtype=jnp.dtype(kv_dtype).name, batch=batch_name, rows=len(rows),
+                   tokens=sum(q for q, _ in rows), sliding_window=window, soft_cap=cap)
+        results.append(run_case(args, row, rows, SHAPES[shape_name], page_size, kv_dtype, rng, len(results),
+                                measure, iters))
+        print_row(row)
+    failures = sum(not row["ok"] for row in results)
     report = dict(backend=args.backend, dry_run=args.dry_run, platform=platform,
                   device=str(jax.devices()[0].device_kind), timing=method, cases=results,
                   failures=failures, jax=jax.__version__)

@@ -51,58 +51,17 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
     import jax
 
-    from jserve.core.request import SamplingParams
-    from jserve.llm import LLM
     from jserve.runtime.sharding import parse_mesh
-    from jserve.runtime.steps import StepRow
 
     golden = json.loads((REPO / "tests" / "data" / "smollm2_golden.json").read_text())["cases"]
     results = []
     for name in args.meshes.split(","):
         mesh = None if name == "none" else name.replace("_", ",")
         sizes = parse_mesh(mesh) if mesh else {"dp": 1, "tp": 1}
-        dp = sizes["dp"]
         if sizes["dp"] * sizes["tp"] > jax.device_count():
             print(f"skip {name}: needs {sizes['dp'] * sizes['tp']} devices", file=sys.stderr)
             continue
-        t0 = time.perf_counter()
-        batch = math.ceil(args.batch / dp) * dp
-        llm = LLM(args.model, mesh=mesh, warmup=False, max_model_len=args.max_model_len, max_num_seqs=batch,
-                  max_num_batched_tokens=max(args.prefill * dp, 512 * dp), kv_cache_bytes=256 << 20)
-        load_s = time.perf_counter() - t0
-        runner = llm.runner
-        golden_ok = None
-        if args.model is None:
-            outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in golden],
-                                SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-            golden_ok = all(o.outputs[0].token_ids == c["greedy_ids"][:8] for o, c in zip(outs, golden))
-        # Decode rows at `context` tokens on distinct pages of their group (the KV content does not
-        # change the step's cost), and one prefill chunk per group.
-        S = runner.page_size
-        pages = math.ceil((args.context + 1) / S)
-        rows = []
-        for i in range(batch):
-            g, j = i % dp, i // dp
-            rows.append(StepRow(args.context, [1], list(range(1 + j * pages, 1 + (j + 1) * pages)), group=g))
-        if (batch // dp) * pages + 1 > runner.pages_per_group:
-            raise SystemExit(f"not enough pages for batch {batch} x context {args.context}")
-        prefill_rows = [StepRow(0, [1] * args.prefill, list(range(1, 1 + math.ceil(args.prefill / S))), group=g)
-                        for g in range(dp)]
-        timings = {}
-        for kind, r in {"decode": rows, "prefill": prefill_rows}.items():
-            runner.execute(r)  # compile / warm
-            secs = []
-            for _ in range(args.repeats):
-                runner.execute(r)
-                secs.append(runner.records[-1].seconds)
-            timings[kind] = statistics.median(secs)
-        weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.params))
-        results.append(dict(mesh=name, dp=dp, tp=sizes["tp"], devices=dp * sizes["tp"], batch=batch,
-                            context=args.context, decode_ms=timings["decode"] * 1e3,
-                            prefill_ms=timings["prefill"] * 1e3, prefill_tokens=args.prefill * dp,
-                            weight_mib_per_device=weights / 2**20, load_s=load_s, golden_ok=golden_ok,
-                            compilations=runner.num_compilations))
-        del llm, runner
+        results.append(bench_mesh(args, name, mesh, sizes, golden))
         print(_row(results[-1]), flush=True)
     print()
     print(_table(results))
@@ -110,6 +69,63 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps({"platform": jax.devices()[0].platform, "args": vars(args),
                                               "results": results}, indent=2))
     return 0 if all(r["golden_ok"] is not False for r in results) else 1
+
+
+def bench_mesh(args, name: str, mesh: str | None, sizes: dict, golden: list) -> dict:
+    """Load the model into one mesh, check the golden cases (default model only) and time its
+    decode and prefill steps: the mesh's result row."""
+    import jax
+
+    from jserve.core.request import SamplingParams
+    from jserve.llm import LLM
+
+    dp = sizes["dp"]
+    t0 = time.perf_counter()
+    batch = math.ceil(args.batch / dp) * dp
+    llm = LLM(args.model, mesh=mesh, warmup=False, max_model_len=args.max_model_len, max_num_seqs=batch,
+              max_num_batched_tokens=max(args.prefill * dp, 512 * dp), kv_cache_bytes=256 << 20)
+    load_s = time.perf_counter() - t0
+    runner = llm.runner
+    golden_ok = None
+    if args.model is None:
+        outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in golden],
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        golden_ok = all(o.outputs[0].token_ids == c["greedy_ids"][:8] for o, c in zip(outs, golden))
+    timings = {kind: time_step(runner, rows, args.repeats)
+               for kind, rows in step_rows(args, runner.page_size, runner.pages_per_group, batch, dp).items()}
+    weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.params))
+    return dict(mesh=name, dp=dp, tp=sizes["tp"], devices=dp * sizes["tp"], batch=batch,
+                context=args.context, decode_ms=timings["decode"] * 1e3,
+                prefill_ms=timings["prefill"] * 1e3, prefill_tokens=args.prefill * dp,
+                weight_mib_per_device=weights / 2**20, load_s=load_s, golden_ok=golden_ok,
+                compilations=runner.num_compilations)
+
+
+def step_rows(args, S: int, pages_per_group: int, batch: int, dp: int) -> dict:
+    """{"decode": rows, "prefill": rows}: decode rows at `context` tokens on distinct pages of
+    their group (the KV content does not change the step's cost), and one prefill chunk per group."""
+    from jserve.runtime.steps import StepRow
+
+    pages = math.ceil((args.context + 1) / S)
+    rows = []
+    for i in range(batch):
+        g, j = i % dp, i // dp
+        rows.append(StepRow(args.context, [1], list(range(1 + j * pages, 1 + (j + 1) * pages)), group=g))
+    if (batch // dp) * pages + 1 > pages_per_group:
+        raise SystemExit(f"not enough pages for batch {batch} x context {args.context}")
+    prefill_rows = [StepRow(0, [1] * args.prefill, list(range(1, 1 + math.ceil(args.prefill / S))), group=g)
+                    for g in range(dp)]
+    return {"decode": rows, "prefill": prefill_rows}
+
+
+def time_step(runner, rows, repeats: int) -> float:
+    """The median seconds of `repeats` executions of `rows`, after one to compile and warm."""
+    runner.execute(rows)
+    secs = []
+    for _ in range(repeats):
+        runner.execute(rows)
+        secs.append(runner.records[-1].seconds)
+    return statistics.median(secs)
 
 
 def _row(r) -> str:
