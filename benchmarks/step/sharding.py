@@ -110,10 +110,10 @@ def step_rows(args, S: int, pages_per_group: int, batch: int, dp: int) -> dict:
     rows = []
     for i in range(batch):
         g, j = i % dp, i // dp
-        rows.append(StepRow(args.context, [1], list(range(1 + j * pages, 1 + (j + 1) * pages)), group=g))
+        rows.append(StepRow(args.context, [1], list(range(1 + j * pages, 1 + (j + 1) * pages)), dp_group=g))
     if (batch // dp) * pages + 1 > pages_per_group:
         raise SystemExit(f"not enough pages for batch {batch} x context {args.context}")
-    prefill_rows = [StepRow(0, [1] * args.prefill, list(range(1, 1 + math.ceil(args.prefill / S))), group=g)
+    prefill_rows = [StepRow(0, [1] * args.prefill, list(range(1, 1 + math.ceil(args.prefill / S))), dp_group=g)
                     for g in range(dp)]
     return {"decode": rows, "prefill": prefill_rows}
 
