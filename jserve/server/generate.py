@@ -136,93 +136,132 @@ def _timing_headers(usage: dict, request_id: str) -> dict[str, str]:
 
 async def run_generation(request: web.Request, state: "ServerState",
                          req: protocol.GenerateRequest) -> web.StreamResponse:
-    request_id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
-    rids = [f"{request_id}-{i}" for i in range(len(req.prompts))]
-    n = req.params.n
-    choices: dict[int, _Choice] = {}
-    for p, (text, ids) in enumerate(req.prompts):
-        prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
-        for i in range(n):
-            choices[p * n + i] = _Choice(p * n + i, prefix, _tool_parser(req))
-    created = int(time.time())
-    head = {"id": request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
-            "created": created, "model": state.model_name}
-    tok = state.tokenizer
-    seqs, tokens = req.num_seqs, req.cost_tokens(state.ctx.limits.max_total_tokens)
-    state.begin_request(seqs, tokens)
-    released = False
-
-    def release() -> None:
-        """Give the admission back, once: when the engine is done with the request (its last
-        writes may then wait on the client without holding a place)."""
-        nonlocal released
-        if not released:
-            released = True
-            state.end_request(seqs, tokens)
+    gen = _Generation(request, state, req)
+    gen.admit()
     salt = engine_salt(request.get(TENANT, ""), req.cache_salt)
-    write_timeout = state.timeouts.write
-    response: web.StreamResponse | None = None
-    last_time = None
     try:
-        async with contextlib.aclosing(_merge(state, rids, req, salt)) as stream:
-            try:
-                async for p, out in stream:
-                    now = time.monotonic()
-                    if last_time is not None:
-                        state.metrics.observe_itl(now - last_time)
-                    last_time = now
-                    chunks = []
-                    for c in out.outputs:
-                        ch = choices[p * n + c.index]
-                        offset = len(ch.prefix) + len(ch.text)
-                        ch.text += c.text
-                        ch.token_ids += c.token_ids
-                        if c.logprobs is not None:
-                            ch.logprobs += c.logprobs
-                        ch.finish_reason = c.finish_reason
-                        if req.stream:
-                            chunk = _chunk(req, ch, c, offset, tok)
-                            if chunk is not None:
-                                chunks.append(chunk)
-                    if req.stream and chunks:
-                        if response is None:  # headers go out with the first output: errors before it get a status
-                            response = await _start_sse(request, request_id, write_timeout)
-                        for chunk in chunks:
-                            await _send(request, response, {**head, "choices": [chunk], **_null_usage(req)},
-                                        write_timeout)
-            except (ValueError, EngineDeadError) as e:
-                error = _engine_error(e)
-                if response is None:
-                    raise error from None
-                await _send(request, response, error.body(), write_timeout)
-                await _write(request, response, b"data: [DONE]\n\n", write_timeout)
-                return response
-        release()
-        usage = _usage(state, rids, req, choices)
-        for p, rid in enumerate(rids):
-            timings = state.engine.request_timings(rid)
-            if timings is not None:
-                samples = [len(choices[p * n + i].token_ids) for i in range(n)]
-                state.metrics.observe_timings(timings, req.params, samples)
-        if not req.stream:
-            body = {**head, "object": "chat.completion" if req.chat else "text_completion",
-                    "choices": [_final_choice(req, ch, tok) for ch in choices.values()], "usage": usage}
-            response = web.json_response(body, headers=_timing_headers(usage, request_id))
-            await _bounded(request, response.prepare(request), write_timeout)  # sent here, under the same
-            await _bounded(request, response.write_eof(), write_timeout)  # write timeout as a stream
-            return response
-        if response is None:
-            response = await _start_sse(request, request_id, write_timeout)
-        if req.include_usage:
-            await _send(request, response, {**head, "choices": [], "usage": usage}, write_timeout)
-        await _write(request, response, b"data: [DONE]\n\n", write_timeout)
-        await _bounded(request, response.write_eof(), write_timeout)
-        return response
+        if not await gen.stream(salt):
+            return gen.response
+        gen.release()
+        return await gen.finish()
     except ConnectionResetError:  # the client went away (or stopped reading): closing the stream aborted it
         request[DISCONNECTED] = True
-        return response if response is not None else web.Response(status=499)
+        return gen.response if gen.response is not None else web.Response(status=499)
     finally:
-        release()
+        gen.release()
+
+
+class _Generation:
+    """One request's run: its choices as the engine's outputs fill them, its admission, and the
+    response (None until its headers go out)."""
+
+    def __init__(self, request: web.Request, state: "ServerState", req: protocol.GenerateRequest):
+        self.request, self.state, self.req = request, state, req
+        self.request_id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        self.rids = [f"{self.request_id}-{i}" for i in range(len(req.prompts))]
+        self.n = n = req.params.n
+        self.choices: dict[int, _Choice] = {}
+        for p, (text, ids) in enumerate(req.prompts):
+            prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
+            for i in range(n):
+                self.choices[p * n + i] = _Choice(p * n + i, prefix, _tool_parser(req))
+        created = int(time.time())
+        self.head = {"id": self.request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
+                     "created": created, "model": state.model_name}
+        self.tok = state.tokenizer
+        self.admission = (req.num_seqs, req.cost_tokens(state.ctx.limits.max_total_tokens))
+        self.released = False
+        self.write_timeout = state.timeouts.write
+        self.response: web.StreamResponse | None = None
+        self.last_time: float | None = None
+
+    def admit(self) -> None:
+        self.state.begin_request(*self.admission)
+
+    def release(self) -> None:
+        """Give the admission back, once: when the engine is done with the request (its last
+        writes may then wait on the client without holding a place)."""
+        if not self.released:
+            self.released = True
+            self.state.end_request(*self.admission)
+
+    async def stream(self, salt: str | None) -> bool:
+        """Run the prompts' engine streams to their end, sending SSE chunks when streaming. False:
+        an engine error ended it after the headers went out (sent as an error event, then [DONE]);
+        before them the error is raised as an APIError."""
+        async with contextlib.aclosing(_merge(self.state, self.rids, self.req, salt)) as stream:
+            try:
+                async for p, out in stream:
+                    self._observe_itl()
+                    chunks = self._absorb(p, out)
+                    if self.req.stream and chunks:
+                        await self._send_chunks(chunks)
+            except (ValueError, EngineDeadError) as e:
+                error = _engine_error(e)
+                if self.response is None:
+                    raise error from None
+                await _send(self.request, self.response, error.body(), self.write_timeout)
+                await _write(self.request, self.response, b"data: [DONE]\n\n", self.write_timeout)
+                return False
+        return True
+
+    def _observe_itl(self) -> None:
+        now = time.monotonic()
+        if self.last_time is not None:
+            self.state.metrics.observe_itl(now - self.last_time)
+        self.last_time = now
+
+    def _absorb(self, p: int, out: RequestOutput) -> list[dict]:
+        """Add prompt `p`'s delta output to its choices; the SSE chunks it makes when streaming."""
+        chunks = []
+        for c in out.outputs:
+            ch = self.choices[p * self.n + c.index]
+            offset = len(ch.prefix) + len(ch.text)
+            ch.text += c.text
+            ch.token_ids += c.token_ids
+            if c.logprobs is not None:
+                ch.logprobs += c.logprobs
+            ch.finish_reason = c.finish_reason
+            if self.req.stream:
+                chunk = _chunk(self.req, ch, c, offset, self.tok)
+                if chunk is not None:
+                    chunks.append(chunk)
+        return chunks
+
+    async def _send_chunks(self, chunks: list[dict]) -> None:
+        if self.response is None:  # headers go out with the first output: errors before it get a status
+            self.response = await _start_sse(self.request, self.request_id, self.write_timeout)
+        for chunk in chunks:
+            await _send(self.request, self.response, {**self.head, "choices": [chunk], **_null_usage(self.req)},
+                        self.write_timeout)
+
+    async def finish(self) -> web.StreamResponse:
+        """After the engine is done: the metrics' timings, then the JSON body with usage, or the
+        stream's usage chunk (if asked for) and end."""
+        req, request, timeout = self.req, self.request, self.write_timeout
+        usage = _usage(self.state, self.rids, req, self.choices)
+        self._observe_timings()
+        if not req.stream:
+            body = {**self.head, "object": "chat.completion" if req.chat else "text_completion",
+                    "choices": [_final_choice(req, ch, self.tok) for ch in self.choices.values()], "usage": usage}
+            self.response = web.json_response(body, headers=_timing_headers(usage, self.request_id))
+            await _bounded(request, self.response.prepare(request), timeout)  # sent here, under the same
+            await _bounded(request, self.response.write_eof(), timeout)  # write timeout as a stream
+            return self.response
+        if self.response is None:
+            self.response = await _start_sse(request, self.request_id, timeout)
+        if req.include_usage:
+            await _send(request, self.response, {**self.head, "choices": [], "usage": usage}, timeout)
+        await _write(request, self.response, b"data: [DONE]\n\n", timeout)
+        await _bounded(request, self.response.write_eof(), timeout)
+        return self.response
+
+    def _observe_timings(self) -> None:
+        for p, rid in enumerate(self.rids):
+            timings = self.state.engine.request_timings(rid)
+            if timings is not None:
+                samples = [len(self.choices[p * self.n + i].token_ids) for i in range(self.n)]
+                self.state.metrics.observe_timings(timings, self.req.params, samples)
 
 
 def _null_usage(req: protocol.GenerateRequest) -> dict:
