@@ -24,6 +24,8 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from jserve.core.request import RequestOutput, SamplingParams
+from jserve.engine.handover import Command, post
+from jserve.engine.request_ledger import RequestLedger, requests_of
 from jserve.engine.stream_output import RequestTimings, Tracker
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestTimings"]
@@ -48,18 +50,6 @@ class _Live:
     seen_first_output: bool = False
 
 
-@dataclasses.dataclass
-class _Command:
-    kind: str  # "add" | "abort" | "stats" | "stop"
-    request_id: str | None = None
-    args: tuple = ()
-    kwargs: dict = dataclasses.field(default_factory=dict)
-    queue: asyncio.Queue | None = None  # the stream ("add"; "abort" from a closing stream)
-    loop: asyncio.AbstractEventLoop | None = None
-    future: asyncio.Future | None = None  # resolved on `loop` ("abort", "stats")
-    abort_all: bool = True  # "stop": abort in-flight requests, else finish them first
-
-
 class AsyncLLMEngine:
     """Runs an `LLMEngine` on a daemon thread and streams each request's outputs to asyncio.
 
@@ -73,18 +63,12 @@ class AsyncLLMEngine:
     def __init__(self, engine: "LLMEngine", *, start: bool = True, max_timings: int = 4096):
         self.engine = engine
         self._cond = threading.Condition()
-        self._commands: collections.deque[_Command] = collections.deque()
+        self._commands: collections.deque[Command] = collections.deque()
         self._closing = False  # shutdown() called: no new requests
         self._stopped = False  # the loop ended (shutdown or crash): no commands at all
         self._error: BaseException | None = None
         self._live: dict[str, _Live] = {}  # engine thread only
-        self._timings: collections.OrderedDict[str, RequestTimings] = collections.OrderedDict()
-        self._timings_lock = threading.Lock()
-        self._max_timings = max_timings
-        # Monotone totals for /metrics' counters (engine thread only): finished samples by finish
-        # reason, and the prompt and generated tokens of finished requests.
-        self._finished: collections.Counter[str] = collections.Counter()
-        self._finished_tokens = collections.Counter(prompt=0, generation=0)
+        self._ledger = RequestLedger(max_timings)  # timings and finished totals for the metrics
         self.num_loop_iterations = 0  # wake-ups of the engine thread (idle proof for tests)
         self._iteration_start: float | None = None  # monotonic start of the engine thread's work now
         self._streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}  # open generate() streams
@@ -129,7 +113,7 @@ class AsyncLLMEngine:
             self._cond.notify()
         error = self._dead_error()
         for queue, loop in streams:
-            _post(loop, [(queue, error)])
+            post(loop, [(queue, error)])
 
     # ------------------------------------------------------------------------------ what the server reads
     # Fixed once the engine is built, so any thread may read them.
@@ -220,7 +204,7 @@ class AsyncLLMEngine:
         with self._cond:
             self._streams[queue] = loop
         try:
-            self._submit(_Command("add", request_id, (ids, params),
+            self._submit(Command("add", request_id, (ids, params),
                                   dict(prompt=prompt, priority=priority, cache_salt=cache_salt,
                                        arrival_time=time.monotonic(), **({"grammar": grammar} if grammar else {})),
                                   queue=queue, loop=loop))
@@ -248,7 +232,7 @@ class AsyncLLMEngine:
                 self._streams.pop(queue, None)
             if not done:
                 try:  # no await here: this runs during cancellation and generator finalization
-                    self._submit(_Command("abort", request_id, queue=queue), control=True)
+                    self._submit(Command("abort", request_id, queue=queue), control=True)
                 except EngineDeadError:
                     pass
 
@@ -257,7 +241,7 @@ class AsyncLLMEngine:
         On return its pages are free."""
         future = asyncio.get_running_loop().create_future()
         try:
-            self._submit(_Command("abort", request_id, loop=future.get_loop(), future=future), control=True)
+            self._submit(Command("abort", request_id, loop=future.get_loop(), future=future), control=True)
         except EngineDeadError:
             return False
         return await future
@@ -269,7 +253,7 @@ class AsyncLLMEngine:
             return self._stats()  # not started: nobody else touches the engine
         future = asyncio.get_running_loop().create_future()
         try:
-            self._submit(_Command("stats", loop=future.get_loop(), future=future), control=True)
+            self._submit(Command("stats", loop=future.get_loop(), future=future), control=True)
         except EngineDeadError:
             if self._thread is not None:
                 self._thread.join(1.0)  # it is exiting; after that the engine is ours to read
@@ -282,8 +266,7 @@ class AsyncLLMEngine:
         """Timestamps of a request once it has produced an output (final after it finished;
         kept for the last `max_timings` requests); None if unknown. Thread-safe; for a finished
         request they are recorded before its final output is delivered."""
-        with self._timings_lock:
-            return self._timings.get(request_id)
+        return self._ledger.timings(request_id)
 
     def shutdown(self, timeout: float | None = None, *, abort: bool = True) -> bool:
         """Stop taking requests, end the loop and join the thread.
@@ -298,7 +281,7 @@ class AsyncLLMEngine:
         with self._cond:
             if self._thread is not None and not self._stopped:
                 self._closing = True
-                self._commands.append(_Command("stop", abort_all=abort))
+                self._commands.append(Command("stop", abort_all=abort))
                 self._cond.notify()
         if self._thread is None:
             self._closing = self._stopped = True
@@ -308,7 +291,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------------------ handover
 
-    def _submit(self, command: _Command, control: bool = False) -> None:
+    def _submit(self, command: Command, control: bool = False) -> None:
         with self._cond:
             if self._stopped or (self._closing and not control):
                 raise self._dead_error()
@@ -367,21 +350,21 @@ class AsyncLLMEngine:
         finally:
             self._close_loop()
 
-    def _apply(self, command: _Command) -> None:
+    def _apply(self, command: Command) -> None:
         if command.kind == "add":
             rid = command.request_id
             try:
                 self.engine.add_request(rid, *command.args, **command.kwargs)
             except Exception as exc:  # the request's own fault (ValueError) or its scoring pass
-                _post(command.loop, [(command.queue, exc)])
+                post(command.loop, [(command.queue, exc)])
                 return
-            self._live[rid] = _Live(command.queue, command.loop, _requests_of(self.engine, rid, command.args[1].n))
+            self._live[rid] = _Live(command.queue, command.loop, requests_of(self.engine, rid, command.args[1].n))
         elif command.kind == "abort":
             aborted = self._abort(command.request_id, command.queue)
             if command.future is not None:
-                _post(command.loop, [(command.future, aborted)])
+                post(command.loop, [(command.future, aborted)])
         elif command.kind == "stats":
-            _post(command.loop, [(command.future, self._stats())])
+            post(command.loop, [(command.future, self._stats())])
 
     def _abort(self, request_id: str, only_queue: asyncio.Queue | None) -> bool:
         live = self._live.get(request_id)
@@ -402,42 +385,16 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 del self._live[out.request_id]
-                self._finished.update(c.finish_reason or "abort" for c in out.outputs)
-                self._finished_tokens.update(prompt=len(out.prompt_token_ids or ()),
-                                             generation=sum(len(c.token_ids) for c in out.outputs))
+                self._ledger.count_finished(out)
             if out.finished or not live.seen_first_output:
                 live.seen_first_output = True
-                self._record_timings(out.request_id, live, out)
+                self._ledger.record(out.request_id, live.requests, out)
             by_loop.setdefault(live.loop, []).append((live.queue, out))
         for loop, batch in by_loop.items():
-            if not _post(loop, batch):  # the consumers' loop is closed: nobody will read these
+            if not post(loop, batch):  # the consumers' loop is closed: nobody will read these
                 for _, out in batch:
                     if not out.finished:
                         self._abort(out.request_id, None)
-
-    def _record_timings(self, request_id: str, live: _Live, out: RequestOutput) -> None:
-        reqs = live.requests
-        if not reqs:
-            return
-
-        def first(name):
-            values = [getattr(r, name) for r in reqs if getattr(r, name) is not None]
-            return min(values) if values else None
-
-        finished = [r.finished_time for r in reqs]
-        timings = RequestTimings(
-            arrival_time=reqs[0].arrival_time, first_scheduled_time=first("first_scheduled_time"),
-            first_token_time=first("first_token_time"),
-            finished_time=max(finished) if None not in finished else None,
-            num_prompt_tokens=len(reqs[0].prompt_token_ids),
-            num_output_tokens=sum(len(r.output_token_ids) for r in reqs),
-            num_cached_tokens=reqs[0].num_cached_tokens, num_preemptions=sum(r.num_preemptions for r in reqs),
-            finish_reason=out.outputs[0].finish_reason if out.outputs else None)
-        with self._timings_lock:
-            self._timings[request_id] = timings
-            self._timings.move_to_end(request_id)
-            while len(self._timings) > self._max_timings:
-                self._timings.popitem(last=False)
 
     def _stats(self) -> dict[str, Any]:
         stats = dict(self.engine.stats())
@@ -446,8 +403,7 @@ class AsyncLLMEngine:
             if name not in stats and scheduler is not None:
                 stats[name] = getattr(scheduler, name)
         stats.update(num_streams=len(self._live), num_loop_iterations=self.num_loop_iterations,
-                     is_running=self.is_running, errored=self.errored, finished_requests=dict(self._finished),
-                     **{f"finished_{k}_tokens": v for k, v in self._finished_tokens.items()})
+                     is_running=self.is_running, errored=self.errored, **self._ledger.totals())
         return stats
 
     def _close_loop(self) -> None:
@@ -458,7 +414,7 @@ class AsyncLLMEngine:
             self._commands.clear()
         if self._error is not None:
             for rid, live in list(self._live.items()):
-                _post(live.loop, [(live.queue, self._dead_error())])
+                post(live.loop, [(live.queue, self._dead_error())])
                 try:  # best effort: give the pages back
                     self.engine.abort_request(rid)
                 except Exception:  # noqa: BLE001
@@ -466,7 +422,7 @@ class AsyncLLMEngine:
             self._live.clear()
         for command in leftover:
             if command.kind == "add":
-                _post(command.loop, [(command.queue, self._dead_error())])
+                post(command.loop, [(command.queue, self._dead_error())])
             elif command.future is not None:
                 try:
                     if command.kind == "abort":
@@ -475,33 +431,4 @@ class AsyncLLMEngine:
                         result = self._stats()
                 except Exception as exc:  # noqa: BLE001
                     result = exc
-                _post(command.loop, [(command.future, result)])
-
-
-def _requests_of(engine: Any, request_id: str, n: int) -> list:
-    """The scheduler's Request objects of a just-added request (LLMEngine names samples `id#i`)."""
-    get = getattr(getattr(engine, "scheduler", None), "get_request", None)
-    if get is None:
-        return []
-    names = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-    return [r for r in map(get, names) if r is not None]
-
-
-def _post(loop: asyncio.AbstractEventLoop, batch: list) -> bool:
-    """Hand (queue or future, item) pairs to `loop`; False if that loop is closed."""
-    try:
-        loop.call_soon_threadsafe(_deliver, batch)
-        return True
-    except RuntimeError:
-        return False
-
-
-def _deliver(batch: list) -> None:
-    for target, item in batch:
-        if isinstance(target, asyncio.Queue):
-            target.put_nowait(item)
-        elif not target.done():  # the awaiting caller may have been cancelled
-            if isinstance(item, BaseException):
-                target.set_exception(item)
-            else:
-                target.set_result(item)
+                post(command.loop, [(command.future, result)])
