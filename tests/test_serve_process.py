@@ -158,14 +158,20 @@ def test_a_vllm_serve_command_line_runs_unchanged(smollm2_checkpoint):
     for flag in ("--host", "--port"):
         i = line.index(flag)
         del line[i:i + 2]
-    proc, url = _start(smollm2_checkpoint, *line, "--log-stats-interval", "0.5")
+    proc, url = _start(smollm2_checkpoint, *line, "--log-stats-interval", "0.5", "--enable-log-requests")
     try:
         async def chat():
             async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-test"}) as session:
                 body = {"model": "llama", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True}
-                async with session.post(url + "/v1/completions", json=body) as resp:
+                async with session.post(url + "/v1/completions", json=body,
+                                        headers={"X-Request-Id": "trace-42"}) as resp:
                     assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-request-id"] == "trace-42"  # the client's id is kept
                     result = await resp.json()
+                    assert result["id"] == "cmpl-trace-42"
+                async with session.post(url + "/v1/completions", json=body,
+                                        headers={"X-Request-Id": "x" * 129}) as resp:
+                    assert resp.status == 400 and (await resp.json())["error"]["param"] == "X-Request-Id"
                 await asyncio.sleep(1.2)  # two stats intervals
                 async with session.get(url + "/version") as version:
                     assert version.status == 200
@@ -179,6 +185,8 @@ def test_a_vllm_serve_command_line_runs_unchanged(smollm2_checkpoint):
                          re.M), log
         assert log.count("--trust-remote-code: accepted, no effect") == 1, log
         assert re.search(r"INFO jserve.stats: [\d.]+ tokens/s computed, 1 requests finished", log), log
+        assert "request trace-42: /v1/completions, 1 prompt(s) of 3 tokens" in log, log
+        assert "request trace-42 done: length after 40 tokens" in log, log
     finally:
         if proc.poll() is None:
             proc.kill()

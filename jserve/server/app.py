@@ -70,13 +70,14 @@ class ServerState:
         exits non-zero from it).
       tool_call_parser: what reads the model's tool calls for tool_choice "auto"
         (`jserve.structured.tool_parsers`); None: the one the chat template implies, if any.
+      log_requests: log each generation request as it arrives and ends (--enable-log-requests).
     """
 
     def __init__(self, model_names: str | tuple[str, ...] = "jserve", *, api_keys: tuple[str, ...] = (),
                  limits: Limits | None = None, timeouts: Timeouts | None = None, scheduling_policy: str = "fcfs",
                  step_timeout: float = watchdog.DEFAULT_STEP_TIMEOUT, tokenizer_workers: int = 1,
                  metrics: ServerMetrics | None = None, on_fatal: Callable[[str], Any] | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, log_requests: bool = False):
         if tool_call_parser is not None:
             tool_parsers.get_parser(tool_call_parser)  # ValueError naming an unknown one
         if scheduling_policy not in ("fcfs", "priority"):
@@ -102,6 +103,7 @@ class ServerState:
         self.fatal: str | None = None  # watchdog.DEAD / HUNG once the engine is declared dead
         self.num_in_flight = 0  # engine requests (sequences) started and not yet finished
         self.num_finished = 0  # HTTP requests the engine has finished with (the stats line)
+        self.log_requests = log_requests  # --enable-log-requests
         self.created = int(time.time())
         self.quantization: dict[str, Any] | None = None  # quantization_summary, once attached
         self._idle: asyncio.Event | None = None

@@ -226,7 +226,7 @@ async def serve(args: argparse.Namespace) -> int:
     state = ServerState(names, api_keys=api_keys(args), limits=limits(args), timeouts=timeouts(args),
                         scheduling_policy=args.scheduling_policy, step_timeout=args.step_timeout,
                         tokenizer_workers=args.tokenizer_workers, on_fatal=on_fatal,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, log_requests=args.enable_log_requests)
     runner = web.AppRunner(build_app(state, max_body_bytes=args.max_body_bytes), **state.timeouts.runner_kwargs())
     await runner.setup()
     try:

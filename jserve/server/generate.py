@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -26,6 +27,8 @@ from jserve.server.tenancy import TENANT, engine_salt
 from jserve.server.watchdog import CLIENT_MESSAGE
 from jserve.structured import tool_parsers
 from jserve.structured.tools import ForcedToolParser
+
+logger = logging.getLogger(__name__)
 
 # Set on a request whose client went away (the metrics count it as 499).
 DISCONNECTED = web.RequestKey("disconnected", bool) if hasattr(web, "RequestKey") else "jserve_disconnected"
@@ -134,9 +137,25 @@ def _timing_headers(usage: dict, request_id: str) -> dict[str, str]:
             "x-jserve-prefill-ms": str(usage["prefill_ms"]), "x-jserve-decode-ms": str(usage["decode_ms"])}
 
 
+def client_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id (kept, as vLLM keeps it: in the response's id and header and in
+    the log), or None; 400 for one that is not 1-128 visible ASCII characters."""
+    value = request.headers.get("X-Request-Id")
+    if value is None:
+        return None
+    if not 1 <= len(value) <= 128 or not all("!" <= c <= "~" for c in value):
+        raise APIError(400, f"X-Request-Id must be 1 to 128 visible ASCII characters, got {value[:140]!r}",
+                       param="X-Request-Id")
+    return value
+
+
 async def run_generation(request: web.Request, state: "ServerState",
                          req: protocol.GenerateRequest) -> web.StreamResponse:
     gen = _Generation(request, state, req)
+    if state.log_requests:
+        logger.info("request %s: %s, %d prompt(s) of %s tokens, %s", gen.header_id, request.path,
+                    len(req.prompts), ", ".join(str(len(ids)) for _, ids in req.prompts if ids is not None) or "?",
+                    req.params)
     gen.admit()
     salt = engine_salt(request.get(TENANT, ""), req.cache_salt)
     try:
@@ -149,6 +168,9 @@ async def run_generation(request: web.Request, state: "ServerState",
         return gen.response if gen.response is not None else web.Response(status=499)
     finally:
         gen.release()
+        if state.log_requests:
+            logger.info("request %s done: %s", gen.header_id, ", ".join(
+                f"{ch.finish_reason or 'aborted'} after {len(ch.token_ids)} tokens" for ch in gen.choices.values()))
 
 
 class _Generation:
@@ -157,8 +179,12 @@ class _Generation:
 
     def __init__(self, request: web.Request, state: "ServerState", req: protocol.GenerateRequest):
         self.request, self.state, self.req = request, state, req
-        self.request_id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
-        self.rids = [f"{self.request_id}-{i}" for i in range(len(req.prompts))]
+        client_id = client_request_id(request)
+        self.request_id = ("chatcmpl-" if req.chat else "cmpl-") + (client_id or uuid.uuid4().hex)
+        self.header_id = client_id or self.request_id  # the response's X-Request-Id
+        # Engine ids stay unique when two clients send the same X-Request-Id.
+        unique = f"{self.request_id}-{uuid.uuid4().hex[:8]}" if client_id else self.request_id
+        self.rids = [f"{unique}-{i}" for i in range(len(req.prompts))]
         self.n = n = req.params.n
         self.choices: dict[int, _Choice] = {}
         for p, (text, ids) in enumerate(req.prompts):
@@ -230,7 +256,7 @@ class _Generation:
 
     async def _send_chunks(self, chunks: list[dict]) -> None:
         if self.response is None:  # headers go out with the first output: errors before it get a status
-            self.response = await _start_sse(self.request, self.request_id, self.write_timeout)
+            self.response = await _start_sse(self.request, self.header_id, self.write_timeout)
         for chunk in chunks:
             await _send(self.request, self.response, {**self.head, "choices": [chunk], **_null_usage(self.req)},
                         self.write_timeout)
@@ -244,12 +270,12 @@ class _Generation:
         if not req.stream:
             body = {**self.head, "object": "chat.completion" if req.chat else "text_completion",
                     "choices": [_final_choice(req, ch, self.tok) for ch in self.choices.values()], "usage": usage}
-            self.response = web.json_response(body, headers=_timing_headers(usage, self.request_id))
+            self.response = web.json_response(body, headers=_timing_headers(usage, self.header_id))
             await _bounded(request, self.response.prepare(request), timeout)  # sent here, under the same
             await _bounded(request, self.response.write_eof(), timeout)  # write timeout as a stream
             return self.response
         if self.response is None:
-            self.response = await _start_sse(request, self.request_id, timeout)
+            self.response = await _start_sse(request, self.header_id, timeout)
         if req.include_usage:
             await _send(request, self.response, {**self.head, "choices": [], "usage": usage}, timeout)
         await _write(request, self.response, b"data: [DONE]\n\n", timeout)
