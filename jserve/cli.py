@@ -8,9 +8,10 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from jserve.engine.config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
+from jserve.plan_command import run_plan
 from jserve.runtime.distributed import add_multihost_args
 from jserve.server import logs
 from jserve.vllm_args import apply_vllm_args
@@ -140,14 +141,6 @@ def _constraint(args: argparse.Namespace):
     return None
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _warmup(args: argparse.Namespace) -> int:
     """Compile every bucket the server would, into `--out`'s compilation cache, and write the
     manifest that `serve --compile-cache` checks (`jserve.engine.compile_cache`)."""
@@ -166,86 +159,6 @@ def _warmup(args: argparse.Namespace) -> int:
     files = sum(1 for _ in compile_cache.cache_dir(out).iterdir())
     print(f"compiled {llm.runner.num_compilations} steps in {time.perf_counter() - t0:.1f} s into {out} "
           f"({files} cache entries)")
-    return 0
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from jserve.engine.build import resolve_max_model_len, resolve_platform_defaults
-    from jserve.engine.config import EngineConfig
-    from jserve.model.checkpoint import read_model_config, read_quantization
-    from jserve.runtime.backends import NativeCpuBackend, XlaBackend, canonical_name
-    from jserve.runtime.kv_cache import device_memory_bytes, dtype_bytes, plan_memory
-
-    config, weight_dtype = read_model_config(args.model)
-    weight_dtype = args.weight_dtype or weight_dtype
-    settings = resolve_max_model_len(EngineConfig.from_settings(**engine_kwargs(args)), config)
-    settings = resolve_platform_defaults(settings)
-    kv_dtype = weight_dtype if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
-    native = settings.backend is not None and canonical_name(settings.backend) == "native"
-    page_size = settings.page_size or (NativeCpuBackend if native else XlaBackend).default_page_size
-    context, budget, fraction = settings.max_model_len, settings.kv_cache_bytes, settings.memory_fraction
-    device = args.device_memory
-    if device is None and budget is None:
-        device = device_memory_bytes()
-        if device is None:
-            raise ValueError("this device reports no memory size: give --device-memory or --kv-budget")
-    per_device = ""
-    plan_config, weight_bytes, dp = config, None, 1
-    record = read_quantization(args.model)
-    weights_label = weight_dtype
-    if record is not None or settings.quantization in ("int8", "int4", "fp8"):
-        from jserve.model import quant
-        from jserve.model.llama import param_shapes
-
-        if settings.mesh is not None:
-            raise ValueError("jserve plan: quantized weights on a mesh are not supported yet")
-        if record is not None:
-            weight_bytes, weights_label = int(record["bits_per_weight"] * config.num_params() / 8), record["label"]
-        else:
-            spec = quant.QuantSpec.parse(settings.quantization, settings.quantization_group_size)
-            weight_bytes = quant.estimate_bytes(param_shapes(config), spec, dtype_bytes(weight_dtype),
-                                                tied=config.tie_word_embeddings)
-            weights_label = spec.label()
-    if settings.mesh is not None:
-        from jserve.runtime.sharding import check_experts, describe, device_share, params_per_device, parse_mesh
-
-        sizes = parse_mesh(settings.mesh)
-        dp, tp, ep = sizes["dp"], sizes["tp"], sizes.get("ep", 1)
-        check_experts(config, sizes)
-        plan_config = device_share(config, tp, ep)  # one device's KV heads
-        weight_bytes = params_per_device(config, tp, ep) * dtype_bytes(weight_dtype)
-        per_device = " per device"
-    plan = plan_memory(plan_config, weight_dtype_bytes=dtype_bytes(weight_dtype), kv_dtype=kv_dtype,
-                       page_size=page_size, context=context, device_bytes=device, memory_fraction=fraction,
-                       kv_budget_bytes=budget, max_num_batched_tokens=settings.max_num_batched_tokens,
-                       weight_bytes=weight_bytes)
-    rows = [("model", f"{config.architecture}, {config.num_layers} layers, {config.num_params() / 1e9:.3f} B params")]
-    if settings.mesh is not None:
-        rows.append(("mesh", describe(config, settings.mesh)))
-    if config.moe:  # the routed experts' bytes (all layers), and what one token reads of them
-        from jserve.model.moe import EXPERT_WEIGHTS
-        from jserve.runtime.sharding import param_bytes_per_device
-
-        sizes = parse_mesh(settings.mesh) if settings.mesh is not None else {"tp": 1}
-        held = param_bytes_per_device(config, sizes["tp"], sizes.get("ep", 1), itemsize=dtype_bytes(weight_dtype))
-        label = f"experts ({config.num_experts} x {config.moe_intermediate_size}, top-{config.num_experts_per_tok})"
-        rows.append((label + per_device, _human(sum(held[n] for n in EXPERT_WEIGHTS))))
-    rows += [
-        ("device memory", _human(plan.device_bytes)),
-        (f"usable ({fraction:g})" if budget is None else "usable", _human(plan.usable_bytes)),
-        (f"weights ({weights_label}){per_device}", _human(plan.weight_bytes)),
-        (f"activations ({settings.max_num_batched_tokens} tokens)", _human(plan.activation_bytes)),
-        (f"KV per token ({kv_dtype}){per_device}", _human(plan.kv_bytes_per_token)),
-        (f"KV per page ({plan.page_size} tokens){per_device}", _human(plan.kv_bytes_per_page)),
-        (f"KV pages{per_device}", f"{plan.num_pages} ({_human(plan.kv_bytes)})"),
-        ("tokens in cache" + (f" per dp group (x{dp})" if settings.mesh else ""),
-         f"{(plan.num_pages - 1) * plan.page_size}"),
-        (f"sequences of {plan.context} tokens" + (f" (all {dp} dp groups)" if settings.mesh else ""),
-         f"{plan.max_sequences * dp}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
     return 0
 
 
@@ -289,11 +202,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jserve", description="LLM serving engine on JAX")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_convert(sub: Any) -> None:
+    """`jserve convert`."""
     p = sub.add_parser("convert", help="convert a GGUF file or Hugging Face folder to an Orbax checkpoint "
                        "(optionally quantized, with its quality report)")
     p.add_argument("source", help="a .gguf file, a folder with config.json and *.safetensors, or a jserve "
@@ -313,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_convert)
 
+
+def _add_generate(sub: Any) -> None:
+    """`jserve generate`."""
     from jserve.server.cli import CHAT_TEMPLATE_HELP, MODEL_HELP
 
     p = sub.add_parser("generate", help="generate a continuation of a prompt")
@@ -344,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_multihost_args(p)
     p.set_defaults(func=_generate)
 
+
+def _add_plan(sub: Any) -> None:
+    """`jserve plan`."""
     p = sub.add_parser("plan", help="how weights, activations and KV pages fit in device memory")
     p.add_argument("--model", default=None, help="checkpoint, HF folder (config.json is enough) or .gguf")
     p.add_argument("--device-memory", type=parse_bytes, default=None, help="e.g. 16GiB (default: this device's)")
@@ -357,8 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the same as --kv-cache-dtype")
     p.add_argument("--kv-budget", dest="kv_cache_bytes", type=parse_bytes, default=argparse.SUPPRESS,
                    help="the same as --kv-cache-bytes")
-    p.set_defaults(func=_plan)
+    p.set_defaults(func=run_plan)
 
+
+def _add_warmup(sub: Any) -> None:
+    """`jserve warmup`."""
     p = sub.add_parser("warmup", help="compile every bucket into a portable compile artifact "
                                       "(serve it with jserve serve --compile-cache DIR)")
     p.add_argument("--model", default=None, help="as serve's --model")
@@ -367,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, exclude=("seed",))
     p.set_defaults(func=_warmup)
 
+
+def _add_export(sub: Any) -> None:
+    """`jserve export`."""
     p = sub.add_parser("export", help="export every compiled step for TPU or CUDA from this machine (jax.export; "
                        "abstract weights, so an 8B config exports on a laptop)")
     p.add_argument("--platform", required=True, choices=["tpu", "cuda"])
@@ -381,12 +303,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.set_defaults(func=_export)
 
-    from jserve.server.cli import add_serve_parser
-    add_serve_parser(sub)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jserve", description="LLM serving engine on JAX")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_convert, _add_generate, _add_plan, _add_warmup, _add_export):
+        add(sub)
     from jserve.bench.cli import add_bench_parser
-    add_bench_parser(sub)
     from jserve.eval.cli import add_parser as add_eval_parser
-    add_eval_parser(sub)
+    from jserve.server.cli import add_serve_parser
+
+    for add in (add_serve_parser, add_bench_parser, add_eval_parser):
+        add(sub)
     for command in sub.choices.values():
         command.formatter_class = _DefaultsFormatter
     return parser
@@ -416,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             format="%(levelname)s %(name)s: %(message)s")
     try:
         apply_vllm_args(args)
-        if getattr(args, "mesh", None) and args.func is not _plan and not getattr(args, "distributed", False):
+        if getattr(args, "mesh", None) and args.func is not run_plan and not getattr(args, "distributed", False):
             cpu_devices_for_mesh(args.mesh)  # (a multi-process mesh spans the processes' devices)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

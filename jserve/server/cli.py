@@ -89,15 +89,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "implies; without one, 'auto' is refused and 'required' / named tools still work)")
     p.add_argument("--tokenizer-workers", type=int, default=1,
                    help="processes that tokenize large inputs off the event loop (0: tokenize inline)")
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-level", default="info", choices=logs.LEVELS)
-    g.add_argument("--log-format", default="text", choices=logs.FORMATS,
-                   help="text: timestamped lines; json: one JSON object a line")
-    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
-                   help="seconds between stats lines while requests run")
-    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
-    g.add_argument("--enable-log-requests", action="store_true",
-                   help="log each request as it arrives (id, route, model, prompt tokens, sampling) and finishes")
+    _add_log_args(p)
+    _add_limit_args(p)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
+    add_engine_args(p)  # --seed among them
+    add_vllm_args(p)
+    p.set_defaults(**SERVE_DEFAULTS)
+    add_multihost_args(p)
+    p.set_defaults(func=serve_command)
+    return p
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """The admission and per-request limits, and the connections' timeouts."""
     g = p.add_argument_group("limits (429 past the admission ones, 400 past the per-request ones)")
     for field in dataclasses.fields(Limits):
         g.add_argument("--" + field.name.replace("_", "-"), type=int, default=None, help=_LIMIT_HELP[field.name])
@@ -113,14 +118,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "aborted (default %(default)s)")
     g.add_argument("--max-connections", type=int, default=defaults.max_connections,
                    help="open connections; past them a new one gets 503 (default %(default)s)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
-    add_engine_args(p)  # --seed among them
-    add_vllm_args(p)
-    p.set_defaults(**SERVE_DEFAULTS)
-    add_multihost_args(p)
-    p.set_defaults(func=serve_command)
-    return p
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", default="info", choices=logs.LEVELS, help="the lowest level logged")
+    g.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                   help="text: timestamped lines; json: one JSON object a line")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between stats lines while requests run")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request as it arrives (id, route, model, prompt tokens, sampling) and finishes")
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -205,12 +214,45 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def _listen(app: Any, timeouts: Timeouts, args: argparse.Namespace) -> Any:
+    """The app's runner, listening on --host:--port; a port in use is a one-line ValueError."""
     from aiohttp import web
 
+    from jserve.server.http import CappedSite
+
+    runner = web.AppRunner(app, **timeouts.runner_kwargs())
+    await runner.setup()
+    try:
+        await CappedSite(runner, args.host, args.port, max_connections=timeouts.max_connections).start()
+    except OSError as e:
+        await runner.cleanup()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {args.port} on {args.host} is in use (another server?): stop it or pass "
+                             "--port") from None
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    logger.info("listening on http://%s:%d (warming up)", args.host, args.port)
+    return runner
+
+
+def _load_in_background(args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """The model loading on a daemon thread (not to_thread: a signal during loading must not wait
+    for the load to end); the future holds the LLM, or the load's error."""
+    loaded: asyncio.Future = loop.create_future()
+
+    def load() -> None:
+        try:
+            result = _load(args)
+            loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_result(result))
+        except BaseException as e:  # noqa: BLE001 - reported on the loop, re-raised by serve()
+            loop.call_soon_threadsafe(lambda err=e: loaded.done() or loaded.set_exception(err))
+
+    threading.Thread(target=load, name="jserve-load", daemon=True).start()
+    return loaded
+
+
+async def serve(args: argparse.Namespace) -> int:
     from jserve.engine.async_engine import AsyncLLMEngine
     from jserve.server.app import ServerState, build_app
-    from jserve.server.http import CappedSite
     from jserve.server.watchdog import HUNG
 
     loop = asyncio.get_running_loop()
@@ -227,29 +269,8 @@ async def serve(args: argparse.Namespace) -> int:
                         scheduling_policy=args.scheduling_policy, step_timeout=args.step_timeout,
                         tokenizer_workers=args.tokenizer_workers, on_fatal=on_fatal,
                         tool_call_parser=args.tool_call_parser, log_requests=args.enable_log_requests)
-    runner = web.AppRunner(build_app(state, max_body_bytes=args.max_body_bytes), **state.timeouts.runner_kwargs())
-    await runner.setup()
-    try:
-        await CappedSite(runner, args.host, args.port, max_connections=state.timeouts.max_connections).start()
-    except OSError as e:
-        await runner.cleanup()
-        if e.errno == errno.EADDRINUSE:
-            raise ValueError(f"port {args.port} on {args.host} is in use (another server?): stop it or pass "
-                             "--port") from None
-        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    logger.info("listening on http://%s:%d (warming up)", args.host, args.port)
-
-    # A daemon thread, not to_thread: a signal during loading must not wait for the load to end.
-    loaded: asyncio.Future = loop.create_future()
-
-    def load() -> None:
-        try:
-            result = _load(args)
-            loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_result(result))
-        except BaseException as e:  # noqa: BLE001 - reported on the loop, re-raised by serve()
-            loop.call_soon_threadsafe(lambda err=e: loaded.done() or loaded.set_exception(err))
-
-    threading.Thread(target=load, name="jserve-load", daemon=True).start()
+    runner = await _listen(build_app(state, max_body_bytes=args.max_body_bytes), state.timeouts, args)
+    loaded = _load_in_background(args, loop)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
     if loaded.done():
