@@ -11,7 +11,8 @@ pick_python() {
     done
   fi
   if python3 -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then echo python3; return; fi
-  echo "jserve needs Python 3.12 or newer; none found (python3.12 on PATH or pyenv)" >&2
+  echo "jserve needs Python 3.12 or newer; none found (python3.12 on PATH or pyenv; on Ubuntu, e.g. a TPU VM:" \
+       "sudo add-apt-repository ppa:deadsnakes/ppa && sudo apt-get install python3.12-venv)" >&2
   return 1
 }
 if [ ! -x .venv/bin/python ]; then
