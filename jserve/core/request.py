@@ -82,7 +82,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from tokens already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence of tokens already generated
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the model's context length
+    max_tokens: int | None = 16  # None: up to the model's context length; 0: none (scoring the prompt)
     min_tokens: int = 0
     stop: Sequence[str] | str | None = None
     stop_token_ids: Sequence[int] | None = None
@@ -109,8 +109,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             check(_finite(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]")
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer or None")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              "max_tokens", "must be an integer >= 1 or None")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+                                          and self.max_tokens >= 0), "max_tokens", "must be an integer >= 0 or None")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

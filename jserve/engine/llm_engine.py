@@ -115,8 +115,11 @@ class LLMEngine:
         base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         for i in range(params.n):
-            # Each sample runs as its own sequence; a seed per sample keeps them distinct.
-            sub = dataclasses.replace(params, n=1, seed=(base + 7919 * i) % 2**32)
+            # Each sample runs as its own sequence; a seed per sample keeps them distinct. One for no
+            # tokens samples one that its output hides (SampleGroup.output): a prefill always ends in a
+            # sample, which its last logits give at no extra cost.
+            sub = dataclasses.replace(params, n=1, seed=(base + 7919 * i) % 2**32,
+                                      max_tokens=1 if params.max_tokens == 0 else params.max_tokens)
             salt = cache_salt
             if i == 0 and params.prompt_logprobs is not None:
                 # Its prefill computes every prompt position (no prefix-cache hit skips any).

@@ -51,8 +51,14 @@ class SampleGroup:
     prompt_logprobs: list | None = None
 
     def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids),
-                                 None if s.logprobs is None else list(s.logprobs),
-                                 s.status.finish_reason, s.stop_reason) for s in self.sequences]
+        if self.params.max_tokens == 0:  # its sequences' one sample is hidden (LLMEngine.add_request)
+            reasons = [s.status.finish_reason for s in self.sequences]
+            outs = [CompletionOutput(s.index, "", [], None if s.logprobs is None else [],
+                                     reason if reason in (None, "abort") else "length")
+                    for s, reason in zip(self.sequences, reasons)]
+        else:
+            outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids),
+                                     None if s.logprobs is None else list(s.logprobs),
+                                     s.status.finish_reason, s.stop_reason) for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.prompt_logprobs,
                              finished=all(s.is_finished for s in self.sequences))

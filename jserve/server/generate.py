@@ -22,7 +22,7 @@ from jserve.core.request import RequestOutput
 from jserve.engine.async_engine import EngineDeadError
 from jserve.server import protocol
 from jserve.server.errors import APIError
-from jserve.server.response_logprobs import chat_logprobs, completion_logprobs
+from jserve.server.response_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from jserve.server.tenancy import TENANT, engine_salt
 from jserve.server.watchdog import CLIENT_MESSAGE
 from jserve.structured import tool_parsers
@@ -195,6 +195,7 @@ class _Generation:
         self.head = {"id": self.request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
                      "created": created, "model": state.model_name}
         self.tok = state.tokenizer
+        self.scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (None first), when asked for
         self.admission = (req.num_seqs, req.cost_tokens(state.ctx.limits.max_total_tokens))
         self.released = False
         self.write_timeout = state.timeouts.write
@@ -240,6 +241,10 @@ class _Generation:
     def _absorb(self, p: int, out: RequestOutput) -> list[dict]:
         """Add prompt `p`'s delta output to its choices; the SSE chunks it makes when streaming."""
         chunks = []
+        if out.prompt_logprobs is not None:
+            # The engine's own list, whole once the sample that scores the prompt (the first admitted)
+            # ends its prefill, which comes no later than any sample's first output.
+            self.scored.setdefault(p, out.prompt_logprobs)
         for c in out.outputs:
             ch = self.choices[p * self.n + c.index]
             offset = len(ch.prefix) + len(ch.text)
@@ -249,7 +254,7 @@ class _Generation:
                 ch.logprobs += c.logprobs
             ch.finish_reason = c.finish_reason
             if self.req.stream:
-                chunk = _chunk(self.req, ch, c, offset, self.tok)
+                chunk = _chunk(self.req, ch, c, offset, self.tok, self._scored(p))
                 if chunk is not None:
                     chunks.append(chunk)
         return chunks
@@ -268,8 +273,11 @@ class _Generation:
         usage = _usage(self.state, self.rids, req, self.choices)
         self._observe_timings()
         if not req.stream:
-            body = {**self.head, "object": "chat.completion" if req.chat else "text_completion",
-                    "choices": [_final_choice(req, ch, self.tok) for ch in self.choices.values()], "usage": usage}
+            choices = [_final_choice(req, ch, self.tok, self._scored(i // self.n)) for i, ch in self.choices.items()]
+            body = {**self.head, "object": "chat.completion" if req.chat else "text_completion", "choices": choices,
+                    "usage": usage}
+            if req.chat and req.prompt_logprobs is not None:  # vLLM's place for them in a chat reply
+                body["prompt_logprobs"] = prompt_logprobs(*self._scored(0), self.tok, req.prompt_logprobs)
             self.response = web.json_response(body, headers=_timing_headers(usage, self.header_id))
             await _bounded(request, self.response.prepare(request), timeout)  # sent here, under the same
             await _bounded(request, self.response.write_eof(), timeout)  # write timeout as a stream
@@ -281,6 +289,12 @@ class _Generation:
         await _write(request, self.response, b"data: [DONE]\n\n", timeout)
         await _bounded(request, self.response.write_eof(), timeout)
         return self.response
+
+    def _scored(self, p: int) -> tuple[list[int], list] | None:
+        """Prompt `p`'s ids and logprobs, where the request asked for them."""
+        if self.req.prompt_logprobs is None and self.req.echo_logprobs is None:
+            return None
+        return self.req.prompts[p][1], self.scored[p]
 
     def _observe_timings(self) -> None:
         for p, rid in enumerate(self.rids):
@@ -321,9 +335,11 @@ async def _bounded(request: web.Request, write, timeout: float) -> None:
         raise ConnectionResetError(f"the client read nothing for {timeout:g} s") from None
 
 
-def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, tok: Any) -> dict | None:
+def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, tok: Any,
+           scored: tuple[list[int], list] | None) -> dict | None:
     """One streamed choice for the new part `delta` (a CompletionOutput of deltas); None where a
-    tool-call parser holds the whole part back."""
+    tool-call parser holds the whole part back. An echo with logprobs sends the prompt's (`scored`)
+    in the first."""
     first, ch.started = not ch.started, True
     text = ch.prefix + delta.text if first else delta.text
     if req.chat and ch.tool_stream is not None:
@@ -333,8 +349,12 @@ def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, 
         logprobs = (chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
                     if delta.logprobs is not None else None)
         return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-    logprobs = (completion_logprobs(delta.token_ids, delta.logprobs, tok, offset)
-                if delta.logprobs is not None else None)
+    if first and req.echo_logprobs is not None:
+        ids, lps = scored
+        logprobs = completion_logprobs([*ids, *delta.token_ids], [*lps, *delta.logprobs], tok, 0, req.echo_logprobs)
+    else:
+        logprobs = (completion_logprobs(delta.token_ids, delta.logprobs, tok, offset)
+                    if delta.logprobs is not None else None)
     return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
@@ -361,7 +381,9 @@ def _tool_chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, text: st
     return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
 
 
-def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any) -> dict:
+def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any, scored: tuple[list[int], list] | None
+                  ) -> dict:
+    """A whole reply's choice; `scored`: its prompt's ids and logprobs, where the request asked for them."""
     has_lp = req.params.logprobs is not None
     if req.chat:
         logprobs = chat_logprobs(ch.token_ids, ch.logprobs, tok, req.top_logprobs) if has_lp else None
@@ -376,5 +398,12 @@ def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any) -> dict:
                                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
                 finish = _finish_reason(finish, calls)
         return {"index": ch.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    logprobs = completion_logprobs(ch.token_ids, ch.logprobs, tok, len(ch.prefix)) if has_lp else None
-    return {"index": ch.index, "text": ch.prefix + ch.text, "logprobs": logprobs, "finish_reason": ch.finish_reason}
+    if req.echo_logprobs is not None:  # the prompt's tokens first, the first with null logprobs
+        ids, lps = scored
+        logprobs = completion_logprobs([*ids, *ch.token_ids], [*lps, *ch.logprobs], tok, 0, req.echo_logprobs)
+    else:
+        logprobs = completion_logprobs(ch.token_ids, ch.logprobs, tok, len(ch.prefix)) if has_lp else None
+    choice = {"index": ch.index, "text": ch.prefix + ch.text, "logprobs": logprobs, "finish_reason": ch.finish_reason}
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(*scored, tok, req.prompt_logprobs)
+    return choice

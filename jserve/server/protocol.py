@@ -41,6 +41,8 @@ class GenerateRequest:
     priority: int = 0
     cache_salt: str | None = None  # the client's; the engine gets it mixed with the tenant
     top_logprobs: int | None = None  # chat: alternatives listed per token (None: no logprobs)
+    prompt_logprobs: int | None = None  # the field: alternatives per prompt position in the reply (None: none)
+    echo_logprobs: int | None = None  # completions: echo with logprobs, alternatives per echoed prompt token
     messages: list[dict] | None = None  # chat: rendered into prompts[0] by the chat template
     add_generation_prompt: bool = True
     tools: ToolRequest | None = None  # chat: the tools offered and how calls are read back
@@ -55,6 +57,8 @@ class GenerateRequest:
         """Tokens its sequences may come to hold: prompt plus max_tokens (or what the context
         leaves), per sequence."""
         n, max_tokens = self.params.n, self.params.max_tokens
+        if max_tokens is not None:
+            max_tokens = max(max_tokens, 1)  # a request for none still samples one (LLMEngine.add_request)
         return sum(n * (min(len(ids) + max_tokens, max_total_tokens) if max_tokens is not None else max_total_tokens)
                    for _, ids in self.prompts)
 
@@ -180,7 +184,7 @@ def _stop_token_ids(body: dict, ctx: Context) -> list[int] | None:
 
 
 def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int | None,
-              num_prompts: int, constraint=None) -> SamplingParams:
+              num_prompts: int, constraint=None, prompt_logprobs: int | None = None) -> SamplingParams:
     limits = ctx.limits
     n = _int(body, "n", 1, 1, limits.max_n)
     if n * num_prompts > limits.max_n:
@@ -214,6 +218,7 @@ def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int
         frequency_penalty=_float(body, "frequency_penalty", 0.0), seed=_int(body, "seed", None, -2**63, 2**64 - 1),
         max_tokens=max_tokens, min_tokens=_int(body, "min_tokens", 0, 0, ctx.max_model_len), stop=stop,
         stop_token_ids=stop_ids, ignore_eos=bool_field(body, "ignore_eos"), logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output"), structured_outputs=constraint)
     try:
@@ -304,13 +309,33 @@ def parse_completion(body: dict, ctx: Context) -> GenerateRequest:
         raise bad_request("suffix is not supported", param="suffix")
     echo = bool_field(body, "echo")
     logprobs = _int(body, "logprobs", None, 0, ctx.limits.max_logprobs)
-    if echo and logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported", param="echo")
-    max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)
+    echo_logprobs = logprobs if echo else None
+    prompt_logprobs = _prompt_logprobs(body, ctx, common["stream"])
+    max_tokens = _int(body, "max_tokens", 16, 0, 2**31 - 1)
+    _check_generates(max_tokens, "max_tokens", echo or prompt_logprobs is not None, "echo or prompt_logprobs")
     constraint, field = structured.parse_constraint(body)
+    scored = max((k for k in (prompt_logprobs, echo_logprobs) if k is not None), default=None)
     params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=logprobs, num_prompts=len(prompts),
-                       constraint=constraint)
-    return GenerateRequest(chat=False, prompts=prompts, params=params, echo=echo, constraint_param=field, **common)
+                       constraint=constraint, prompt_logprobs=scored)
+    return GenerateRequest(chat=False, prompts=prompts, params=params, echo=echo, prompt_logprobs=prompt_logprobs,
+                           echo_logprobs=echo_logprobs, constraint_param=field, **common)
+
+
+def _prompt_logprobs(body: dict, ctx: Context, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: the alternatives listed at each prompt position; as in vLLM, not
+    streamed."""
+    value = _int(body, "prompt_logprobs", None, 0, ctx.limits.max_logprobs)
+    if value is not None and stream:
+        raise bad_request(f"prompt_logprobs is not available with stream: true (got prompt_logprobs={value})",
+                          param="prompt_logprobs")
+    return value
+
+
+def _check_generates(max_tokens: int | None, name: str, returns_prompt: bool, needs: str) -> None:
+    """A request for no tokens scores its prompt: without the prompt back it would ask for nothing."""
+    if max_tokens == 0 and not returns_prompt:
+        raise bad_request(f"{name} 0 generates nothing: a request for no tokens scores the prompt, so it needs "
+                          f"{needs}", param=name)
 
 
 def parse_messages(body: dict) -> list[dict]:
@@ -401,12 +426,14 @@ def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (top or 0) if want_logprobs else None
-    max_tokens = _int(body, "max_completion_tokens", None, 1, 2**31 - 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, 1, 2**31 - 1)
+    prompt_logprobs = _prompt_logprobs(body, ctx, common["stream"])
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, max_field, None, 0, 2**31 - 1)
+    _check_generates(max_tokens, max_field, prompt_logprobs is not None, "prompt_logprobs")
     tools = structured.parse_tools(body, ctx.tool_parser)
     constraint, field = structured.chat_constraint(body, tools)
-    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=top_logprobs, num_prompts=1, constraint=constraint)
+    params = _sampling(body, ctx, max_tokens=max_tokens, logprobs=top_logprobs, num_prompts=1, constraint=constraint,
+                       prompt_logprobs=prompt_logprobs)
     return GenerateRequest(chat=True, prompts=[(None, None)], params=params, top_logprobs=top_logprobs,
-                           messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           constraint_param=field, **common)
+                           prompt_logprobs=prompt_logprobs, messages=messages,
+                           add_generation_prompt=add_generation_prompt, tools=tools, constraint_param=field, **common)
