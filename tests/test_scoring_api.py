@@ -264,7 +264,6 @@ def test_lm_eval_multiple_choice_matches_offline_and_transformers(smollm2_checkp
     lm_eval = pytest.importorskip("lm_eval")  # the test extra's
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import RemoteTokenizer
 
     from jserve import LLM
 
@@ -277,13 +276,7 @@ def test_lm_eval_multiple_choice_matches_offline_and_transformers(smollm2_checkp
                             for item in items))
     (tmp_path / "jserve_mc.yaml").write_text(json.dumps({**TASK, "dataset_kwargs": {
         "data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "datasets")}}))
-    tok = llm.tokenizer
-    # lm-eval reads the tokenizer's special tokens from vLLM's /tokenizer_info, which jserve does not
-    # serve; encode and decode go to jserve's /tokenize and /detokenize.
-    info = {"eos_token": tok.decode([tok.eos_token_ids[0]]), "bos_token": None}
-    monkeypatch.setattr(RemoteTokenizer, "_validate_server", lambda self: None)
-    monkeypatch.setattr(RemoteTokenizer, "tokenizer_info", property(lambda self: info))
-    with serving(llm.engine, "smollm2") as srv:
+    with serving(llm.engine, "smollm2") as srv:  # lm-eval reads /tokenizer_info, then /tokenize, /detokenize
         lm = LocalCompletionsAPI(base_url=f"{srv.url}/v1/completions", model="smollm2", tokenizer_backend="remote",
                                  batch_size=4, max_length=512, max_retries=1)
         results = lm_eval.simple_evaluate(model=lm, tasks=["jserve_mc"], log_samples=True, bootstrap_iters=0,

@@ -202,6 +202,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
@@ -283,6 +284,23 @@ async def health(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """The tokenizer's special tokens and chat template, as vLLM's /tokenizer_info gives them (what
+    lm-eval's remote tokenizer reads; encoding goes through /tokenize and /detokenize)."""
+    state = request.app[STATE]
+    state.check_ready()
+    tok = state.tokenizer
+
+    def text(token_id: int | None) -> str | None:
+        return None if token_id is None else tok.decode([token_id])
+
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+    return web.json_response({
+        "tokenizer_class": type(tok).__name__, "eos_token": text(eos), "eos_token_id": eos,
+        "bos_token": text(tok.bos_token_id), "bos_token_id": tok.bos_token_id, "pad_token": None,
+        "add_bos_token": tok.add_bos, "chat_template": tok.chat_template, "model_max_length": state.ctx.max_model_len})
 
 
 async def metrics(request: web.Request) -> web.Response:
