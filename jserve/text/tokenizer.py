@@ -40,6 +40,11 @@ class _HFBackend:
         import tokenizers
         return cls(tokenizers.Tokenizer.from_file(str(path)))
 
+    @classmethod
+    def from_str(cls, text: str) -> "_HFBackend":
+        import tokenizers
+        return cls(tokenizers.Tokenizer.from_str(text))
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -255,18 +260,20 @@ class Tokenizer:
         """Rebuilds the tokenizer stored in a GGUF file (a path or a `gguf.GGUFReader`).
 
         Supports tokenizer.ggml.model "gpt2" (byte-level BPE; see tokenizer_gguf.PRE_TOKENIZERS for
-        the pre-tokenizer names) and "llama" (sentencepiece BPE with byte fallback).
+        the pre-tokenizer names) and "llama" (sentencepiece BPE with byte fallback; Gemma's, with
+        its whitespace-run pieces, as Hugging Face's tokenizer.json: tokenizer_gguf.spm_bpe_tokenizer_json).
         """
-        from jserve.text.tokenizer_gguf import bpe_tokenizer_json, read_gguf_metadata, spm_model_proto
+        from jserve.text import tokenizer_gguf as gguf_text
 
-        meta = read_gguf_metadata(path_or_reader)
+        meta = gguf_text.read_gguf_metadata(path_or_reader)
         model = meta.get("tokenizer.ggml.model")
         if model == "gpt2":
-            import tokenizers
-            text, default_add_bos = bpe_tokenizer_json(meta)
-            backend: _Backend = _HFBackend(tokenizers.Tokenizer.from_str(text))
+            text, default_add_bos = gguf_text.bpe_tokenizer_json(meta)
+            backend: _Backend = _HFBackend.from_str(text)
+        elif model == "llama" and gguf_text.has_spaced_pieces(meta):
+            backend, default_add_bos = _HFBackend.from_str(gguf_text.spm_bpe_tokenizer_json(meta)), True
         elif model == "llama":
-            backend, default_add_bos = _SPMBackend(spm_model_proto(meta)), True
+            backend, default_add_bos = _SPMBackend(gguf_text.spm_model_proto(meta)), True
         else:
             raise ValueError(f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r} "
                              "(supported: 'gpt2', 'llama')")

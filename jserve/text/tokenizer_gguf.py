@@ -1,7 +1,9 @@
 """Rebuild the tokenizer embedded in a GGUF file's metadata.
 
 GPT-2-style byte-level BPE vocabularies become a Hugging Face ``tokenizer.json`` (string) and
-llama/SPM vocabularies become a sentencepiece ``ModelProto`` (bytes); `jserve.text.tokenizer` loads both.
+llama/SPM vocabularies become a sentencepiece ``ModelProto`` (bytes), except Gemma's, whose
+whitespace-run pieces llama.cpp writes with literal spaces: it becomes a ``tokenizer.json`` as Hugging
+Face publishes Gemma's (`spm_bpe_tokenizer_json`). `jserve.text.tokenizer` loads all of them.
 """
 
 from __future__ import annotations
@@ -149,6 +151,24 @@ def _token_types(meta: dict[str, Any], num_tokens: int) -> list[int]:
     return types
 
 
+def _scores(meta: dict[str, Any], num_tokens: int) -> np.ndarray:
+    scores = meta.get("tokenizer.ggml.scores")
+    scores = np.zeros(num_tokens, np.float32) if scores is None else np.asarray(scores, np.float32)
+    if len(scores) != num_tokens:
+        raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for {num_tokens} tokens")
+    return scores
+
+
+def _first_ids(tokens: list[str]) -> dict[str, int]:
+    """Each token string's id; a duplicate string keeps its first id, as llama.cpp does."""
+    ids: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        ids.setdefault(token, i)
+    if len(ids) != len(tokens):
+        logger.warning("GGUF vocabulary has %d duplicate token strings", len(tokens) - len(ids))
+    return ids
+
+
 def bpe_tokenizer_json(meta: dict[str, Any]) -> tuple[str, bool]:
     """Builds a Hugging Face tokenizer.json for a `tokenizer.ggml.model == "gpt2"` vocabulary.
 
@@ -164,11 +184,7 @@ def bpe_tokenizer_json(meta: dict[str, Any]) -> tuple[str, bool]:
                          f"supported: {sorted(PRE_TOKENIZERS)}")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = _token_types(meta, len(tokens))
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        vocab.setdefault(token, i)  # a duplicate string keeps its first id, as llama.cpp does
-    if len(vocab) != len(tokens):
-        logger.warning("GGUF vocabulary has %d duplicate token strings", len(tokens) - len(vocab))
+    vocab = _first_ids(tokens)
     added = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": types[i] == CONTROL}
              for i in range(len(tokens)) if types[i] in (CONTROL, USER_DEFINED)]
@@ -196,10 +212,7 @@ def spm_model_proto(meta: dict[str, Any]) -> bytes:
 
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = _token_types(meta, len(tokens))
-    scores = meta.get("tokenizer.ggml.scores")
-    scores = np.zeros(len(tokens), np.float32) if scores is None else np.asarray(scores, np.float32)
-    if len(scores) != len(tokens):
-        raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    scores = _scores(meta, len(tokens))
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     if UNKNOWN not in types:  # sentencepiece refuses a model without an unknown piece
         if unk_id is None or not 0 <= unk_id < len(tokens):
@@ -225,3 +238,64 @@ def spm_model_proto(meta: dict[str, Any]) -> bytes:
         piece.score = float(score)
         piece.type = token_type if token_type in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL
     return model.SerializeToString()
+
+
+def has_spaced_pieces(meta: dict[str, Any]) -> bool:
+    """Whether a "llama" vocabulary has user-defined pieces made of spaces (Gemma's whitespace runs).
+
+    llama.cpp's converter writes user-defined pieces with literal spaces where sentencepiece keeps
+    "▁", and sentencepiece matches them only after turning spaces into "▁": rebuilt into a
+    ModelProto as they are, they never match, and a run of spaces becomes one token per space.
+    """
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = _token_types(meta, len(tokens))
+    return any(t == USER_DEFINED and token and not token.strip(" ") for token, t in zip(tokens, types))
+
+
+def _derived_merges(vocab: dict[str, int], scores: list[float]) -> list[list[str]]:
+    """BPE merges for a vocabulary stored without them, as transformers derives them for Gemma:
+    every split of a piece into two pieces, ranked by the piece's id (Gemma's ids follow its merge
+    order, where its user-defined pieces' scores are -1000 placeholders), then by the halves' scores."""
+    merges: list[list[str]] = []
+    for token in vocab:  # in id order, as built
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        if len(splits) > 1:
+            splits.sort(key=lambda s: (scores[vocab[s[0]]], scores[vocab[s[1]]]), reverse=True)
+        merges.extend([a, b] for a, b in splits)
+    return merges
+
+
+def spm_bpe_tokenizer_json(meta: dict[str, Any]) -> str:
+    """Builds a Hugging Face tokenizer.json for a "llama" vocabulary with spaced pieces (Gemma's).
+
+    As Gemma's published tokenizer.json runs it: spaces become "▁" and the text runs through a
+    BPE with byte fallback, whose merges `_derived_merges` rebuilds. User-defined pieces are added
+    tokens matched whole in the raw text first (newline and tab runs, HTML tags), control pieces too
+    (special); a whitespace-run piece, spelled with "▁" again as there, never matches raw text, so
+    the BPE reaches it by merges, and a run longer than the longest piece splits as they do.
+    """
+    raw: list[str] = list(meta["tokenizer.ggml.tokens"])
+    spaced = {i for i, token in enumerate(raw) if token and not token.strip(" ")}
+    tokens = ["▁" * len(token) if i in spaced else token for i, token in enumerate(raw)]
+    types = _token_types(meta, len(tokens))
+    unk_id = types.index(UNKNOWN) if UNKNOWN in types else meta.get("tokenizer.ggml.unknown_token_id")
+    added = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": types[i] != USER_DEFINED}
+             for i in range(len(tokens)) if types[i] in (CONTROL, UNKNOWN, USER_DEFINED)]
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    decoder = [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+               {"type": "Fuse"}]
+    normalizer: dict[str, Any] = replace
+    if meta.get("tokenizer.ggml.add_space_prefix", True):  # sentencepiece's dummy prefix, then its strip
+        normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, replace]}
+        decoder.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    vocab = _first_ids(tokens)
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+        "pre_tokenizer": None, "post_processor": None, "decoder": {"type": "Sequence", "decoders": decoder},
+        "model": {"type": "BPE", "dropout": None, "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "unk_token": None if unk_id is None else tokens[int(unk_id)], "fuse_unk": True,
+                  "byte_fallback": BYTE in types, "ignore_merges": False, "vocab": vocab,
+                  "merges": _derived_merges(vocab, _scores(meta, len(tokens)).tolist())},
+    }
+    return json.dumps(tokenizer, ensure_ascii=False)
