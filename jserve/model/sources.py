@@ -1,9 +1,10 @@
 """Reading a Hugging Face safetensors folder or a GGUF file into checkpoint-layout params.
 
 `read_params(source)` gives (ModelConfig, {name: array}): our weight names, per-layer weights
-stacked on a leading layer axis, linears as [in, out]. HF and GGUF names map through one table;
-`read_params`'s docstring says what is converted on the way (llama.cpp's rotary permutation,
-Gemma's norm weights, Phi-3's fused weights, LongRoPE's factors). Float tensors come as numpy
+stacked on a leading layer axis, linears as [in, out]. HF and GGUF names map through one table (a
+mixture of experts' tensors through `jserve.model.sources_moe`); `read_params`'s docstring says
+what is converted on the way (llama.cpp's rotary permutation, Gemma's norm weights, Phi-3's fused
+weights, LongRoPE's factors). Float tensors come as numpy
 arrays in the requested dtype; pre-quantized ones as `QuantizedWeight`s repacked by
 `jserve.model.quant_import` / `quant_hf`, never through a float copy. See docs/architecture.md,
 "The model" and "Quantization".
@@ -22,6 +23,7 @@ import numpy as np
 from jserve.model import quant
 from jserve.model.config import GEMMA_FAMILIES, MOE_FAMILIES, ModelConfig
 from jserve.model.llama import param_shapes
+from jserve.model.sources_moe import GGUF_MOE_LAYER, HF_MOE_LAYER, place_expert
 
 logger = logging.getLogger(__name__)
 
@@ -94,34 +96,6 @@ _GGUF_LAYER_PHI3 = {**_GGUF_LAYER, "attn_qkv.weight": "self_attn.qkv_proj.weight
                     "ffn_up.weight": "mlp.gate_up_proj.weight"}
 _GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
-# Mixture of experts. Per-layer HF names (after "model.layers.{i}.") of the router and the shared
-# expert -> (our name, transpose?); Mixtral's block_sparse_moe is read as mlp.
-_HF_MOE_LAYER = {
-    "mlp.gate.weight": ("w_router", True),
-    "mlp.shared_expert.gate_proj.weight": ("ws_gate", True),
-    "mlp.shared_expert.up_proj.weight": ("ws_up", True),
-    "mlp.shared_expert.down_proj.weight": ("ws_down", True),
-    "mlp.shared_expert_gate.weight": ("ws_router", True),
-}
-# One expert's weights (after "model.layers.{i}.mlp.experts.{e}."; Mixtral's w1 / w3 / w2), [out, in].
-_HF_EXPERT = {"gate_proj.weight": "we_gate", "up_proj.weight": "we_up", "down_proj.weight": "we_down",
-              "w1.weight": "we_gate", "w3.weight": "we_up", "w2.weight": "we_down"}
-# Every expert's, stacked [experts, out, in] (after "model.layers.{i}.mlp.experts."): what the GGUF
-# reader names llama.cpp's ffn_*_exps; transformers 5's fused gate_up_proj [experts, 2 * ffn, in]
-# is split in two.
-_HF_EXPERTS_STACKED = {"gate_proj": "we_gate", "up_proj": "we_up", "down_proj": "we_down",
-                       "gate_up_proj": "we_gate_up"}
-_GGUF_MOE_LAYER = {
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_exps.weight": "mlp.experts.gate_proj", "ffn_up_exps.weight": "mlp.experts.up_proj",
-    "ffn_down_exps.weight": "mlp.experts.down_proj",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-}
-
-
 def numpy_dtype(name: str):
     if name == "float32":
         return np.dtype(np.float32)
@@ -171,40 +145,14 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
     filled: dict[str, set] = {name: set() for name in shapes}
     quantized: dict[str, dict[int | None, quant.QuantizedWeight]] = {}
     experts_filled: dict[tuple[str, int], set[int]] = {}  # (expert weight, layer) -> experts read
-    def pieces(hf_name: str, load):
-        """(HF name, loader) of each weight a tensor holds: a fused one's parts, else itself."""
-        parts = hf_name.split(".", 3)
-        fused = _HF_FUSED.get(parts[3]) if len(parts) == 4 and parts[:2] == ["model", "layers"] else None
-        if fused is None:
-            return [(hf_name, load)]
-        widths = [width(config) for _, width in fused]
-        split = _cached(lambda: _split_outputs(load(), widths, hf_name))
-        return [(f"{hf_name} ({name})", (lambda j=j: split()[j]), name) for j, (name, _) in enumerate(fused)]
-
-    def entries():
-        for hf_name, load in tensors:
-            for entry in pieces(hf_name, load):
-                yield entry
-
-    for entry in tqdm(entries(), total=count, desc=desc, unit="tensor", disable=not progress):
+    for entry in tqdm(_entries(config, tensors), total=count, desc=desc, unit="tensor", disable=not progress):
         hf_name, load = entry[:2]
-        if config.moe and _place_expert(config, hf_name, load, params, experts_filled):
+        if config.moe and place_expert(config, hf_name, load, params, experts_filled):
             continue
-        if len(entry) == 3:  # a part of a fused tensor (already [in, out] when quantized)
-            name, layer, transpose = entry[2], int(hf_name.split(".")[2]), True
-        else:
-            name, layer, transpose = _map_hf_name(hf_name, config.architecture)
-        if name is None or name not in params:
-            if name == "lm_head" and config.tie_word_embeddings:
-                continue  # tied models sometimes store a copy of the embedding
-            if config.architecture == "gemma3" and hf_name.startswith(_HF_NOT_TEXT):
-                continue  # a multimodal checkpoint's vision tower: the text model alone is served
-            if name is None and (hf_name.endswith("rotary_emb.inv_freq") or "rope_freqs" in hf_name):
-                continue
-            raise ValueError(f"unexpected tensor {hf_name!r} for a {config.architecture} model")
-        if layer is not None and layer >= config.num_layers:
-            raise ValueError(f"tensor {hf_name!r} names layer {layer} but the model has "
-                             f"{config.num_layers} layers")
+        target = _destination(config, entry, params)
+        if target is None:
+            continue
+        name, layer, transpose = target
         array = load()
         if quant.is_quantized(array):
             want = tuple(shapes[name] if layer is None else shapes[name][1:])
@@ -231,6 +179,50 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
             missing = sorted(want - got, key=str)
             raise ValueError(f"checkpoint is missing weight {name!r}" + (
                 f" for layers {missing}" if None not in want else ""))
+    _stack_quantized(config, params, quantized, dtype)
+    return params
+
+
+def _entries(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any]]]):
+    """(HF name, loader) of each weight the tensors hold; a fused one's parts as (HF name (part),
+    loader, our name), split once however many parts are read."""
+    for hf_name, load in tensors:
+        parts = hf_name.split(".", 3)
+        fused = _HF_FUSED.get(parts[3]) if len(parts) == 4 and parts[:2] == ["model", "layers"] else None
+        if fused is None:
+            yield hf_name, load
+            continue
+        widths = [width(config) for _, width in fused]
+        split = _cached(lambda load=load, widths=widths, hf_name=hf_name: _split_outputs(load(), widths, hf_name))
+        for j, (name, _) in enumerate(fused):
+            yield f"{hf_name} ({name})", (lambda j=j, split=split: split()[j]), name
+
+
+def _destination(config: ModelConfig, entry: tuple, params: Mapping[str, Any]) -> tuple[str, int | None, bool] | None:
+    """(our name, layer or None, transpose?) of an entry, None for a tensor jserve skips;
+    ValueError for one it does not know or a layer past the model's."""
+    hf_name = entry[0]
+    if len(entry) == 3:  # a part of a fused tensor (already [in, out] when quantized)
+        name, layer, transpose = entry[2], int(hf_name.split(".")[2]), True
+    else:
+        name, layer, transpose = _map_hf_name(hf_name, config.architecture)
+    if name is None or name not in params:
+        if name == "lm_head" and config.tie_word_embeddings:
+            return None  # tied models sometimes store a copy of the embedding
+        if config.architecture == "gemma3" and hf_name.startswith(_HF_NOT_TEXT):
+            return None  # a multimodal checkpoint's vision tower: the text model alone is served
+        if name is None and (hf_name.endswith("rotary_emb.inv_freq") or "rope_freqs" in hf_name):
+            return None
+        raise ValueError(f"unexpected tensor {hf_name!r} for a {config.architecture} model")
+    if layer is not None and layer >= config.num_layers:
+        raise ValueError(f"tensor {hf_name!r} names layer {layer} but the model has {config.num_layers} layers")
+    return name, layer, transpose
+
+
+def _stack_quantized(config: ModelConfig, params: dict[str, Any],
+                     quantized: Mapping[str, Mapping[int | None, quant.QuantizedWeight]], dtype: np.dtype) -> None:
+    """Put the quantized weights read into `params`: a kind whose layers share one format stacked,
+    one that mixes formats dequantized into its float array (logged)."""
     if quantized:
         from jserve.model import quant_import
     for name, parts in quantized.items():
@@ -245,7 +237,6 @@ def _assemble(config: ModelConfig, tensors: Iterable[tuple[str, Callable[[], Any
                        ", ".join(sorted(map(str, formats))), np.dtype(dtype).name)
         for i, w in parts.items():
             params[name][i] = quant.dequantize(w).astype(dtype)
-    return params
 
 
 def _cached(load: Callable[[], Any]) -> Callable[[], Any]:
@@ -275,61 +266,6 @@ def _split_outputs(array: Any, widths: Sequence[int], hf_name: str) -> list[Any]
     return [array[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-def _place_expert(config: ModelConfig, hf_name: str, load: Callable[[], Any], params: dict[str, Any],
-                  filled: dict[tuple[str, int], set[int]]) -> bool:
-    """Put a MoE tensor that is not a plain per-layer weight (an expert's, or every expert's
-    stacked) into `params`; False for any other name. Records (name, layer) -> experts read."""
-    parts = hf_name.replace(".block_sparse_moe.", ".mlp.").split(".")
-    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
-            parts[3:] == ["mlp", "shared_expert_gate", "weight"] and "ws_router" in params:
-        layer = int(parts[2])  # [1, hidden] (HF), or [hidden] as llama.cpp's ffn_gate_inp_shexp may be
-        if layer >= config.num_layers:
-            raise ValueError(f"tensor {hf_name!r} names layer {layer} but the model has {config.num_layers} layers")
-        array = _float(load(), hf_name).reshape(-1, 1)
-        if array.shape != params["ws_router"][layer].shape:
-            raise ValueError(f"tensor {hf_name!r} has {array.size} values, expected {config.hidden_size}")
-        params["ws_router"][layer][...] = array
-        filled.setdefault(("ws_router", layer), set()).update(range(config.num_experts))
-        return True
-    if len(parts) < 6 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"] \
-            or not parts[2].isdigit():
-        return False
-    layer, rest = int(parts[2]), ".".join(parts[5:])
-    if layer >= config.num_layers:
-        raise ValueError(f"tensor {hf_name!r} names layer {layer} but the model has {config.num_layers} layers")
-    E, F = config.num_experts, config.moe_intermediate_size
-    if parts[5].isdigit() and ".".join(parts[6:]) in _HF_EXPERT:  # one expert, [out, in]
-        name, expert = _HF_EXPERT[".".join(parts[6:])], int(parts[5])
-        if expert >= E:
-            raise ValueError(f"tensor {hf_name!r} names expert {expert} but the model has {E} experts")
-        target = params[name][layer, expert]
-        array = _float(load(), hf_name).T
-        if array.shape != target.shape:
-            raise ValueError(f"tensor {hf_name!r} has shape {array.T.shape}, expected {target.T.shape}")
-        target[...] = array
-        filled.setdefault((name, layer), set()).add(expert)
-        return True
-    if rest not in _HF_EXPERTS_STACKED:
-        return False
-    name = _HF_EXPERTS_STACKED[rest]
-    array = np.swapaxes(_float(load(), hf_name), 1, 2)  # [experts, in, out]
-    pieces = [("we_gate", array[..., :F]), ("we_up", array[..., F:])] if name == "we_gate_up" else [(name, array)]
-    for name, a in pieces:
-        target = params[name][layer]
-        if a.shape != target.shape:
-            raise ValueError(f"tensor {hf_name!r} has shape {a.shape} (as [experts, in, out]), "
-                             f"expected {target.shape}")
-        target[...] = a
-        filled.setdefault((name, layer), set()).update(range(E))
-    return True
-
-
-def _float(array: Any, hf_name: str) -> np.ndarray:
-    if quant.is_quantized(array):
-        raise ValueError(f"quantized expert weights are not supported yet ({hf_name!r}): read them as floats")
-    return np.asarray(array, np.float32)
-
-
 def _map_hf_name(hf_name: str, family: str = "llama") -> tuple[str | None, int | None, bool]:
     gemma = family in GEMMA_FAMILIES
     if gemma:
@@ -344,7 +280,7 @@ def _map_hf_name(hf_name: str, family: str = "llama") -> tuple[str | None, int |
     if len(parts) == 4 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
         entry = (_HF_LAYER_GEMMA if gemma else _HF_LAYER).get(parts[3])
         if entry is None and family in MOE_FAMILIES:
-            entry = _HF_MOE_LAYER.get(parts[3].replace("block_sparse_moe.", "mlp.", 1))
+            entry = HF_MOE_LAYER.get(parts[3].replace("block_sparse_moe.", "mlp.", 1))
         if entry:
             return entry[0], int(parts[2]), entry[1]
     return None, None, False
@@ -453,7 +389,7 @@ def read_gguf(path: Path, keep_quantized: bool = False):
         return load
 
     entries = []
-    layer_names = _GGUF_LAYER_GEMMA if gemma else ({**_GGUF_LAYER, **_GGUF_MOE_LAYER} if config.moe else _GGUF_LAYER)
+    layer_names = _GGUF_LAYER_GEMMA if gemma else ({**_GGUF_LAYER, **GGUF_MOE_LAYER} if config.moe else _GGUF_LAYER)
     if config.architecture == "phi3":
         layer_names = _GGUF_LAYER_PHI3
     for t in reader.tensors:
