@@ -45,12 +45,19 @@ class LLM:
 
     Args:
       model: a jserve checkpoint folder, a Hugging Face folder, a `.gguf` file, a converted
-        model's name, or a named model (`jserve.model.named`: "gemma3-270m", ...; None for the
-        default SmolLM2-135M-Instruct), converted on first use.
-      dtype: weight (and KV cache) dtype, "float32" or "bfloat16": a model converted on first
-        use is written in it, and a checkpoint stored in the other one is cast on load. None
-        (default) keeps the checkpoint's; a conversion then writes float32. On an NVIDIA GPU
-        the paged-attention kernel needs a bfloat16 KV cache (this, or `kv_cache_dtype`).
+        model's name, a named model (`jserve.model.named`: "gemma3-270m", ...; None for the
+        default SmolLM2-135M-Instruct), or a Hugging Face Hub id ("org/name", "org/name:file.gguf"),
+        converted on first use (`jserve.model.checkpoint.resolve_model`).
+      dtype: weight (and KV cache) dtype: "auto" (None, the default: the checkpoint's own; a
+        float32 one as bfloat16 on a TPU or GPU), "float32" / "float", "bfloat16", "float16" /
+        "half" (served as bfloat16); `jserve.model.dtype`. A checkpoint stored in another dtype
+        is cast while restoring; dummy weights (`load_format="dummy"`) are bfloat16 under auto. On
+        an NVIDIA GPU the paged-attention kernel needs a bfloat16 KV cache (this, or `kv_cache_dtype`).
+      revision, download_dir, gguf_file: a Hub model's branch, tag or commit (default main), the
+        Hugging Face cache to download into (default HF_HUB_CACHE), and the GGUF file of a GGUF
+        repo (or of a local folder) to serve.
+      tokenizer: a tokenizer to use instead of the model's own: a folder, checkpoint, `.gguf`
+        file or Hub id.
       shardings: optional weight shardings, passed to `checkpoint.load_checkpoint` (without a mesh).
       quantization (a setting): "int8", "int4" or "fp8" quantizes a float checkpoint's weights at
         load (`jserve.model.quant`), "gguf" serves a .gguf file's own quantized weights; a
@@ -68,51 +75,39 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
+                 revision: str | None = None, download_dir: str | os.PathLike | None = None,
+                 gguf_file: str | None = None, tokenizer: str | os.PathLike | None = None,
                  shardings: Any = None, compilation_cache: str | os.PathLike | bool | None = None,
                  chat_template: str | None = None, **settings: Any):
         from jserve.engine.build import build_engine, resolve_max_model_len
         from jserve.engine.config import EngineConfig
-        from jserve.model.checkpoint import load_checkpoint, read_quantization, resolve_model
+        from jserve.model.checkpoint import load_tokenizer, model_files, read_quantization, resolve_model, served_dtype
+        from jserve.model.dtype import check_dtype
         from jserve.text.chat_template import compile_chat_template
-        from jserve.text.tokenizer import Tokenizer
 
         engine_config = EngineConfig.from_settings(**settings)  # bad settings are named before loading
         if chat_template is not None:
             compile_chat_template(chat_template)  # a malformed one fails before loading too
         if compilation_cache is not False:
             enable_compilation_cache(None if compilation_cache in (None, True) else compilation_cache)
-        if dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
+        check_dtype(dtype)  # a bad one is named before loading
         from jserve.runtime import backends
 
         dummy = engine_config.load_format == "dummy"
         quantized = engine_config.quantization is not None or (not dummy and read_quantization(model) is not None)
         backends.prebuild(engine_config.backend, quantized_weights=quantized,  # built while the model loads
                           quantized_kv=engine_config.kv_cache_dtype in ("int8", "fp8"))
-        self.path = _model_folder(model) if dummy else resolve_model(
-            model, dtype=dtype or "float32", keep_quantized=engine_config.quantization == "gguf")
-        mesh = engine_config.mesh
-        if mesh is not None:
-            from jserve.model.checkpoint import read_model_config
-            from jserve.runtime.sharding import head_layout, make_mesh, mesh_sizes, restore_sharding
-
-            if shardings is not None:
-                raise ValueError("give either mesh or shardings, not both")
-            mesh = make_mesh(mesh)
-            layout = head_layout(read_model_config(self.path)[0], mesh_sizes(mesh)["tp"])
-            shardings = lambda name, shape: restore_sharding(mesh, name, shape, layout)  # noqa: E731
-            engine_config = dataclasses.replace(engine_config, mesh=mesh)
-        self.mesh = mesh
-        if dummy:  # random weights of the config's shapes (build_engine lays them out for a mesh)
-            self.config, params, self.generation_config, self.tokenizer = _dummy_model(self.path, dtype)
-            self.quantization = None
-        else:
-            # Cast while restoring: a float32 checkpoint served in bfloat16 never holds both copies.
-            self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings,
-                                                                          dtype=dtype)
-            params, self.quantization = _quantization(self.path, self.config, params, self.generation_config,
-                                                      engine_config)
-            self.tokenizer = Tokenizer.load(self.path)
+        where = dict(revision=revision, download_dir=download_dir, gguf_file=gguf_file)
+        self.path = model_files(model, **where) if dummy else resolve_model(
+            model, dtype=dtype or "auto", keep_quantized=engine_config.quantization == "gguf", **where)
+        engine_config, self.mesh, shardings = _mesh_restore(engine_config, shardings, self.path)
+        # Dummy weights have no dtype of their own: bfloat16 unless asked otherwise, on any device.
+        self.dtype = "bfloat16" if dummy and check_dtype(dtype) == "auto" else served_dtype(self.path, dtype)
+        params = self._load_weights(engine_config, shardings, dummy)
+        if tokenizer is not None:  # the model's EOS ids and the given tokenizer's
+            self.tokenizer = load_tokenizer(tokenizer, download_dir=download_dir)
+            self.generation_config = {**self.generation_config, "eos_token_ids": sorted(
+                set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids))}
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         engine_config = resolve_max_model_len(engine_config, self.config)
@@ -124,6 +119,24 @@ class LLM:
         self.runner = self.engine.runner
         self._next_id = 0
         self._closed = False
+
+    def _load_weights(self, engine_config: Any, shardings: Any, dummy: bool) -> dict[str, Any]:
+        """The weights of `self.path` in `self.dtype` (random ones for a dummy model); sets the
+        config, generation config, tokenizer and quantization record."""
+        from jserve.model.checkpoint import load_checkpoint
+        from jserve.text.tokenizer import Tokenizer
+
+        if dummy:  # random weights of the config's shapes (build_engine lays them out for a mesh)
+            self.config, params, self.generation_config, self.tokenizer = _dummy_model(self.path, self.dtype)
+            self.quantization = None
+            return params
+        # Cast while restoring: a float32 checkpoint served in bfloat16 never holds both copies.
+        self.config, params, self.generation_config = load_checkpoint(self.path, shardings=shardings,
+                                                                      dtype=self.dtype)
+        params, self.quantization = _quantization(self.path, self.config, params, self.generation_config,
+                                                  engine_config)
+        self.tokenizer = Tokenizer.load(self.path)
+        return params
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -208,26 +221,26 @@ class LLM:
         return None, _check_ids(item)
 
 
-def _model_folder(model: str | os.PathLike | None) -> Path:
-    """Where a dummy model's config comes from: a checkpoint, Hugging Face folder (config.json is
-    enough) or .gguf, found as `read_model_config` finds it; the default model's for None."""
-    from jserve.model.checkpoint import default_checkpoint_root, is_checkpoint, resolve_model
-    from jserve.model.named import named_model
+def _mesh_restore(engine_config: Any, shardings: Any, path: Path) -> tuple[Any, Any, Any]:
+    """(the settings with their `jax.sharding.Mesh`, that mesh or None, the shardings weights
+    restore into: each weight's over the mesh, or `shardings` as given without one)."""
+    if engine_config.mesh is None:
+        return engine_config, None, shardings
+    from jserve.model.checkpoint import read_model_config
+    from jserve.runtime.sharding import head_layout, make_mesh, mesh_sizes, restore_sharding
 
-    if named_model(model) is not None:
-        return resolve_model(model)
-    p = Path(model)
-    if not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
-        return default_checkpoint_root() / str(model)
-    if p.is_file() and p.name == "config.json":
-        return p.parent
-    return p
+    if shardings is not None:
+        raise ValueError("give either mesh or shardings, not both")
+    mesh = make_mesh(engine_config.mesh)
+    layout = head_layout(read_model_config(path)[0], mesh_sizes(mesh)["tp"])
+    return (dataclasses.replace(engine_config, mesh=mesh), mesh,
+            lambda name, shape: restore_sharding(mesh, name, shape, layout))
 
 
-def _dummy_model(path: Path, dtype: str | None):
+def _dummy_model(path: Path, dtype: str):
     """(config, random params, generation dict, tokenizer) for `load_format="dummy"`: the config's
-    shapes in `dtype` (default bfloat16, as vLLM's), its own tokenizer when the folder has one,
-    else the default model's (with a warning: ids past the config's vocabulary are refused)."""
+    shapes in `dtype`, its own tokenizer when the folder has one, else the default model's (with a
+    warning: ids past the config's vocabulary are refused)."""
     import json
     import logging
 
@@ -236,7 +249,7 @@ def _dummy_model(path: Path, dtype: str | None):
     from jserve.text.tokenizer import Tokenizer
 
     config, _ = read_model_config(path)
-    params = dummy_params(config, dtype or "bfloat16")
+    params = dummy_params(config, dtype)
     try:
         tokenizer = Tokenizer.load(path)
     except (ValueError, OSError):
@@ -255,19 +268,19 @@ def _load_draft(settings, tokenizer, dtype: str | None):
     the acceptance rate, never the output, so no quality gate applies); its tokenizer must be the
     target's. ValueError naming the draft otherwise."""
     from jserve.model import quant
-    from jserve.model.checkpoint import load_checkpoint, resolve_model
+    from jserve.model.checkpoint import load_checkpoint, resolve_model, served_dtype
     from jserve.text.tokenizer import Tokenizer
 
     spec = settings.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    path = resolve_model(spec.model, dtype=dtype or "float32", keep_quantized=spec.quantization == "gguf")
+    path = resolve_model(spec.model, dtype=dtype or "auto", keep_quantized=spec.quantization == "gguf")
     draft_tokenizer = Tokenizer.load(path)
     probe = "Speculative decoding: 12 drafts, 3 accepted; café, naïve, 東京 {\"key\": [1, 2]}"
     if draft_tokenizer.encode(probe) != tokenizer.encode(probe) or draft_tokenizer.vocab_size != tokenizer.vocab_size:
         raise ValueError(f"speculative_config.model {spec.model!r}: its tokenizer differs from the target model's "
                          f"(a draft must share the vocabulary)")
-    config, params, _ = load_checkpoint(path, dtype=dtype)
+    config, params, _ = load_checkpoint(path, dtype=served_dtype(path, dtype))
     if spec.quantization in quant.SCHEMES:
         import numpy as np
 

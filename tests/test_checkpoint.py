@@ -65,10 +65,48 @@ def test_llm_dtype_casts_a_stored_checkpoint(tiny_hf_folder, tmp_path):
         assert {str(p.dtype) for p in jax.tree.leaves(llm.runner.params)} == {want}
         assert {str(k.dtype) for pair in llm.runner.kv for k in pair} == {want}
         assert len(llm.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids) == 4
-    with pytest.raises(ValueError, match="dtype must be 'float32', 'bfloat16' or None, got 'fp16'"):
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, float, bfloat16, half, float16 .*'fp16'"):
         LLM(str(tmp_path / "ckpt"), dtype="fp16", **kw)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of .* got 'fp4'"):
         LLM(str(tmp_path / "missing"), kv_cache_dtype="fp4", **kw)  # said before any loading
+
+
+def test_auto_dtype_serves_the_sources_own_and_says_when_it_does_not(tiny_hf_folder, tmp_path, monkeypatch,
+                                                                     caplog):
+    """`LLM(dtype=None)` is auto: a bfloat16 folder converts and serves in bfloat16 (it used to be
+    written and served as float32, twice its memory, unsaid); float32 asked for is logged as
+    doubling it; half is bfloat16, logged. A float32 folder on an accelerator: bfloat16, logged,
+    its conversion kept float32 for a later run that asks for it."""
+    from jserve import LLM
+    from jserve.model import checkpoint
+
+    monkeypatch.setenv("JSERVE_CHECKPOINTS", str(tmp_path / "root"))
+    config = json.loads((tiny_hf_folder / "config.json").read_text())
+    (tiny_hf_folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    kw = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16, warmup=False)
+
+    def served(dtype, folder=tiny_hf_folder):
+        caplog.clear()
+        llm = LLM(str(folder), dtype=dtype, **kw)
+        got = {str(p.dtype) for p in jax.tree.leaves(llm.runner.params)}
+        llm.close()
+        notes = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "served as" in r.getMessage()]
+        return got, notes
+
+    assert served(None) == ({"bfloat16"}, [])
+    assert json.loads((tmp_path / "root" / "tiny-llama3" / "generation.json").read_text())["dtype"] == "bfloat16"
+    got, notes = served("float32")
+    assert got == {"float32"} and len(notes) == 1 and "twice its weights' memory" in notes[0]
+    got, notes = served("half")
+    assert got == {"bfloat16"} and len(notes) == 1 and "float16 was asked for: served as bfloat16" in notes[0]
+    folder = tmp_path / "f32-model"
+    shutil.copytree(tiny_hf_folder, folder)
+    (folder / "config.json").write_text(json.dumps(config))  # float32
+    monkeypatch.setattr(checkpoint, "current_platform", lambda: "tpu")
+    got, notes = served(None, folder)
+    assert got == {"bfloat16"} and len(notes) == 1 and "float32 checkpoint is served as bfloat16 on tpu" in notes[0]
+    assert json.loads((tmp_path / "root" / "f32-model" / "generation.json").read_text())["dtype"] == "float32"
+    assert served("float32", folder) == ({"float32"}, [])
 
 
 def test_restore_into_given_shardings(tiny_hf_folder, tmp_path):

