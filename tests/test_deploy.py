@@ -421,3 +421,43 @@ def test_dockerfile_copies_what_exists_and_its_ignore_file_lets_it_through():
     for source in sources:
         assert (ROOT / source).exists(), source
         assert source in allowed, f"{source} is left out of the build context by Dockerfile.dockerignore"
+
+
+# ------------------------------------------------------------------------------- the guide
+
+GUIDE = ROOT / "docs" / "deploy.md"
+
+
+def guide_commands() -> list[list[str]]:
+    """Every command line of the guide's bash blocks, continuation lines joined, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.strip()]
+
+
+def test_guides_jserve_command_lines_parse():
+    """`bash scripts/serve.sh ARGS` and `docker run ... jserve:TARGET ARGS` hand ARGS to `jserve serve`."""
+    served = []
+    for words in guide_commands():
+        if words[:2] == ["bash", "scripts/serve.sh"] and words[2:3] != ["--print-platform"]:
+            served.append(words[2:])
+        elif words[:2] == ["docker", "run"]:
+            image = next(i for i, w in enumerate(words) if re.fullmatch(r"jserve:(cpu|tpu|cuda)", w))
+            served.append(words[image + 1:])
+    assert len(served) >= 4
+    parser, _ = serve_parser()
+    for argv in served:
+        assert set(flags(argv)) - PENDING <= option_strings(parser), argv
+        parse_serve(argv)
+
+
+def test_guide_builds_every_target_applies_every_manifest_and_scales_the_pool_to_two():
+    commands = [" ".join(words) for words in guide_commands()]
+    for target in stages().keys() - {"base"}:
+        assert f"docker build -f deploy/Dockerfile --target {target} -t jserve:{target} ." in commands
+    for path in MANIFESTS:
+        assert f"kubectl apply -f deploy/k8s/{path.name}" in commands, path.name
+    (pool,) = of_kind(K8S / "inference-gateway.yaml", "InferencePool")
+    (server,) = of_kind(K8S / "tpu-deployment.yaml", "Deployment")
+    assert pool["spec"]["selector"]["matchLabels"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
+    assert f"kubectl scale deployment/{server['metadata']['name']} --replicas=2" in commands
