@@ -11,6 +11,9 @@ import math
 from typing import Sequence
 
 MAX_LOGPROBS = 20  # the most top-k logprobs a request may ask for (a static shape in the step)
+# the most distinct tokens a request's logit_bias and allowed_token_ids may name together (a static
+# shape in the step: docs/architecture.md, "The step contract")
+MAX_LOGIT_ENTRIES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # A grammar the output must follow (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Sequence[int] | None = None  # only these tokens may be sampled
 
     def __post_init__(self):
         def check(cond: bool, name: str, rule: str):
@@ -129,6 +134,23 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got "
                              f"{type(self.structured_outputs).__name__}")
+        object.__setattr__(self, "_logit_entries", _logit_entries(self.logit_bias, self.allowed_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the first id of `logit_bias` / `allowed_token_ids` outside the
+        vocabulary (the step would drop it silently)."""
+        for t in self.logit_entries[0] + tuple(self.logit_bias or ()):
+            if t >= vocab_size:
+                raise ValueError(f"token id {t} in logit_bias or allowed_token_ids is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+    @property
+    def logit_entries(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The step's sparse form of `logit_bias` and `allowed_token_ids` (`jserve.runtime.sampler`):
+        the listed token ids and what each adds to its logit (every allowed token is listed)."""
+        return self._logit_entries
 
     @property
     def greedy(self) -> bool:
@@ -137,6 +159,35 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _logit_entries(bias, allowed) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """`SamplingParams.logit_entries` from its fields, checked."""
+    if bias is not None and not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    for t, v in (bias or {}).items():
+        if not _token_id(t):
+            raise ValueError(f"logit_bias keys must be non-negative integer token ids, got {t!r}")
+        if not _finite(v) or not -100 <= v <= 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {t}")
+    if allowed is not None:
+        if isinstance(allowed, (str, bytes, dict)) or not hasattr(allowed, "__iter__"):
+            raise ValueError(f"allowed_token_ids must be a list of token ids, got {allowed!r:.80}")
+        allowed = list(allowed)
+        if not allowed or any(not _token_id(t) for t in allowed):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative integer token ids, "
+                             f"got {allowed!r:.80}")
+    entries = dict.fromkeys(allowed if allowed is not None else (), 0.0)
+    # a biased token outside allowed_token_ids is banned anyway
+    entries.update((t, float(v)) for t, v in (bias or {}).items() if allowed is None or t in entries)
+    if len(entries) > MAX_LOGIT_ENTRIES:
+        raise ValueError(f"logit_bias and allowed_token_ids may name at most {MAX_LOGIT_ENTRIES} distinct tokens "
+                         f"together, got {len(entries)}")
+    return tuple(entries), tuple(entries.values())
 
 
 def _finite(x) -> bool:

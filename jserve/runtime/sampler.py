@@ -4,7 +4,10 @@ per-row seeds.
 Each row carries its own parameters as arrays, so one compiled step serves any mix of requests.
 A structured-output row's grammar arrives as its row of a token bitmask (`bitmask`, int32
 `[batch, ceil(vocab / 32)]`, all ones for a free row): tokens it disallows get -inf before any
-other processing; a step without a constrained row skips the unpacking.
+other processing; a step without a constrained row skips the unpacking. A request's logit bias
+and allowed tokens (`SamplingParams.logit_bias` / `allowed_token_ids`) travel as at most
+`MAX_LOGIT_ENTRIES` sparse `(id, value)` entries per row, applied after the grammar mask and
+before the penalties, temperature and top-k/p (vLLM's order); a step without such a row skips them.
 A row's random key is `fold_in(key(seed), step)`: the same seed gives the same tokens whatever
 else is in the batch. Logprobs are those of the model's raw distribution (as vLLM reports them).
 """
@@ -18,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.core.request import GREEDY, SamplingParams
+from jserve.core.request import GREEDY, MAX_LOGIT_ENTRIES, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -37,6 +40,9 @@ class SamplingArrays:
     presence_penalty: np.ndarray  # float32 [batch], 0 = off
     frequency_penalty: np.ndarray  # float32 [batch], 0 = off
     logprobs: np.ndarray  # int32 [batch]: 1 if the row's request wants logprobs, else 0
+    allowed_only: np.ndarray  # int32 [batch]: 1 if only the row's listed tokens may be sampled
+    bias_ids: np.ndarray  # int32 [batch, MAX_LOGIT_ENTRIES]: listed token ids, -1 past them
+    bias_values: np.ndarray  # float32 [batch, MAX_LOGIT_ENTRIES]: added to the listed tokens' logits
 
     @classmethod
     def build(cls, rows: Sequence[tuple[SamplingParams, int] | None], batch: int) -> "SamplingArrays":
@@ -46,8 +52,13 @@ class SamplingArrays:
         if len(rows) > batch:
             raise ValueError(f"{len(rows)} rows exceed the batch of {batch}")
         padded = [row if row is not None else (GREEDY, 0) for row in list(rows) + [None] * (batch - len(rows))]
+        ids = np.full((batch, MAX_LOGIT_ENTRIES), -1, np.int32)
+        values = np.zeros((batch, MAX_LOGIT_ENTRIES), np.float32)
+        for b, (p, _) in enumerate(padded):
+            listed, added = p.logit_entries
+            ids[b, :len(listed)], values[b, :len(added)] = listed, added
         return cls(**{name: np.asarray([value(p, step) for p, step in padded], dtype)
-                      for name, (dtype, value) in _FIELDS.items()})
+                      for name, (dtype, value) in _FIELDS.items()}, bias_ids=ids, bias_values=values)
 
     def at_step(self, j) -> "SamplingArrays":
         """The same rows `j` samples later (multi-step decode: per-row seeds fold in the step)."""
@@ -66,6 +77,7 @@ _FIELDS = {
     "presence_penalty": (np.float32, lambda p, step: p.presence_penalty),
     "frequency_penalty": (np.float32, lambda p, step: p.frequency_penalty),
     "logprobs": (np.int32, lambda p, step: int(p.logprobs is not None)),
+    "allowed_only": (np.int32, lambda p, step: int(p.allowed_token_ids is not None)),
 }
 
 
@@ -151,6 +163,18 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
+def apply_logit_entries(logits: jax.Array, ids: jax.Array, values: jax.Array,
+                        allowed_only: jax.Array) -> jax.Array:
+    """A row's sparse entries (`SamplingArrays.bias_ids` / `bias_values`, ids -1 past them) added
+    to its logits; in a row with `allowed_only` set, -inf at every token it does not list."""
+    batch, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
+    ids = jnp.where(ids >= 0, ids, vocab)  # dropped by the scatters
+    listed = jnp.zeros(logits.shape, jnp.bool_).at[rows, ids].set(True, mode="drop")
+    logits = jnp.where((allowed_only[:, None] != 0) & ~listed, -jnp.inf, logits)
+    return logits.at[rows, ids].add(values, mode="drop")
+
+
 def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                      min_p: jax.Array) -> jax.Array:
     """Mask tokens outside top-k / top-p / min-p with -inf (rows of [batch, vocab])."""
@@ -226,40 +250,34 @@ def _pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Array) -> jax
 
 def _processed_pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Array,
                     penalties, bitmask: jax.Array | None) -> jax.Array:
-    """int32 [batch]: `_pick` after the penalties and the grammar mask (`sample`'s arguments).
+    """int32 [batch]: `_pick` after the grammar mask, the logit entries and the penalties, in that
+    order (`sample`'s arguments).
 
-    Only steps that carry a penalised row pay for the [batch, vocab] counts, and only steps with
-    a constrained row for unpacking the bitmask. The tokens, not the processed logits, leave the
-    conditional: a [batch, vocab] result would be copied out of it on every step."""
-    def pick(l):
-        return _pick(l, sampling, greedy)
-
+    Each stage runs only in a step with a row that needs it (a branch per combination: only steps
+    that carry a penalised row pay for the [batch, vocab] counts, only those with a constrained
+    row for unpacking the bitmask). The tokens, not the processed logits, leave the conditional:
+    a [batch, vocab] result would be copied out of it on every step."""
     def penalised(l):
         seen, in_prompt = penalties(l.shape[-1]) if callable(penalties) else token_counts(*penalties, l.shape[-1])
-        return pick(apply_penalties(l, seen, in_prompt, sampling.repetition_penalty,
-                                    sampling.presence_penalty, sampling.frequency_penalty))
+        return apply_penalties(l, seen, in_prompt, sampling.repetition_penalty, sampling.presence_penalty,
+                               sampling.frequency_penalty)
 
-    branches = [pick]
+    def entries(l):
+        return apply_logit_entries(l, sampling.bias_ids, sampling.bias_values, sampling.allowed_only)
+
+    # (stage, whether a row needs it), the stage applied last first
+    stages = [(entries, jnp.any(sampling.bias_ids[:, 0] >= 0) | jnp.any(sampling.allowed_only != 0))]
     if penalties is not None:
-        branches.append(penalised)
+        stages.insert(0, (penalised, jnp.any((sampling.repetition_penalty != 1.0) | (sampling.presence_penalty != 0.0)
+                                             | (sampling.frequency_penalty != 0.0))))
     if bitmask is not None:
-        branches += [lambda l, f=f: f(apply_bitmask(l, bitmask)) for f in list(branches)]
-    if len(branches) == 1:
-        return branches[0](logits).astype(jnp.int32)
-    index = _branch_index(sampling, penalties is not None, bitmask)
-    return jax.lax.switch(index, branches, logits).astype(jnp.int32)
-
-
-def _branch_index(sampling: SamplingArrays, penalties: bool, bitmask: jax.Array | None) -> jax.Array:
-    """Which of `_processed_pick`'s branches the step takes: +1 with a penalised row (when
-    `penalties`), +1 or +2 (after the penalties' branches) with a constrained row."""
+        stages.append((lambda l: apply_bitmask(l, bitmask), jnp.any(bitmask != -1)))
+    branches = [lambda l: _pick(l, sampling, greedy)]
     index = jnp.int32(0)
-    if penalties:
-        index += jnp.any((sampling.repetition_penalty != 1.0) | (sampling.presence_penalty != 0.0)
-                         | (sampling.frequency_penalty != 0.0)).astype(jnp.int32)
-    if bitmask is not None:
-        index += jnp.any(bitmask != -1).astype(jnp.int32) * (2 if penalties else 1)
-    return index
+    for stage, needed in stages:
+        index += needed.astype(jnp.int32) * len(branches)
+        branches += [lambda l, f=f, stage=stage: f(stage(l)) for f in list(branches)]
+    return jax.lax.switch(index, branches, logits).astype(jnp.int32)
 
 
 def _logprob_outputs(raw: jax.Array, tokens: jax.Array, num_logprobs: int) -> dict[str, jax.Array]:

@@ -16,7 +16,7 @@ _SAMPLING = frozenset({
     "frequency_penalty", "user", "logit_bias", "stream", "stream_options", "logprobs",
     # vLLM's extra sampling parameters
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids", "min_tokens",
-    "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "prompt_logprobs"})
+    "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "prompt_logprobs", "allowed_token_ids"})
 
 # the output constraints (jserve.server.structured), OpenAI's and vLLM's spellings
 _CONSTRAINTS = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",

@@ -17,7 +17,7 @@ import reprlib
 from typing import Any
 
 from jserve.core.request import SamplingParams
-from jserve.server import fields, structured
+from jserve.server import fields, logit_controls, structured
 from jserve.server.errors import APIError, bad_request
 from jserve.server.limits import Limits
 from jserve.server.structured import ToolRequest
@@ -193,9 +193,6 @@ def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int
     best_of = _int(body, "best_of")
     if best_of is not None and best_of != n:
         raise bad_request(f"best_of != n is not supported, got best_of={best_of}", param="best_of")
-    bias = body.get("logit_bias")
-    if bias not in (None, {}):
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     stop = _stop(body, limits)
     stop_ids = _stop_token_ids(body, ctx)
     temperature = _float(body, "temperature", 1.0)
@@ -220,7 +217,8 @@ def _sampling(body: dict, ctx: Context, *, max_tokens: int | None, logprobs: int
         stop_token_ids=stop_ids, ignore_eos=bool_field(body, "ignore_eos"), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
-        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output"), structured_outputs=constraint)
+        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output"), structured_outputs=constraint,
+        **logit_controls.read(body, ctx.vocab_size))
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
