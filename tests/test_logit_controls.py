@@ -71,6 +71,11 @@ def test_sampling_params_check_their_controls():
         SamplingParams(allowed_token_ids=[-3])
     with pytest.raises(ValueError, match=f"at most {MAX_LOGIT_ENTRIES}"):
         SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_ENTRIES + 1)})
+    with pytest.raises(ValueError, match="token id 300 .* outside the vocabulary"):
+        SamplingParams(logit_bias={3: 1}, allowed_token_ids=[5, 300]).check_token_ids(256)
+    with pytest.raises(ValueError, match="token id 256 "):
+        SamplingParams(allowed_token_ids=[5], logit_bias={256: -1}).check_token_ids(256)
+    SamplingParams(logit_bias={255: 1}, allowed_token_ids=[0]).check_token_ids(256)
     # every allowed token is listed; a bias outside them is dropped (the token is banned anyway)
     p = SamplingParams(allowed_token_ids=[4, 2], logit_bias={2: 3.0, 9: 1.0})
     assert p.logit_entries == ((4, 2), (0.0, 3.0))
