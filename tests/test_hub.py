@@ -103,6 +103,10 @@ def test_a_hub_id_converts_once_and_revision_picks_its_snapshot(offline, tmp_pat
                                   2 * reference["model.norm.weight"])
     # the dtype is in the key: bfloat16 asked for is its own conversion
     assert checkpoint.resolve_model(REPO, dtype="bfloat16") == path.parent / "bfloat16" and len(converts) == 3
+    # converted: its weights are not needed again (the Hugging Face cache may be cleared)
+    (offline / "models--jserve-test--tiny-llama3" / "snapshots" / MAIN / "model.safetensors").unlink()
+    assert checkpoint.resolve_model(REPO, dtype="auto") == path and len(converts) == 3
+    assert checkpoint.resolve_model(REPO, dtype="half") == path.parent / "bfloat16" and len(converts) == 3
 
 
 def test_the_dtype_it_is_served_in_keys_the_conversion(offline, monkeypatch):

@@ -112,15 +112,18 @@ def _hub_model(model: str | os.PathLike | None, gguf_file: str | None, root: Pat
 def _resolve_hub(model: hub.HubModel, root: Path, *, dtype: str, keep_quantized: bool, revision: str | None,
                  download_dir: str | os.PathLike | None) -> Path:
     """Download a Hub model (`jserve.model.hub`) and convert it once, keyed by its commit, the
-    dtype it is served in here and its quantization."""
+    dtype it is served in here (from its config) and its quantization; its safetensors are fetched
+    only for a conversion (the Hugging Face cache may be cleared after it)."""
     if keep_quantized and model.gguf_file is None:
         raise ValueError(f"quantization='gguf' needs a .gguf file: name one ({model.repo_id}:FILE.gguf or "
                          f"--gguf-file)")
-    snapshot = hub.download(model, revision=revision, download_dir=download_dir)
-    source = snapshot / model.gguf_file if model.gguf_file else snapshot
-    served = resolve_dtype(dtype, source_dtype(source), current_platform())[0]
+    snapshot = hub.download(model, revision=revision, download_dir=download_dir, weights=False)
+    gguf = snapshot / model.gguf_file if model.gguf_file else None
+    served = resolve_dtype(dtype, source_dtype(gguf or snapshot), current_platform())[0]
     out = hub.checkpoint_dir(root, model, snapshot.name, served, keep_quantized)
-    return _converted(lambda: source, out, served, keep_quantized)
+    return _converted((lambda: gguf) if gguf else (lambda: hub.download_weights(model, snapshot,
+                                                                               download_dir=download_dir)),
+                      out, served, keep_quantized)
 
 
 def _converted(source: Callable[[], Path], out: Path, dtype: str, keep_quantized: bool) -> Path:

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 __all__ = ["HubError", "HubModel", "TOKENIZER_FILES", "checkpoint_dir", "download", "download_tokenizer",
-           "parse_hub_id"]
+           "download_weights", "parse_hub_id"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -74,12 +74,16 @@ def download(model: HubModel, *, revision: str | None = None, download_dir: str 
     if not (folder / "config.json").is_file():
         raise HubError(f"{model.repo_id} has no config.json: for a GGUF repo name its file "
                        f"({model.repo_id}:FILE.gguf or --gguf-file FILE.gguf)")
-    if not weights:
-        return folder
-    index = folder / _INDEX
+    return download_weights(model, folder, download_dir=download_dir) if weights else folder
+
+
+def download_weights(model: HubModel, snapshot: Path, *, download_dir: str | os.PathLike | None = None) -> Path:
+    """`snapshot` (a folder `download(weights=False)` gave) with its weights: the safetensors its
+    index names (not a repo's other copies, as Mistral's consolidated.safetensors), else all."""
+    index = snapshot / _INDEX
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
         "*.safetensors"]
-    folder = _snapshot(model, folder.name, download_dir, files)  # the same commit
+    folder = _snapshot(model, snapshot.name, download_dir, files)  # the same commit
     missing = [f for f in files if "*" not in f and not (folder / f).is_file()]
     if missing or not any(folder.glob("*.safetensors")):
         raise HubError(f"the cached snapshot of {model.repo_id} (commit {folder.name}) lacks its weights "
