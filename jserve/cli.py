@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from jserve.engine.config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
+from jserve.model.model_args import add_model_args, model_source
 from jserve.plan_command import run_plan
 from jserve.runtime.distributed import add_multihost_args
 from jserve.server import logs
@@ -84,11 +85,13 @@ def _generate(args: argparse.Namespace) -> int:
     template = load_chat_template(args.chat_template)  # a bad file or template fails before loading
     if args.chat_template is not None and not args.chat:
         raise ValueError("--chat-template applies to --chat prompts: add --chat")
-    check_model(args.model, keep_quantized=getattr(args, "quantization", None) == "gguf")
+    source = model_source(args)
+    check_model(source.model, keep_quantized=getattr(args, "quantization", None) == "gguf", revision=source.revision,
+                download_dir=source.download_dir, gguf_file=source.gguf_file)
     leader = distributed.from_args(args)  # (sets args.mesh in a multi-process run: before the settings)
     settings = engine_kwargs(args)  # --seed is the request's
     # One prompt: compile only the shapes it needs instead of warming every bucket.
-    llm = LLM(args.model, dtype=args.dtype, warmup=False, chat_template=template, **settings)
+    llm = LLM(**source.llm_kwargs(), warmup=False, chat_template=template, **settings)
     if not leader:
         distributed.follow(llm)
         return 0
@@ -152,9 +155,10 @@ def _warmup(args: argparse.Namespace) -> int:
     settings = {**engine_kwargs(args), "lazy_buckets": False}  # the artifact holds every bucket
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    key = compile_cache.artifact_key(args.model, args.dtype, settings)  # bad settings fail before compiling
+    source = model_source(args)
+    key = compile_cache.artifact_key(source.model, source.dtype, settings)  # bad settings fail before compiling
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, warmup=True, compilation_cache=compile_cache.cache_dir(out), **settings)
+    llm = LLM(**source.llm_kwargs(), warmup=True, compilation_cache=compile_cache.cache_dir(out), **settings)
     compile_cache.write_manifest(out, key)
     files = sum(1 for _ in compile_cache.cache_dir(out).iterdir())
     print(f"compiled {llm.runner.num_compilations} steps in {time.perf_counter() - t0:.1f} s into {out} "
@@ -226,10 +230,10 @@ def _add_convert(sub: Any) -> None:
 
 def _add_generate(sub: Any) -> None:
     """`jserve generate`."""
-    from jserve.server.cli import CHAT_TEMPLATE_HELP, MODEL_HELP
+    from jserve.server.cli import CHAT_TEMPLATE_HELP
 
     p = sub.add_parser("generate", help="generate a continuation of a prompt")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--chat-template", default=None, metavar="FILE", help=CHAT_TEMPLATE_HELP + " (with --chat)")
@@ -244,8 +248,6 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     p.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
     g = p.add_argument_group("structured outputs (one of)").add_mutually_exclusive_group()
     g.add_argument("--json-schema", default=None, metavar="SCHEMA", help="JSON schema the output follows "
@@ -280,8 +282,7 @@ def _add_warmup(sub: Any) -> None:
     """`jserve warmup`."""
     p = sub.add_parser("warmup", help="compile every bucket into a portable compile artifact "
                                       "(serve it with jserve serve --compile-cache DIR)")
-    p.add_argument("--model", default=None, help="as serve's --model")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    add_model_args(p)
     p.add_argument("--out", required=True, help="the artifact's folder (created)")
     add_engine_args(p, exclude=("seed",))
     p.set_defaults(func=_warmup)

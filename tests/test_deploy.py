@@ -32,10 +32,6 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
 EXPECTED = {"tpu-deployment.yaml", "tpu-multihost-lws.yaml", "gpu-deployment.yaml", "inference-gateway.yaml"}
 
-# What the manifests use of `jserve serve` that the lead is adding under issue #38 while they were
-# written; each is checked as soon as the parser has it. Remove an entry once it has landed.
-# "MODEL": the positional model (`jserve serve MODEL`); until it lands, the full parse reads it as --model.
-PENDING: set[str] = {"MODEL"}
 
 LWS_VARS = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}
 API_VERSIONS = {
@@ -122,17 +118,10 @@ def value(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
-def has_positional_model(parser) -> bool:
-    return any(not a.option_strings and a.dest != "help" for a in parser._actions)
-
-
 def parse_serve(argv: list[str], env: dict[str, str] | None = None):
     """jserve's own parse of a `jserve serve` argument list, with $(VAR)s replaced from `env`, and
     vLLM's parallel sizes folded into --mesh as `jserve` does."""
     argv = [re.sub(r"\$\((\w+)\)", lambda m: (env or {})[m.group(1)], a) for a in argv]
-    parser, _ = serve_parser()
-    if "MODEL" in PENDING and not has_positional_model(parser) and argv and not argv[0].startswith("-"):
-        argv = ["--model", *argv]
     args = build_parser().parse_args(["serve", *argv])
     apply_vllm_args(args)
     return args
@@ -212,7 +201,7 @@ def test_jserve_command_lines_parse_with_jserves_parser(path, role, container, s
     parser, commands = serve_parser()
     assert command[0] in console_scripts(), f"{command[0]} is not a console script in pyproject.toml"
     assert command[1:] == ["serve"] and "serve" in commands
-    unknown = set(flags(argv)) - option_strings(parser) - PENDING
+    unknown = set(flags(argv)) - option_strings(parser)
     assert not unknown, f"{path.name}: `jserve serve --help` has no {sorted(unknown)}"
     env = {e["name"] for e in container.get("env", [])}
     for ref in re.findall(r"\$\((\w+)\)", " ".join(argv)):
@@ -447,7 +436,7 @@ def test_guides_jserve_command_lines_parse():
     assert len(served) >= 4
     parser, _ = serve_parser()
     for argv in served:
-        assert set(flags(argv)) - PENDING <= option_strings(parser), argv
+        assert set(flags(argv)) <= option_strings(parser), argv
         parse_serve(argv)
 
 

@@ -62,7 +62,9 @@ def test_named_models_resolve_to_their_checkpoints_and_served_names(tmp_path, mo
     names = lambda *a: server_cli.served_model_names(serve.parse_args(["serve", *a]))  # noqa: E731
     assert names() == server_cli.DEFAULT_MODEL_NAMES == (DEFAULT_MODEL, "SmolLM2-135M-Instruct")
     assert names("--model", "gemma3-270m") == ("gemma3-270m",)
-    assert names("--model", "checkpoints/my-model") == ("my-model",)
+    (tmp_path / "my-model").mkdir()
+    assert names("--model", str(tmp_path / "my-model")) == ("my-model",)  # a folder: its name
+    assert names("meta-llama/Llama-3.1-8B-Instruct") == ("meta-llama/Llama-3.1-8B-Instruct",)  # a Hub id, as vLLM
     assert names("--model", "gemma3-270m", "--served-model-name", "g") == ("g",)
 
     # First use converts the package's GGUF into <root>/<name>; later uses read that folder alone.

