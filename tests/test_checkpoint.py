@@ -230,7 +230,7 @@ def test_processes_resolving_one_model_together_convert_it_once(tmp_path, monkey
         time.sleep(0.5)
         (out / "params").mkdir(parents=True)
         (out / "config.json").write_text("{}")
-        (out / "generation.json").write_text("{}")
+        (out / "generation.json").write_text(json.dumps({"format_version": checkpoint.FORMAT_VERSION}))
         conversions.append(out)
         converting.pop()
         return out

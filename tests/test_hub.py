@@ -130,8 +130,9 @@ def test_a_gguf_file_of_a_repo(offline, monkeypatch):
 
     def fake_convert(source, out, **kw):
         seen.append((Path(source), kw))
-        for part in ("params", "config.json", "generation.json"):
-            (out / part).mkdir(parents=True) if part == "params" else (out / part).write_text("{}")
+        (out / "params").mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "generation.json").write_text(json.dumps({"format_version": checkpoint.FORMAT_VERSION}))
         return out
 
     monkeypatch.setattr(checkpoint, "convert", fake_convert)

@@ -17,7 +17,7 @@ import pytest
 from conftest import DATA
 from jserve import cli
 from jserve.model import named
-from jserve.model.checkpoint import DEFAULT_MODEL, check_model, convert, resolve_model
+from jserve.model.checkpoint import DEFAULT_MODEL, FORMAT_VERSION, check_model, convert, resolve_model
 from jserve.server import cli as server_cli
 from jserve.text.chat_template import load_chat_template
 
@@ -73,8 +73,9 @@ def test_named_models_resolve_to_their_checkpoints_and_served_names(tmp_path, mo
 
     def fake_convert(source, out, **kw):
         calls.append((source, out, kw))
-        for part in ("params", "config.json", "generation.json"):
-            (out / part).mkdir(parents=True) if part == "params" else (out / part).write_text("{}")
+        (out / "params").mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "generation.json").write_text(json.dumps({"format_version": FORMAT_VERSION}))
         return out
 
     monkeypatch.setattr("jserve.model.checkpoint.convert", fake_convert)
@@ -84,8 +85,11 @@ def test_named_models_resolve_to_their_checkpoints_and_served_names(tmp_path, mo
     assert resolve_model("gemma3-270m", keep_quantized=True) == tmp_path / "gemma3-270m-gguf"
     assert [(c[0].name, c[1].name, c[2]["keep_quantized"]) for c in calls] == [
         ("gemma3-270m.gguf", "gemma3-270m", False), ("gemma3-270m.gguf", "gemma3-270m-gguf", True)]
+    # A conversion by an older format is made again (its tokenizer may be an older one's).
+    (tmp_path / "gemma3-270m-gguf" / "generation.json").write_text(json.dumps({"format_version": 1}))
+    assert resolve_model("gemma3-270m", keep_quantized=True) == tmp_path / "gemma3-270m-gguf" and len(calls) == 3
     _without_package(monkeypatch)
-    assert resolve_model("gemma3-270m") == tmp_path / "gemma3-270m" and len(calls) == 2  # offline
+    assert resolve_model("gemma3-270m") == tmp_path / "gemma3-270m" and len(calls) == 3  # offline
     check_model("gemma3-270m")  # converted: the package is not needed
 
 

@@ -268,7 +268,7 @@ ERRORS = [
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 5}}, 400, "1000000"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "wizard"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "content"),

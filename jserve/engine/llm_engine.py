@@ -152,6 +152,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        params.check_token_ids(vocab)  # logit_bias / allowed_token_ids
         self.stop_policy.validate(params)
         limit = self.config.max_model_len
         if len(ids) >= limit:

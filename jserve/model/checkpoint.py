@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_MODEL", "check_model", "convert", "default_checkpoint_root",
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Gemma's GGUF tokenizer keeps whitespace runs (conversions before it split them)
 GGUF_SUFFIX = "-gguf"  # a GGUF converted with its quantized tensors kept
 
 def default_checkpoint_root() -> Path:
@@ -129,14 +129,24 @@ def _resolve_hub(model: hub.HubModel, root: Path, *, dtype: str, keep_quantized:
 def _converted(source: Callable[[], Path], out: Path, dtype: str, keep_quantized: bool) -> Path:
     """`out`, converted from `source()` unless it already holds the checkpoint; one process at a
     time converts (`_conversion_lock`). `dtype` may be "auto" or an alias (`storage_dtype`)."""
-    if is_checkpoint(out):
+    if _current(out):
         return out
     src = source()
     with _conversion_lock(out):
-        if not is_checkpoint(out):  # (another process may have converted it meanwhile)
+        if not _current(out):  # (another process may have converted it meanwhile)
+            if out.exists():
+                logger.info("%s was converted by an older jserve: converting it again", out)
+                shutil.rmtree(out)
             logger.info("converting %s into %s", src, out)
             convert(src, out, dtype=dtype, keep_quantized=keep_quantized)
     return out
+
+
+def _current(out: Path) -> bool:
+    """A conversion jserve made, by this format (an older one is made again from its source)."""
+    if not is_checkpoint(out):
+        return False
+    return json.loads((out / "generation.json").read_text()).get("format_version", 1) >= FORMAT_VERSION
 
 
 @contextlib.contextmanager
