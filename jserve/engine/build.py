@@ -39,7 +39,7 @@ def resolve_platform_defaults(config: EngineConfig) -> EngineConfig:
 
     from jserve.runtime.kv_cache import device_memory_bytes
 
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # (another process's devices report no memory)
     return config.with_platform_defaults(device.platform, getattr(device, "device_kind", ""),
                                          device_memory_bytes(device))
 

@@ -136,7 +136,7 @@ def plan_memory(config: ModelConfig, *, weight_dtype_bytes: int, kv_dtype: str =
 
 def device_memory_bytes(device: Any | None = None) -> int | None:
     """The accelerator's memory limit, or None where JAX does not report one (CPU)."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # another process's devices report no memory
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
