@@ -74,7 +74,7 @@ def test_generate_on_two_processes_matches_one(tiny_checkpoint):
     assert single.returncode == 0, err
     expected = json.loads(out)
     port = free_port()
-    follower = _jserve(*args, *_distributed(port, 1))
+    follower = _jserve("-v", *args, *_distributed(port, 1))  # -v: its INFO line below
     leader = _jserve(*args, *_distributed(port, 0))
     out, err = leader.communicate(timeout=300)
     assert leader.returncode == 0, err

@@ -30,13 +30,14 @@ def artifact_key(model: str | None, dtype: str | None, settings: dict[str, Any])
 
     from jserve.engine.config import EngineConfig
     from jserve.model.checkpoint import read_model_config
+    from jserve.model.dtype import current_platform, resolve_dtype
 
     config, stored_dtype = read_model_config(model)
     engine = EngineConfig.from_settings(**{k: v for k, v in settings.items() if k not in _UNKEYED})
     device = jax.devices()[0]
     return {
         "model": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
-        "dtype": dtype or stored_dtype,
+        "dtype": resolve_dtype(dtype, stored_dtype, current_platform())[0],  # "auto" and None: the served one
         "engine": {f.name: json.loads(json.dumps(getattr(engine, f.name), default=str))
                    for f in dataclasses.fields(engine) if f.name not in _UNKEYED},
         "jax": jax.__version__,
