@@ -245,7 +245,8 @@ def test_server_chat_without_a_template_is_a_400(base_model):
 def test_server_chat_template_flag_reaches_the_tokenizer_worker(base_model, tmp_path):
     """--chat-template FILE renders /v1/chat/completions, inline and, for a body over the pool's
     inline size, in the tokenizer worker process (which holds its own copy of the tokenizer)."""
-    from jserve.server import protocol, tokenizer_pool
+    from jserve.server import tokenizer_pool
+    from jserve.server.messages import messages_bytes
     from test_server import request
 
     ckpt, tokenizer = base_model
@@ -254,7 +255,7 @@ def test_server_chat_template_flag_reaches_the_tokenizer_worker(base_model, tmp_
     try:
         for content in ("What is 2 + 2?", "A long question " + "x" * (tokenizer_pool.INLINE_BYTES + 100)):
             messages = [{"role": "user", "content": content}]
-            inline = protocol.messages_bytes(messages) <= tokenizer_pool.INLINE_BYTES
+            inline = messages_bytes(messages) <= tokenizer_pool.INLINE_BYTES
             assert inline == (content == "What is 2 + 2?")
             want = tokenizer.encode(f"<user>{content[:12]}\n<assistant>", add_special_tokens=False)
             status, _, answer = request(server, "POST", "/tokenize", {"messages": messages})

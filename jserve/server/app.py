@@ -23,12 +23,13 @@ from aiohttp import web
 
 from jserve import __version__
 from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.server import fields, protocol, tokenizer_pool, watchdog
+from jserve.server import fields, protocol, readers, tokenizer_pool, watchdog
 from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request, error_body
 from jserve.server.generate import DISCONNECTED, run_generation
 from jserve.server.http import Timeouts
 from jserve.server.limits import Admission, Limits
+from jserve.server.messages import messages_bytes, parse_messages
 from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server.tenancy import TENANT, tenant_of_key
 from jserve.structured import tool_parsers
@@ -328,14 +329,14 @@ async def tokenize(request: web.Request) -> web.Response:
     fields.check_fields(body, fields.TOKENIZE)
     protocol.check_model(body, state.ctx)
     if "messages" in body:
-        add_gen = protocol.bool_field(body, "add_generation_prompt", True)
-        _, ids = await _render(state, protocol.parse_messages(body), add_gen)
+        add_gen = readers.bool_field(body, "add_generation_prompt", True)
+        _, ids = await _render(state, parse_messages(body), add_gen)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            raise bad_request(f"prompt must be a string (or give messages), got {protocol.show(prompt)}",
+            raise bad_request(f"prompt must be a string (or give messages), got {readers.show(prompt)}",
                               param="prompt")
-        add_special = protocol.bool_field(body, "add_special_tokens", True)
+        add_special = readers.bool_field(body, "add_special_tokens", True)
         ids = await _encode(state, prompt, add_special)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.ctx.max_model_len})
 
@@ -349,7 +350,7 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens")
     if tokens == []:
         return web.json_response({"prompt": ""})
-    ids = protocol.token_ids(tokens, "tokens", state.tokenizer.vocab_size)
+    ids = readers.token_ids(tokens, "tokens", state.tokenizer.vocab_size)
     return web.json_response({"prompt": await state.pool.run(4 * len(ids), tokenizer_pool.decode, ids)})
 
 
@@ -368,7 +369,7 @@ async def _render(state: ServerState, messages: list[dict], add_generation_promp
         raise bad_request(f"the model {state.model_name!r} has no chat template (a base model's has none), so "
                           f"messages cannot be rendered: use /v1/completions with a prompt, or start the server "
                           f"with --chat-template FILE (a jinja template)", code="chat_template_missing")
-    size = protocol.messages_bytes(messages) + (len(json.dumps(tools).encode()) if tools else 0)
+    size = messages_bytes(messages) + (len(json.dumps(tools).encode()) if tools else 0)
     tokenizer_pool.check_text_size(size, state.ctx.limits.max_input_tokens, state.pool.max_token_bytes, "messages")
     try:
         return await state.pool.run(size, tokenizer_pool.render_chat, messages, add_generation_prompt, tools)

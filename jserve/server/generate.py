@@ -14,19 +14,17 @@ import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from aiohttp import web
 
 from jserve.core.request import RequestOutput
 from jserve.engine.async_engine import EngineDeadError
-from jserve.server import protocol
+from jserve.server import protocol, replies
 from jserve.server.errors import APIError
-from jserve.server.response_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from jserve.server.response_logprobs import prompt_logprobs
 from jserve.server.tenancy import TENANT, engine_salt
 from jserve.server.watchdog import CLIENT_MESSAGE
-from jserve.structured import tool_parsers
-from jserve.structured.tools import ForcedToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -81,40 +79,6 @@ def _engine_error(e: Exception) -> APIError:
     if isinstance(e, EngineDeadError):  # the cause is in the log, not for clients
         return APIError(503, CLIENT_MESSAGE, code="engine_unavailable", headers={"Retry-After": "10"})
     return APIError(400, str(e))  # ValueError: the engine rejected the request and said why
-
-
-class _Choice:
-    def __init__(self, index: int, prefix: str, tool_parser: Any = None):
-        self.index = index
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list = []
-        self.finish_reason: str | None = None
-        self.prefix = prefix  # echoed prompt, sent first
-        self.started = False
-        self.tool_parser = tool_parser  # reads tool calls out of the text (chat with tools), or None
-        self.tool_stream = tool_parser.stream() if tool_parser is not None else None
-
-
-def _tool_parser(req: protocol.GenerateRequest) -> Any:
-    """What reads the request's tool calls back: the grammar's shape for a forced choice, the
-    model's own format for "auto"; None without tools or for "none"."""
-    tools = req.tools
-    if tools is None or not tools.calls_expected:
-        return None
-    if tools.choice == "auto":  # calls to functions outside the request's tools stay content
-        return tool_parsers.get_parser(tools.parser, [t["function"]["name"] for t in tools.tools])
-    return ForcedToolParser(tools.forced_name)
-
-
-def _finish_reason(reason: str | None, calls: list) -> str | None:
-    """OpenAI's "tool_calls" where the choice ended on its own with tool calls."""
-    return "tool_calls" if reason == "stop" and calls else reason
-
-
-def _openai_calls(req: protocol.GenerateRequest, calls: list) -> list:
-    """The calls a reply may carry: the first only where parallel_tool_calls is false."""
-    return calls if req.tools is None or req.tools.parallel else calls[:1]
 
 
 def _usage(state: "ServerState", rids: list[str], req: protocol.GenerateRequest, choices: dict) -> dict:
@@ -186,11 +150,11 @@ class _Generation:
         unique = f"{self.request_id}-{uuid.uuid4().hex[:8]}" if client_id else self.request_id
         self.rids = [f"{unique}-{i}" for i in range(len(req.prompts))]
         self.n = n = req.params.n
-        self.choices: dict[int, _Choice] = {}
+        self.choices: dict[int, replies.Choice] = {}
         for p, (text, ids) in enumerate(req.prompts):
             prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
             for i in range(n):
-                self.choices[p * n + i] = _Choice(p * n + i, prefix, _tool_parser(req))
+                self.choices[p * n + i] = replies.Choice(p * n + i, prefix, replies.tool_parser(req))
         created = int(time.time())
         self.head = {"id": self.request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
                      "created": created, "model": state.model_name}
@@ -254,7 +218,7 @@ class _Generation:
                 ch.logprobs += c.logprobs
             ch.finish_reason = c.finish_reason
             if self.req.stream:
-                chunk = _chunk(self.req, ch, c, offset, self.tok, self._scored(p))
+                chunk = replies.chunk(self.req, ch, c, offset, self.tok, self._scored(p))
                 if chunk is not None:
                     chunks.append(chunk)
         return chunks
@@ -273,7 +237,8 @@ class _Generation:
         usage = _usage(self.state, self.rids, req, self.choices)
         self._observe_timings()
         if not req.stream:
-            choices = [_final_choice(req, ch, self.tok, self._scored(i // self.n)) for i, ch in self.choices.items()]
+            choices = [replies.final_choice(req, ch, self.tok, self._scored(i // self.n))
+                       for i, ch in self.choices.items()]
             body = {**self.head, "object": "chat.completion" if req.chat else "text_completion", "choices": choices,
                     "usage": usage}
             if req.chat and req.prompt_logprobs is not None:  # vLLM's place for them in a chat reply
@@ -333,77 +298,3 @@ async def _bounded(request: web.Request, write, timeout: float) -> None:
         if transport is not None:
             transport.abort()
         raise ConnectionResetError(f"the client read nothing for {timeout:g} s") from None
-
-
-def _chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, offset: int, tok: Any,
-           scored: tuple[list[int], list] | None) -> dict | None:
-    """One streamed choice for the new part `delta` (a CompletionOutput of deltas); None where a
-    tool-call parser holds the whole part back. An echo with logprobs sends the prompt's (`scored`)
-    in the first."""
-    first, ch.started = not ch.started, True
-    text = ch.prefix + delta.text if first else delta.text
-    if req.chat and ch.tool_stream is not None:
-        return _tool_chunk(req, ch, delta, text, first, tok)
-    if req.chat:
-        d: dict = {"role": "assistant", "content": text} if first else {"content": text}
-        logprobs = (chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
-                    if delta.logprobs is not None else None)
-        return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-    if first and req.echo_logprobs is not None:
-        ids, lps = scored
-        logprobs = completion_logprobs([*ids, *delta.token_ids], [*lps, *delta.logprobs], tok, 0, req.echo_logprobs)
-    else:
-        logprobs = (completion_logprobs(delta.token_ids, delta.logprobs, tok, offset)
-                    if delta.logprobs is not None else None)
-    return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-
-
-def _tool_chunk(req: protocol.GenerateRequest, ch: _Choice, delta: Any, text: str, first: bool,
-                tok: Any) -> dict | None:
-    """A streamed chat choice whose text may hold tool calls: content the parser lets through,
-    and `delta.tool_calls` as each call is read (the openai client assembles them)."""
-    content, calls = ch.tool_stream.feed(text)
-    if delta.finish_reason is not None:
-        more, last = ch.tool_stream.finish()
-        content, calls = content + more, calls + last
-    if req.tools is not None and not req.tools.parallel:
-        calls = [c for c in calls if c.index == 0]
-    logprobs = (chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
-                if delta.logprobs is not None else None)
-    finish = _finish_reason(delta.finish_reason, ch.tool_stream.calls)
-    d: dict = {"role": "assistant"} if first else {}
-    if content or first:
-        d["content"] = content if content else None
-    if calls:
-        d["tool_calls"] = [c.to_openai() for c in calls]
-    if not first and not content and not calls and finish is None and not logprobs:
-        return None
-    return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
-
-
-def _final_choice(req: protocol.GenerateRequest, ch: _Choice, tok: Any, scored: tuple[list[int], list] | None
-                  ) -> dict:
-    """A whole reply's choice; `scored`: its prompt's ids and logprobs, where the request asked for them."""
-    has_lp = req.params.logprobs is not None
-    if req.chat:
-        logprobs = chat_logprobs(ch.token_ids, ch.logprobs, tok, req.top_logprobs) if has_lp else None
-        message: dict = {"role": "assistant", "content": ch.text}
-        finish = ch.finish_reason
-        if ch.tool_parser is not None:
-            content, calls = ch.tool_parser.parse(ch.text)
-            calls = _openai_calls(req, calls)
-            if calls:
-                message = {"role": "assistant", "content": content or None,
-                           "tool_calls": [{"id": c.id, "type": "function",
-                                           "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
-                finish = _finish_reason(finish, calls)
-        return {"index": ch.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    if req.echo_logprobs is not None:  # the prompt's tokens first, the first with null logprobs
-        ids, lps = scored
-        logprobs = completion_logprobs([*ids, *ch.token_ids], [*lps, *ch.logprobs], tok, 0, req.echo_logprobs)
-    else:
-        logprobs = completion_logprobs(ch.token_ids, ch.logprobs, tok, len(ch.prefix)) if has_lp else None
-    choice = {"index": ch.index, "text": ch.prefix + ch.text, "logprobs": logprobs, "finish_reason": ch.finish_reason}
-    if req.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs(*scored, tok, req.prompt_logprobs)
-    return choice
