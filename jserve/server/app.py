@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from typing import Any, Callable
@@ -29,7 +28,7 @@ from jserve.server.errors import APIError, bad_request, error_body
 from jserve.server.generate import DISCONNECTED, run_generation
 from jserve.server.http import Timeouts
 from jserve.server.limits import Admission, Limits
-from jserve.server.messages import messages_bytes, parse_messages
+from jserve.server.messages import parse_messages
 from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server.tenancy import TENANT, tenant_of_key
 from jserve.structured import tool_parsers
@@ -330,7 +329,7 @@ async def tokenize(request: web.Request) -> web.Response:
     protocol.check_model(body, state.ctx)
     if "messages" in body:
         add_gen = readers.bool_field(body, "add_generation_prompt", True)
-        _, ids = await _render(state, parse_messages(body), add_gen)
+        _, ids = await _render(state, tokenizer_pool.ChatPrompt(parse_messages(body), add_gen))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -363,16 +362,15 @@ async def _encode(state: ServerState, text: str, add_special_tokens: bool, param
     return await state.pool.run(size, tokenizer_pool.encode, text, add_special_tokens)
 
 
-async def _render(state: ServerState, messages: list[dict], add_generation_prompt: bool,
-                  tools: list[dict] | None = None) -> tuple[str, list[int]]:
+async def _render(state: ServerState, chat: tokenizer_pool.ChatPrompt) -> tuple[str, list[int]]:
     if state.tokenizer.chat_template is None:
         raise bad_request(f"the model {state.model_name!r} has no chat template (a base model's has none), so "
                           f"messages cannot be rendered: use /v1/completions with a prompt, or start the server "
                           f"with --chat-template FILE (a jinja template)", code="chat_template_missing")
-    size = messages_bytes(messages) + (len(json.dumps(tools).encode()) if tools else 0)
+    size = chat.size()
     tokenizer_pool.check_text_size(size, state.ctx.limits.max_input_tokens, state.pool.max_token_bytes, "messages")
     try:
-        return await state.pool.run(size, tokenizer_pool.render_chat, messages, add_generation_prompt, tools)
+        return await state.pool.run(size, tokenizer_pool.render_chat, chat)
     except tokenizer_pool.ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
 
@@ -413,8 +411,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.timeouts.body)
     req = protocol.parse_chat(body, state.ctx)
     state.admission.check(req.num_seqs, 0)
-    tools = list(req.tools.tools) if req.tools is not None and req.tools.choice != "none" else None
-    req.prompts = [await _render(state, req.messages, req.add_generation_prompt, tools)]
+    req.prompts = [await _render(state, req.chat_prompt())]
     protocol.check_prompts(req, state.ctx)
     await _compile_constraint(state, req)
     return await run_generation(request, state, req)

@@ -19,6 +19,7 @@ from jserve.server.limits import Limits
 from jserve.server.messages import parse_messages
 from jserve.server.readers import bool_field, int_field, show, str_field, token_ids, type_error
 from jserve.server.structured import ToolRequest
+from jserve.server.tokenizer_pool import ChatPrompt
 
 
 @dataclasses.dataclass
@@ -41,6 +42,12 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     tools: ToolRequest | None = None  # chat: the tools offered and how calls are read back
     constraint_param: str | None = None  # the field the output constraint came from (for its errors)
+
+    def chat_prompt(self) -> ChatPrompt:
+        """What the chat template renders for this request (tools offered where calls may come)."""
+        tools = self.tools
+        variables = {"tools": list(tools.tools)} if tools is not None and tools.choice != "none" else {}
+        return ChatPrompt(self.messages, self.add_generation_prompt, variables=variables)
 
     @property
     def num_seqs(self) -> int:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -26,6 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
 from jserve.server.errors import APIError, bad_request
+from jserve.server.messages import messages_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +45,26 @@ def encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-def render_chat(tok: Any, messages: list[dict], add_generation_prompt: bool,
-                tools: list[dict] | None = None) -> tuple[str, list[int]]:
-    """The rendered conversation (with the tools offered, for templates that show them) and its
-    ids; ChatTemplateError for a template's own error."""
-    extra = {"tools": tools} if tools else {}
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat prompt is rendered from: the messages and the template's options and variables
+    (`tools`, `chat_template_kwargs`, ...) as the request asked for them."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: dict = dataclasses.field(default_factory=dict)  # extra template variables (e.g. tools)
+
+    def size(self) -> int:
+        """UTF-8 bytes of what is rendered (the messages and the variables), to bound the work."""
+        return messages_bytes(self.messages) + (len(json.dumps(self.variables).encode()) if self.variables else 0)
+
+
+def render_chat(tok: Any, chat: ChatPrompt) -> tuple[str, list[int]]:
+    """The rendered conversation and its ids; ChatTemplateError for a template's own error."""
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        text = tok.apply_chat_template(chat.messages, add_generation_prompt=chat.add_generation_prompt,
+                                       continue_final_message=chat.continue_final_message, **chat.variables)
     except ValueError as e:
         raise ChatTemplateError(f"chat template: {e}") from None
     except Exception as e:  # noqa: BLE001 - jinja2 errors raised by the template (raise_exception)
