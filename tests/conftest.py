@@ -137,7 +137,8 @@ def pytest_runtest_teardown(item, nextitem):
     engines of finished tests are garbage in reference cycles (every Runner, measured: gc frees
     all of them), and each holds its executables' mappings; one test module makes about 4000 per
     test (test_speculative.py). Past 40000 after that (executables something still holds: JAX's
-    caches of jitted kernels, session fixtures), drop JAX's caches too. The next collection
+    caches of jitted kernels, session fixtures), drop JAX's caches too, at the module's end
+    (`_free_executables`; within a module only past 52000). The next collection
     waits for 15000 mappings or 6000 more than this one left, whichever is more (at most
     46000): a collection costs about 1.5 s in a worker's full heap, and once the live mappings
     passed 15000 for good a fixed threshold collected after every test (CI, 2026-12-03: 272
@@ -155,15 +156,18 @@ def pytest_runtest_teardown(item, nextitem):
     if rss > _PEAK_RSS[0]:
         _PEAK_RSS[:] = [rss, item.nodeid]
     _log_maps(f"{time.time():.1f} {maps} {rss >> 20}M {item.nodeid} {os.environ.get('PYTEST_XDIST_WORKER', '')}")
-    _maybe_collect(maps, rss)
+    _maybe_collect(maps, rss, clear_past=52000)
 
 
-def _maybe_collect(maps: int, rss: int) -> None:
-    """`pytest_runtest_teardown`'s rule, for `maps` mappings and `rss` resident bytes now."""
+def _maybe_collect(maps: int, rss: int, clear_past: int = 40000) -> None:
+    """`pytest_runtest_teardown`'s rule, for `maps` mappings and `rss` resident bytes now. JAX's
+    caches are dropped past `clear_past` mappings left: between tests of a module only near the
+    kernel's limit, as it recompiles the module's warmed-up engines (whose tests then count
+    compilations after warm-up); at a module's end past 40000."""
     if maps > _NEXT_COLLECTION[0] or rss > _NEXT_RSS[0]:
         _collect()
         left, rss = _memory_maps(), _rss()
-        if left > 40000:
+        if left > clear_past:
             _collect(clear_caches=True)
             left, rss = _memory_maps(), _rss()
         _NEXT_COLLECTION[0] = min(max(15000, left + 6000), 46000)  # well below the kernel's 65530
