@@ -240,3 +240,27 @@ def test_the_list_names_a_commit_for_each_source():
         assert entry["name"].startswith("vllm:") and entry["type"] in ("counter", "gauge", "histogram"), entry
     queried = {e["name"] for e in NAMES["metrics"] if e["by"]}
     assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:num_requests_running"} <= queried
+
+
+def test_token_totals_grow_as_tokens_come_not_at_the_end():
+    """vLLM counts prompt tokens when the prefill is done and generated tokens each step: a long
+    generation's tokens appear in rate() while it runs, not all at its end."""
+    from jserve.core.request import CompletionOutput, RequestOutput
+    from jserve.engine.request_ledger import RequestLedger
+
+    ledger = RequestLedger(max_timings=4)
+
+    def out(rid, lengths, finished=False):
+        reason = "length" if finished else None
+        return RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(i, "", [7] * k, None, reason)
+                                                    for i, k in enumerate(lengths)], finished=finished)
+
+    ledger.count(out("a", [1, 1]), first=True)
+    assert ledger.totals() == {"finished_requests": {}, "prompt_tokens": 3, "generation_tokens": 2}
+    ledger.count(out("b", [1]), first=True)
+    ledger.count(out("a", [4, 2]), first=False)
+    assert ledger.totals()["generation_tokens"] == 7 and ledger.totals()["prompt_tokens"] == 6
+    ledger.count(out("a", [5, 5], finished=True), first=False)
+    ledger.count(out("b", [3], finished=True), first=False)
+    assert ledger.totals() == {"finished_requests": {"length": 3}, "prompt_tokens": 6, "generation_tokens": 13}
+    assert ledger._generated == {}  # nothing kept for finished requests

@@ -383,9 +383,9 @@ class AsyncLLMEngine:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
+            self._ledger.count(out, first=not live.seen_first_output)
             if out.finished:
                 del self._live[out.request_id]
-                self._ledger.count_finished(out)
             if out.finished or not live.seen_first_output:
                 live.seen_first_output = True
                 self._ledger.record(out.request_id, live.requests, out)

@@ -1,7 +1,8 @@
 """What `AsyncLLMEngine` keeps of its requests for the server's metrics: each request's
 `RequestTimings` (the last `max_timings` requests', readable from any thread) and the monotone
-totals of finished requests (samples by finish reason, prompt and generated tokens), which its
-`stats()` reports. Pure Python; the threading model is `jserve.engine.async_engine`'s."""
+totals (finished samples by finish reason; prompt tokens once a request's prefill is done and
+generated tokens as they come, as vLLM counts them per step), which its `stats()` reports.
+Pure Python; the threading model is `jserve.engine.async_engine`'s."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class RequestLedger:
         self._lock = threading.Lock()
         self._max_timings = max_timings
         self._finished: collections.Counter[str] = collections.Counter()
-        self._finished_tokens = collections.Counter(prompt=0, generation=0)
+        self._tokens = collections.Counter(prompt=0, generation=0)
+        self._generated: dict[str, int] = {}  # request id -> generated tokens already counted
 
     def timings(self, request_id: str) -> RequestTimings | None:
         with self._lock:
@@ -40,16 +42,22 @@ class RequestLedger:
             while len(self._timings) > self._max_timings:
                 self._timings.popitem(last=False)
 
-    def count_finished(self, out: RequestOutput) -> None:
-        """Add a finished request to the totals."""
-        self._finished.update(c.finish_reason or "abort" for c in out.outputs)
-        self._finished_tokens.update(prompt=len(out.prompt_token_ids or ()),
-                                     generation=sum(len(c.token_ids) for c in out.outputs))
+    def count(self, out: RequestOutput, first: bool) -> None:
+        """Add an engine output (cumulative, as `LLMEngine.step` returns them) to the totals:
+        `first`, the request's first output, counts its prompt; its new tokens; at its end, its
+        samples' finish reasons."""
+        if first:
+            self._tokens["prompt"] += len(out.prompt_token_ids or ())
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        self._tokens["generation"] += generated - self._generated.pop(out.request_id, 0)
+        if out.finished:
+            self._finished.update(c.finish_reason or "abort" for c in out.outputs)
+        else:
+            self._generated[out.request_id] = generated
 
     def totals(self) -> dict[str, Any]:
-        """`finished_requests` (by finish reason) and `finished_{prompt,generation}_tokens`."""
-        return {"finished_requests": dict(self._finished),
-                **{f"finished_{k}_tokens": v for k, v in self._finished_tokens.items()}}
+        """`finished_requests` (by finish reason), `prompt_tokens` and `generation_tokens`."""
+        return {"finished_requests": dict(self._finished), **{f"{k}_tokens": v for k, v in self._tokens.items()}}
 
 
 def _timings_of(reqs: list, out: RequestOutput) -> RequestTimings:
