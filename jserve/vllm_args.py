@@ -13,6 +13,7 @@ import argparse
 import logging
 
 from jserve.engine.config import parse_bytes
+from jserve.model.sampling_defaults import resolve
 
 logger = logging.getLogger("jserve")
 
@@ -54,9 +55,10 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                    default=argparse.SUPPRESS, help="the same as --kv-cache-bytes")
     g.add_argument("--block-size", dest="page_size", type=int, default=argparse.SUPPRESS,
                    help="the same as --page-size")
-    g.add_argument("--generation-config", default=None, metavar="vllm",
-                   help="only 'vllm' (the API's own sampling defaults, what jserve does): a model's "
-                        "generation_config.json sampling defaults are not applied yet")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for fields a request leaves out: 'auto' the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens), 'vllm' the API's own, or a folder's generation_config.json")
     p.set_defaults(vllm_no_ops=[])
     for flag, why in NO_OPS.items():
         g.add_argument(flag, action=_NoOp, nargs=1 if flag in _VALUED_NO_OPS else 0, default=argparse.SUPPRESS,
@@ -71,9 +73,8 @@ def apply_vllm_args(args: argparse.Namespace) -> None:
     if args.pipeline_parallel_size not in (None, 1):
         raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: jserve has no pipeline "
                          "parallelism; split the model with -tp (or --mesh tp=N) instead")
-    if args.generation_config not in (None, "vllm"):
-        raise ValueError(f"--generation-config {args.generation_config}: jserve does not apply a model's "
-                         "generation_config.json sampling defaults yet; drop the flag or pass 'vllm'")
+    if args.generation_config not in (None, "auto", "vllm"):
+        resolve(args.generation_config, {})  # a bad folder or file is named before the model loads
     sizes = {"dp": args.data_parallel_size, "tp": args.tensor_parallel_size}
     for axis, size in sizes.items():
         if size is not None and size < 1:

@@ -58,7 +58,7 @@ def test_parallel_sizes_become_the_mesh(line, mesh):
     ("-pp 2", "--pipeline-parallel-size 2: jserve has no pipeline parallelism"),
     ("-tp 2 --mesh tp=2", "give --mesh or -tp"),
     ("-tp 0", "the tp size must be >= 1, got 0"),
-    ("--generation-config auto", "--generation-config auto: jserve does not apply"),
+    ("--generation-config /no/such/folder", "--generation-config /no/such/folder: give 'auto', 'vllm' or a folder"),
 ])
 def test_what_jserve_cannot_honour_is_named(line, needle):
     with pytest.raises(ValueError, match=needle):

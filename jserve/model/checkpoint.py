@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jserve.model import hub, quant, quant_record
+from jserve.model import hub, quant, quant_record, sampling_defaults
 from jserve.model.config import ModelConfig
 from jserve.model.dtype import current_platform, resolve_dtype, source_dtype, storage_dtype
 from jserve.model.llama import param_shapes
@@ -288,6 +288,9 @@ def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
                   "source_dtype": source_float, "eos_token_ids": eos, "bos_token_id": tokenizer.bos_token_id}
     if quantization is not None:
         generation["quantization"] = quantization
+    sampling = sampling_defaults.of_source(src)
+    if sampling:
+        generation["sampling_defaults"] = sampling
     (tmp / "generation.json").write_text(json.dumps(generation, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

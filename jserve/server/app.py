@@ -112,8 +112,9 @@ class ServerState:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def attach(self, engine: AsyncLLMEngine) -> None:
-        """Serve with `engine` (its LLMEngine built and warmed up): the server is now ready."""
+    def attach(self, engine: AsyncLLMEngine, sampling_defaults: dict[str, Any] | None = None) -> None:
+        """Serve with `engine` (its LLMEngine built and warmed up): the server is now ready.
+        `sampling_defaults`: the model's, for fields a request leaves out (`--generation-config`)."""
         limits = self.limits.resolve(max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
                                      num_kv_tokens=engine.num_kv_tokens)
         self.pool = tokenizer_pool.TokenizerPool(engine.tokenizer, max_jobs=limits.max_tokenize_jobs,
@@ -123,7 +124,8 @@ class ServerState:
         self.admission = Admission(engine.max_num_seqs + limits.max_queue, limits.max_queued_tokens)
         parser = self.tool_call_parser or tool_parsers.parser_for_template(engine.tokenizer.chat_template)
         self.ctx = protocol.Context(self.model_names, engine.max_model_len, engine.vocab_size, limits,
-                                    allow_priority=self.scheduling_policy == "priority", tool_parser=parser)
+                                    allow_priority=self.scheduling_policy == "priority", tool_parser=parser,
+                                    sampling_defaults=dict(sampling_defaults or {}))
         self.quantization = quantization_summary(engine.quantization)
         engine.prepare_constraints()  # llguidance's vocabulary, in the background
         self.metrics.set_quantization(self.quantization)

@@ -255,6 +255,17 @@ def _load_in_background(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     return loaded
 
 
+def _sampling_defaults(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
+    """`--generation-config`'s defaults, logged (as vLLM warns) when they override the API's."""
+    from jserve.model.sampling_defaults import resolve
+
+    defaults = resolve(getattr(args, "generation_config", None), llm.generation_config.get("sampling_defaults", {}))
+    if defaults:
+        logger.warning("sampling defaults from the model's generation config: %s (a request's own values win; "
+                       "--generation-config vllm serves the API's defaults instead)", defaults)
+    return defaults
+
+
 async def serve(args: argparse.Namespace) -> int:
     from jserve.engine.async_engine import AsyncLLMEngine
     from jserve.server.app import ServerState, build_app
@@ -281,7 +292,7 @@ async def serve(args: argparse.Namespace) -> int:
     if loaded.done():
         llm = loaded.result()  # a load error propagates: exit non-zero
         frozen = freeze_startup_heap()
-        state.attach(AsyncLLMEngine(llm.engine))
+        state.attach(AsyncLLMEngine(llm.engine), sampling_defaults=_sampling_defaults(args, llm))
         logger.info("ready: serving %s on http://%s:%d (%d startup objects frozen out of the garbage "
                     "collector)", ", ".join(names), args.host, args.port, frozen)
         stats = None if args.disable_log_stats else asyncio.ensure_future(logs.StatsLine(

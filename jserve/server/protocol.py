@@ -11,6 +11,7 @@ and lengths against the model and the limits.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
 from jserve.core.request import SamplingParams
 from jserve.server import fields, sampling_body, structured
@@ -74,6 +75,8 @@ class Context:
     limits: Limits  # resolved (`Limits.resolve`)
     allow_priority: bool = False  # --scheduling-policy priority
     tool_parser: str | None = None  # what reads tool calls for tool_choice "auto" (None: refused)
+    # the model's sampling defaults for fields a request leaves out (`--generation-config`)
+    sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -118,6 +121,10 @@ def _common(body: dict, ctx: Context, allowed: frozenset[str]) -> dict:
 def check_prompts(req: GenerateRequest, ctx: Context) -> None:
     """The tokenized prompts against the vocabulary, --max-input-tokens and --max-total-tokens."""
     limits = ctx.limits
+    default_max = ctx.sampling_defaults.get("max_tokens")
+    if req.chat and req.params.max_tokens is None and default_max is not None:  # as vLLM: within the context
+        room = limits.max_total_tokens - max(len(ids) for _, ids in req.prompts)
+        req.params = dataclasses.replace(req.params, max_tokens=max(1, min(default_max, room)))
     max_tokens = req.params.max_tokens
     param = "messages" if req.chat else "prompt"
     for _, ids in req.prompts:

@@ -59,22 +59,23 @@ def sampling_params(body: dict, ctx: Context, *, max_tokens: int | None, logprob
         raise bad_request(f"best_of != n is not supported, got best_of={best_of}", param="best_of")
     stop = _stop(body, limits)
     stop_ids = _stop_token_ids(body, ctx)
-    temperature = float_field(body, "temperature", 1.0)
+    default = ctx.sampling_defaults.get  # the model's own (`--generation-config`), else the API's
+    temperature = float_field(body, "temperature", default("temperature", 1.0))
     if 0 < temperature < 1e-5:
         temperature = 0.0  # as greedy: dividing logits by it would overflow
     temperature = min(temperature, 1e6)  # beyond that it is uniform anyway; float32 would overflow
-    top_p = float_field(body, "top_p", 1.0)
+    top_p = float_field(body, "top_p", default("top_p", 1.0))
     if 0 < top_p < 1e-6:
         top_p = 1e-6  # float32 would round it to 0
-    top_k = int_field(body, "top_k", 0, -1, 2**31 - 1)
+    top_k = int_field(body, "top_k", default("top_k", 0), -1, 2**31 - 1)
     if top_k >= ctx.vocab_size:
         top_k = 0  # no restriction; keeps it inside int32 in the step
-    repetition_penalty = float_field(body, "repetition_penalty", 1.0)
+    repetition_penalty = float_field(body, "repetition_penalty", default("repetition_penalty", 1.0))
     if 0 < repetition_penalty < 1e-2:
         raise bad_request(f"repetition_penalty must be in [0.01, 10], got {repetition_penalty!r}",
                           param="repetition_penalty")
     kwargs = dict(
-        n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=float_field(body, "min_p", 0.0),
+        n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=float_field(body, "min_p", default("min_p", 0.0)),
         repetition_penalty=repetition_penalty, presence_penalty=float_field(body, "presence_penalty", 0.0),
         frequency_penalty=float_field(body, "frequency_penalty", 0.0),
         seed=int_field(body, "seed", None, -2**63, 2**64 - 1),
