@@ -52,7 +52,7 @@ def stream(server, path, **body) -> list[dict]:
 
 
 def complete(server, **body):
-    return post(server, "/v1/completions", prompt=PROMPT, max_tokens=6, **GREEDY, **body)
+    return post(server, "/v1/completions", **{"prompt": PROMPT, "max_tokens": 6, **GREEDY, **body})
 
 
 # ------------------------------------------------------------------------------ stop_reason
@@ -188,3 +188,25 @@ def test_continue_final_message(server, tok):
     status, _, answer = request(server, "POST", "/v1/chat/completions", {
         "messages": messages, "continue_final_message": "yes"})
     assert_error(status, answer, 400, contains=["continue_final_message"])
+
+
+# ------------------------------------------------------------------------------ bad_words
+
+def test_bad_words(server, tok):
+    free = complete(server, max_tokens=8, return_token_ids=True)["choices"][0]
+    word = tok.decode(free["token_ids"][:1]).strip() or tok.decode(free["token_ids"][1:2]).strip()
+    sequences = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    banned = complete(server, max_tokens=8, bad_words=[word], return_token_ids=True)["choices"][0]
+    ids = banned["token_ids"]
+    assert len(ids) == 8 and ids != free["token_ids"]
+    assert not any(ids[i:i + len(s)] == s for s in sequences for i in range(len(ids)))
+    chat = post(server, "/v1/chat/completions", messages=CHAT, max_tokens=4, bad_words=[word], **GREEDY)
+    assert chat["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("value, named", [("word", "'word'"), (["ok", " "], "' '"), ([3], "3"),
+                                          (["w"] * 129, "128"), (["x" * 300], "256")])
+def test_bad_words_refused(server, value, named):
+    status, _, answer = request(server, "POST", "/v1/completions", {"prompt": PROMPT, "bad_words": value})
+    assert_error(status, answer, 400, contains=["bad_words", named])
+    assert answer["error"]["param"] == "bad_words"

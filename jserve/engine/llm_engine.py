@@ -11,12 +11,14 @@ docs/architecture.md ("The engine step").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from jserve.core import bad_words
 from jserve.core.dp_scheduler import DataParallelScheduler
 from jserve.core.page_table import PageTable
 from jserve.core.plan import PLACEHOLDER, RequestStatus, SchedulerProtocol, StepPlan
@@ -103,6 +105,10 @@ class LLMEngine:
         prompt that leaves no room for output in the context. `grammar`: its structured-outputs
         constraint compiled already (`self.grammars.compile`, off this thread); else it is
         compiled here when the request has one."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            sequences = bad_words.token_sequences(params.bad_words, encode)
+            params = dataclasses.replace(params, bad_words_token_ids=sequences)
         ids = self._check_request(request_id, prompt_token_ids, params)
         # A constraint the library refuses is a ValueError (GrammarError) naming what is wrong.
         if params.structured_outputs is None:

@@ -18,7 +18,7 @@ _SAMPLING = frozenset({
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids", "min_tokens",
     "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "prompt_logprobs", "allowed_token_ids",
     # vLLM's extra prompt and reply fields (jserve.server.reply_fields)
-    "truncate_prompt_tokens", "add_special_tokens", "return_token_ids", "return_tokens_as_token_ids"})
+    "truncate_prompt_tokens", "add_special_tokens", "return_token_ids", "return_tokens_as_token_ids", "bad_words"})
 
 # the output constraints (jserve.server.structured), OpenAI's and vLLM's spellings
 _CONSTRAINTS = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
