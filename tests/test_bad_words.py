@@ -132,3 +132,4 @@ def test_no_drafts_for_a_bad_word_of_several_tokens(tiny):
         engine = make_engine(tiny, speculative_config=spec)
         run(engine, [repetitive], [SamplingParams(**GREEDY, bad_words_token_ids=words)])
         assert (engine.speculator.num_verify_rows > 0) == drafted, words
+

@@ -210,3 +210,13 @@ def test_bad_words_refused(server, value, named):
     status, _, answer = request(server, "POST", "/v1/completions", {"prompt": PROMPT, "bad_words": value})
     assert_error(status, answer, 400, contains=["bad_words", named])
     assert answer["error"]["param"] == "bad_words"
+
+
+# ------------------------------------------------------------------------------ best_of
+
+def test_best_of(server):
+    body = post(server, "/v1/completions", prompt=PROMPT, max_tokens=4, n=2, best_of=3, temperature=1.0, seed=5)
+    assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["completion_tokens"] == 8
+    for bad in ({"n": 2, "best_of": 1}, {"best_of": 3, "stream": True}, {"best_of": 1000}, {"best_of": "2"}):
+        status, _, answer = request(server, "POST", "/v1/completions", {"prompt": PROMPT, **bad})
+        assert_error(status, answer, 400, contains=["best_of"])

@@ -77,6 +77,7 @@ class SamplingParams:
     """How to sample one request. `temperature=0` is greedy decoding."""
 
     n: int = 1
+    best_of: int | None = None  # samples drawn, of which the n of highest cumulative logprob are returned
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -109,6 +110,10 @@ class SamplingParams:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(self.best_of is None or (isinstance(self.best_of, int) and self.best_of >= self.n), "best_of",
+              f"must be an integer >= n ({self.n}) or None")
+        check(self.best_of in (None, self.n) or self.max_tokens != 0, "best_of",
+              "ranks samples, and max_tokens 0 samples none")
         check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 or a positive integer")
@@ -165,6 +170,11 @@ class SamplingParams:
         """A bad word of several tokens: each step's bans depend on the tokens sampled before it,
         so the step needs them on the host (no multi-step decode, no fed or drafted tokens)."""
         return any(len(seq) > 1 for seq in self.bad_words_token_ids or ())
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request runs: best_of, else n."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

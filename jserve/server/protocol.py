@@ -60,13 +60,13 @@ class GenerateRequest:
 
     @property
     def num_seqs(self) -> int:
-        """Engine sequences this request runs: n per prompt."""
-        return self.params.n * len(self.prompts)
+        """Engine sequences this request runs: n (best_of) per prompt."""
+        return self.params.num_samples * len(self.prompts)
 
     def cost_tokens(self, max_total_tokens: int) -> int:
         """Tokens its sequences may come to hold: prompt plus max_tokens (or what the context
         leaves), per sequence."""
-        n, max_tokens = self.params.n, self.params.max_tokens
+        n, max_tokens = self.params.num_samples, self.params.max_tokens
         if max_tokens is not None:
             max_tokens = max(max_tokens, 1)  # a request for none still samples one (LLMEngine.add_request)
         return sum(n * (min(len(ids) + max_tokens, max_total_tokens) if max_tokens is not None else max_total_tokens)
