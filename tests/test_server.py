@@ -292,8 +292,8 @@ ERRORS = [
      "tools"),  # chat only
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"continuous_usage_stats": True}}, 400,
-     "stream_options.continuous_usage_stats"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True, "every_step": True}}, 400,
+     "stream_options.every_step"),
     ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "priority"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x" * 257]}, 400, "256"),
     ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),

@@ -77,6 +77,7 @@ class SamplingParams:
     """How to sample one request. `temperature=0` is greedy decoding."""
 
     n: int = 1
+    best_of: int | None = None  # samples drawn, of which the n of highest cumulative logprob are returned
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -98,6 +99,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: Sequence[int] | None = None  # only these tokens may be sampled
+    # words never generated (`jserve.core.bad_words`); their token sequences are filled from the
+    # tokenizer when the engine takes the request (or given here)
+    bad_words: Sequence[str] | None = None
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self):
         def check(cond: bool, name: str, rule: str):
@@ -105,6 +110,10 @@ class SamplingParams:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(self.best_of is None or (isinstance(self.best_of, int) and self.best_of >= self.n), "best_of",
+              f"must be an integer >= n ({self.n}) or None")
+        check(self.best_of in (None, self.n) or self.max_tokens != 0, "best_of",
+              "ranks samples, and max_tokens 0 samples none")
         check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 or a positive integer")
@@ -137,6 +146,7 @@ class SamplingParams:
         object.__setattr__(self, "_logit_entries", _logit_entries(self.logit_bias, self.allowed_token_ids))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        _check_bad_words(self)
 
     def check_token_ids(self, vocab_size: int) -> None:
         """ValueError naming the first id of `logit_bias` / `allowed_token_ids` outside the
@@ -145,12 +155,26 @@ class SamplingParams:
             if t >= vocab_size:
                 raise ValueError(f"token id {t} in logit_bias or allowed_token_ids is outside the vocabulary "
                                  f"[0, {vocab_size})")
+        for t in (t for seq in self.bad_words_token_ids or () for t in seq):
+            if t >= vocab_size:
+                raise ValueError(f"token id {t} of bad_words is outside the vocabulary [0, {vocab_size})")
 
     @property
     def logit_entries(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """The step's sparse form of `logit_bias` and `allowed_token_ids` (`jserve.runtime.sampler`):
         the listed token ids and what each adds to its logit (every allowed token is listed)."""
         return self._logit_entries
+
+    @property
+    def bans_depend_on_output(self) -> bool:
+        """A bad word of several tokens: each step's bans depend on the tokens sampled before it,
+        so the step needs them on the host (no multi-step decode, no fed or drafted tokens)."""
+        return any(len(seq) > 1 for seq in self.bad_words_token_ids or ())
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request runs: best_of, else n."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:
@@ -188,6 +212,27 @@ def _logit_entries(bias, allowed) -> tuple[tuple[int, ...], tuple[float, ...]]:
         raise ValueError(f"logit_bias and allowed_token_ids may name at most {MAX_LOGIT_ENTRIES} distinct tokens "
                          f"together, got {len(entries)}")
     return tuple(entries), tuple(entries.values())
+
+
+def _check_bad_words(p: SamplingParams) -> None:
+    """`bad_words` and their token sequences, checked and made tuples; each sequence bans at most
+    one token a step, beside the logit entries, within MAX_LOGIT_ENTRIES."""
+    words = p.bad_words
+    if words is not None:
+        if isinstance(words, (str, bytes)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a list of words (strings that are not blank), got {words!r:.80}")
+        object.__setattr__(p, "bad_words", tuple(words))
+    seqs = p.bad_words_token_ids
+    if seqs is None:
+        return
+    seqs = tuple(tuple(s) for s in seqs)
+    if any(not s or not all(_token_id(t) for t in s) for s in seqs):
+        raise ValueError(f"bad_words_token_ids must be non-empty sequences of token ids, got {seqs!r:.80}")
+    room = MAX_LOGIT_ENTRIES - len(p.logit_entries[0])
+    if len(seqs) > room:
+        raise ValueError(f"bad_words make {len(seqs)} token sequences, but at most {room} fit beside the logit_bias "
+                         f"and allowed_token_ids entries ({MAX_LOGIT_ENTRIES} in all)")
+    object.__setattr__(p, "bad_words_token_ids", seqs)
 
 
 def _finite(x) -> bool:

@@ -211,6 +211,8 @@ class Scheduler:
             return None  # a prompt (or a preempted request's recompute) is still in chunks
         if any(r.params.structured_outputs is not None for r in running):
             return None  # a grammar's mask needs each sample on the host: single steps while one runs
+        if any(r.params.bans_depend_on_output for r in running):
+            return None  # so do the bans of a bad word of several tokens
         steps = [self._num_decode_steps(r) for r in running]
         if self._waiting:
             # Someone waits for a seat: end the call when the first seat frees by max_tokens or

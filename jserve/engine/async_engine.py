@@ -358,7 +358,8 @@ class AsyncLLMEngine:
             except Exception as exc:  # the request's own fault (ValueError) or its scoring pass
                 post(command.loop, [(command.queue, exc)])
                 return
-            self._live[rid] = _Live(command.queue, command.loop, requests_of(self.engine, rid, command.args[1].n))
+            samples = command.args[1].num_samples
+            self._live[rid] = _Live(command.queue, command.loop, requests_of(self.engine, rid, samples))
         elif command.kind == "abort":
             aborted = self._abort(command.request_id, command.queue)
             if command.future is not None:

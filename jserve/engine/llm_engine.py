@@ -11,12 +11,14 @@ docs/architecture.md ("The engine step").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from jserve.core import bad_words
 from jserve.core.dp_scheduler import DataParallelScheduler
 from jserve.core.page_table import PageTable
 from jserve.core.plan import PLACEHOLDER, RequestStatus, SchedulerProtocol, StepPlan
@@ -103,6 +105,10 @@ class LLMEngine:
         prompt that leaves no room for output in the context. `grammar`: its structured-outputs
         constraint compiled already (`self.grammars.compile`, off this thread); else it is
         compiled here when the request has one."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            sequences = bad_words.token_sequences(params.bad_words, encode)
+            params = dataclasses.replace(params, bad_words_token_ids=sequences)
         ids = self._check_request(request_id, prompt_token_ids, params)
         # A constraint the library refuses is a ValueError (GrammarError) naming what is wrong.
         if params.structured_outputs is None:
@@ -114,18 +120,21 @@ class LLMEngine:
             group.prompt_logprobs = [None]  # the first token has none; the prefill fills the rest
         base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        for i in range(params.n):
+        ranked = params.num_samples > params.n  # best_of: each sample's logprob is summed
+        for i in range(params.num_samples):
             # Each sample runs as its own sequence; a seed per sample keeps them distinct. One for no
             # tokens samples one that its output hides (SampleGroup.output): a prefill always ends in a
             # sample, which its last logits give at no extra cost.
-            sub = dataclasses.replace(params, n=1, seed=(base + 7919 * i) % 2**32,
-                                      max_tokens=1 if params.max_tokens == 0 else params.max_tokens)
+            sub = dataclasses.replace(params, n=1, best_of=None, seed=(base + 7919 * i) % 2**32,
+                                      max_tokens=1 if params.max_tokens == 0 else params.max_tokens,
+                                      logprobs=0 if ranked and params.logprobs is None else params.logprobs)
             salt = cache_salt
             if i == 0 and params.prompt_logprobs is not None:
                 # Its prefill computes every prompt position (no prefix-cache hit skips any).
                 salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
             group.sequences.append(SequenceState(
-                request_id if params.n == 1 else f"{request_id}#{i}", list(ids), sub, arrival, priority=priority,
+                request_id if params.num_samples == 1 else f"{request_id}#{i}", list(ids), sub, arrival,
+                priority=priority,
                 cache_salt=salt, grammar=grammar.matcher() if grammar is not None else None, group=group, index=i,
                 detok=self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens),
                 logprobs=[] if params.logprobs is not None else None))
@@ -289,6 +298,7 @@ class LLMEngine:
         """A new token's logprobs and text; a stop string ends the sequence here (before a weak
         stop the scheduler found: max_tokens, a complete grammar)."""
         token = seq.output_token_ids[-1]
+        seq.cumulative_logprob += float(out.logprob[i])  # what best_of ranks by (0 where not computed)
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(out.top_ids[i], out.top_logprobs[i], out.logprob[i],
                                                     out.rank[i], token, seq.params.logprobs))

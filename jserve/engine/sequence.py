@@ -20,6 +20,7 @@ class SequenceState(Request):
     detok: Any = None
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
 
     @property
     def stop_reason(self) -> int | str | None:
@@ -51,6 +52,15 @@ class SampleGroup:
     prompt_logprobs: list | None = None
 
     def output(self) -> RequestOutput:
+        params = self.params
+        finished = all(s.is_finished for s in self.sequences)
+        if params.num_samples > params.n:  # best_of: nothing until all are done, then the n best
+            best = sorted(self.sequences, key=lambda s: -s.cumulative_logprob)[:params.n] if finished else []
+            outs = [CompletionOutput(i, s.text, list(s.output_token_ids), None if s.logprobs is None else
+                                     list(s.logprobs), s.status.finish_reason, s.stop_reason)
+                    for i, s in enumerate(best)]
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.prompt_logprobs,
+                                 finished=finished)
         if self.params.max_tokens == 0:  # its sequences' one sample is hidden (LLMEngine.add_request)
             reasons = [s.status.finish_reason for s in self.sequences]
             outs = [CompletionOutput(s.index, "", [], None if s.logprobs is None else [],

@@ -124,9 +124,9 @@ class DraftModelProposer:
 
 
 def _greedy(row: StepRow, decode_steps: int = 1) -> StepRow:
-    """The row as the draft model runs it: greedy, no penalties, grammar or prompt logprobs."""
+    """The row as the draft model runs it: greedy, no penalties, grammar, bans or prompt logprobs."""
     return dataclasses.replace(row, sampling=GREEDY, penalty_tokens=None, grammar_matcher=None, prompt_targets=None,
-                               stop_ids=(), min_new=0, decode_steps=decode_steps, draft_ids=())
+                               stop_ids=(), min_new=0, decode_steps=decode_steps, draft_ids=(), banned_ids=())
 
 
 @dataclasses.dataclass
@@ -174,6 +174,9 @@ class Speculator:
                     collections.deque(maxlen=self.config.acceptance_window))
             if state.resting:
                 state.resting -= 1
+                out.append(0)
+                continue
+            if req.params.bans_depend_on_output:  # a draft's bans would depend on the drafts before it
                 out.append(0)
                 continue
             # The step keeps up to drafts + 1 tokens: all must fit max_tokens and the context.

@@ -149,7 +149,8 @@ class OverlappedStep(PlainStep):
         if plan.decode_steps != 1:
             return False
         return not any(c.request.prompt_targets(c) is not None or (c.emits_token and (
-            c.request.params.has_penalties or c.request.grammar is not None)) for c in plan.chunks)
+            c.request.params.has_penalties or c.request.grammar is not None
+            or c.request.params.bans_depend_on_output)) for c in plan.chunks)
 
     def _record(self, plan: StepPlan, launched: Launched) -> None:
         took = self.scheduler.update(plan, {c.request.request_id: PLACEHOLDER for c in plan.chunks if c.emits_token})

@@ -62,8 +62,9 @@ class MultiTokenSteps:
         """
         runner, K = self.runner, self.max_decode_steps
         self._check_rows(rows, runner.batch_buckets[-1], "decode")
-        if any(r.grammar_matcher is not None for r in rows):
-            raise ValueError("a row with a grammar runs in single steps: its mask needs each sample on the host")
+        if any(r.grammar_matcher is not None or r.sampling.bans_depend_on_output for r in rows):
+            raise ValueError("a row with a grammar or a bad word of several tokens runs in single steps: its mask "
+                             "needs each sample on the host")
         if any(not 1 <= r.decode_steps <= K for r in rows):
             raise ValueError(f"decode_steps must be in [1, {K}], got {[r.decode_steps for r in rows]}")
         for r in rows:

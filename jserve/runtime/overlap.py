@@ -100,9 +100,10 @@ class OverlapLauncher:
         if any(j >= 0 for j in feed) and after is None:
             raise ValueError("a fed row needs the launched step it takes its token from")
         for r, j in zip(rows, feed):
-            if j >= 0 and (r.num_tokens != 1 or r.penalty_tokens is not None or r.grammar_matcher is not None):
-                raise ValueError("a fed row is a decode row without penalties or a grammar (both need "
-                                 "its token on the host)")
+            if j >= 0 and (r.num_tokens != 1 or r.penalty_tokens is not None or r.grammar_matcher is not None
+                           or r.sampling.bans_depend_on_output):
+                raise ValueError("a fed row is a decode row without penalties, a grammar or a bad word of "
+                                 "several tokens (all need its token on the host)")
         if (not rows or not runner.launchable
                 or any(r.prompt_targets is not None or r.decode_steps != 1 or r.draft_ids for r in rows)):
             return None

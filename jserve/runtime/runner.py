@@ -297,7 +297,8 @@ class Runner:
 
     def sampling_inputs(self, rows: Sequence[StepRow | None], B: int):
         """The rows' `SamplingArrays` and penalty history, padded to B rows."""
-        sampling = SamplingArrays.build([None if r is None else (r.sampling, r.sample_index) for r in rows], B)
+        sampling = SamplingArrays.build([None if r is None else (r.sampling, r.sample_index, r.banned_ids)
+                                         for r in rows], B)
         history = penalty_history([None if r is None else r.penalty_tokens for r in rows], B, self.max_model_len,
                                   self.config.vocab_size)
         return sampling, history

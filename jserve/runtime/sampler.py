@@ -4,8 +4,9 @@ per-row seeds.
 Each row carries its own parameters as arrays, so one compiled step serves any mix of requests.
 A structured-output row's grammar arrives as its row of a token bitmask (`bitmask`, int32
 `[batch, ceil(vocab / 32)]`, all ones for a free row): tokens it disallows get -inf before any
-other processing; a step without a constrained row skips the unpacking. A request's logit bias
-and allowed tokens (`SamplingParams.logit_bias` / `allowed_token_ids`) travel as at most
+other processing; a step without a constrained row skips the unpacking. A request's logit bias,
+allowed tokens and bad words' bans (`SamplingParams.logit_bias` / `allowed_token_ids`,
+`StepRow.banned_ids` at -inf) travel as at most
 `MAX_LOGIT_ENTRIES` sparse `(id, value)` entries per row, applied after the grammar mask and
 before the penalties, temperature and top-k/p (vLLM's order); a step without such a row skips them.
 A row's random key is `fold_in(key(seed), step)`: the same seed gives the same tokens whatever
@@ -45,19 +46,24 @@ class SamplingArrays:
     bias_values: np.ndarray  # float32 [batch, MAX_LOGIT_ENTRIES]: added to the listed tokens' logits
 
     @classmethod
-    def build(cls, rows: Sequence[tuple[SamplingParams, int] | None], batch: int) -> "SamplingArrays":
-        """rows: `(params, step)` per real row (step: the index of the token sampled within its
-        request, which a seeded row's random key folds in) or None for padding; pads to `batch`
-        with greedy rows."""
+    def build(cls, rows: Sequence[tuple[SamplingParams, int] | tuple[SamplingParams, int, Sequence[int]] | None],
+              batch: int) -> "SamplingArrays":
+        """rows: `(params, step)` or `(params, step, banned ids)` per real row (step: the index of
+        the token sampled within its request, which a seeded row's random key folds in; banned:
+        tokens it may not sample, `StepRow.banned_ids`) or None for padding; pads to `batch` with
+        greedy rows."""
         if len(rows) > batch:
             raise ValueError(f"{len(rows)} rows exceed the batch of {batch}")
         padded = [row if row is not None else (GREEDY, 0) for row in list(rows) + [None] * (batch - len(rows))]
         ids = np.full((batch, MAX_LOGIT_ENTRIES), -1, np.int32)
         values = np.zeros((batch, MAX_LOGIT_ENTRIES), np.float32)
-        for b, (p, _) in enumerate(padded):
+        for b, (p, _, *banned) in enumerate(padded):
             listed, added = p.logit_entries
             ids[b, :len(listed)], values[b, :len(added)] = listed, added
-        return cls(**{name: np.asarray([value(p, step) for p, step in padded], dtype)
+            if banned and banned[0]:  # SamplingParams keeps them within the entries' room
+                ids[b, len(listed):len(listed) + len(banned[0])] = banned[0]
+                values[b, len(listed):len(listed) + len(banned[0])] = -np.inf
+        return cls(**{name: np.asarray([value(p, step) for p, step, *_ in padded], dtype)
                       for name, (dtype, value) in _FIELDS.items()}, bias_ids=ids, bias_values=values)
 
     def at_step(self, j) -> "SamplingArrays":

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jserve.core import bad_words
 from jserve.core.plan import ScheduledChunk
 from jserve.core.request import GREEDY, SamplingParams
 
@@ -38,6 +39,8 @@ class StepRow:
         from it while the device runs the forward. Single steps only.
       draft_ids: a speculative step's drafts for the tokens after `token_ids` (one token):
         `Runner.execute_verify` computes them with it and keeps those its samples confirm.
+      banned_ids: tokens its sample may not be (its request's bad words after its output so far,
+        `jserve.core.bad_words`), -inf entries beside the logit bias'.
       seq_len: the sequence's tokens (prompt and output so far) when the step was planned; 0: the
         row's own end. A LongRoPE model rotates every token of a sequence longer than its original
         context by the long factors (`ModelConfig.long_rope`), a prompt's first chunks included:
@@ -59,6 +62,7 @@ class StepRow:
     grammar_matcher: Any = None
     draft_ids: Sequence[int] = ()
     seq_len: int = 0
+    banned_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +80,8 @@ class StepRow:
                    p.has_penalties else None,
                    dp_group=dp_group, decode_steps=chunk.decode_steps, stop_ids=stop_ids, min_new=min_new,
                    prompt_targets=prompt_targets, grammar_matcher=req.grammar if chunk.emits_token else None,
-                   seq_len=req.num_tokens)
+                   seq_len=req.num_tokens, banned_ids=bad_words.banned_ids(p.bad_words_token_ids, req.output_token_ids)
+                   if chunk.emits_token and p.bad_words_token_ids else ())
 
 
 @dataclasses.dataclass

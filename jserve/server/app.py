@@ -387,7 +387,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.admission.check(req.num_seqs, 0)  # before tokenizing: a full server does no work for it
     for i, (text, ids) in enumerate(req.prompts):
         if ids is None:
-            req.prompts[i] = (text, await _encode(state, text, True))
+            req.prompts[i] = (text, await _encode(state, text, req.add_special_tokens))
     protocol.check_prompts(req, state.ctx)
     await _compile_constraint(state, req)
     return await run_generation(request, state, req)

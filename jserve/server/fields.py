@@ -16,17 +16,19 @@ _SAMPLING = frozenset({
     "frequency_penalty", "user", "logit_bias", "stream", "stream_options", "logprobs",
     # vLLM's extra sampling parameters
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids", "min_tokens",
-    "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "prompt_logprobs", "allowed_token_ids"})
+    "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "prompt_logprobs", "allowed_token_ids",
+    # vLLM's extra prompt and reply fields (jserve.server.reply_fields)
+    "truncate_prompt_tokens", "add_special_tokens", "return_token_ids", "return_tokens_as_token_ids", "bad_words"})
 
 # the output constraints (jserve.server.structured), OpenAI's and vLLM's spellings
 _CONSTRAINTS = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                           "guided_grammar"})
 COMPLETIONS = _SAMPLING | _CONSTRAINTS | {"prompt", "echo", "suffix"}
 CHAT = _SAMPLING | _CONSTRAINTS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                                   "tools", "tool_choice", "parallel_tool_calls"}
+                                   "tools", "tool_choice", "parallel_tool_calls", "continue_final_message"}
 TOKENIZE = frozenset({"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
 DETOKENIZE = frozenset({"model", "tokens"})
-STREAM_OPTIONS = frozenset({"include_usage"})
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 MESSAGE = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
 TOOL_CALL = frozenset({"id", "type", "function", "index"})
 TOOL_CALL_FUNCTION = frozenset({"name", "arguments"})

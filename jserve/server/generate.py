@@ -20,9 +20,9 @@ from aiohttp import web
 
 from jserve.core.request import RequestOutput
 from jserve.engine.async_engine import EngineDeadError
-from jserve.server import protocol, replies
+from jserve.server import protocol, replies, reply_fields
 from jserve.server.errors import APIError
-from jserve.server.response_logprobs import prompt_logprobs
+from jserve.server.response_logprobs import TokenIdNames, prompt_logprobs
 from jserve.server.tenancy import TENANT, engine_salt
 from jserve.server.watchdog import CLIENT_MESSAGE
 
@@ -155,10 +155,12 @@ class _Generation:
             prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
             for i in range(n):
                 self.choices[p * n + i] = replies.Choice(p * n + i, prefix, replies.tool_parser(req))
+                self.choices[p * n + i].prompt_token_ids = ids
         created = int(time.time())
         self.head = {"id": self.request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
                      "created": created, "model": state.model_name}
-        self.tok = state.tokenizer
+        self.tok = TokenIdNames(state.tokenizer) if req.tokens_as_ids else state.tokenizer
+        self.prompt_ids_sent = False  # a chat stream's first chunk carries them (return_token_ids)
         self.scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (None first), when asked for
         self.admission = (req.num_seqs, req.cost_tokens(state.ctx.limits.max_total_tokens))
         self.released = False
@@ -217,9 +219,11 @@ class _Generation:
             if c.logprobs is not None:
                 ch.logprobs += c.logprobs
             ch.finish_reason = c.finish_reason
+            ch.stop_reason = c.stop_reason
             if self.req.stream:
                 chunk = replies.chunk(self.req, ch, c, offset, self.tok, self._scored(p))
                 if chunk is not None:
+                    reply_fields.stream_extras(self.req, ch, chunk)
                     chunks.append(chunk)
         return chunks
 
@@ -227,8 +231,12 @@ class _Generation:
         if self.response is None:  # headers go out with the first output: errors before it get a status
             self.response = await _start_sse(self.request, self.header_id, self.write_timeout)
         for chunk in chunks:
-            await _send(self.request, self.response, {**self.head, "choices": [chunk], **_null_usage(self.req)},
-                        self.write_timeout)
+            extra = _null_usage(self.req)
+            if self.req.continuous_usage:
+                extra = {"usage": reply_fields.chunk_usage(self.req, self.choices[chunk["index"]])}
+            if self.req.chat and self.req.return_token_ids and not self.prompt_ids_sent:
+                extra["prompt_token_ids"], self.prompt_ids_sent = self.req.prompts[0][1], True
+            await _send(self.request, self.response, {**self.head, "choices": [chunk], **extra}, self.write_timeout)
 
     async def finish(self) -> web.StreamResponse:
         """After the engine is done: the metrics' timings, then the JSON body with usage, or the
@@ -239,8 +247,12 @@ class _Generation:
         if not req.stream:
             choices = [replies.final_choice(req, ch, self.tok, self._scored(i // self.n))
                        for i, ch in self.choices.items()]
+            for ch, choice in zip(self.choices.values(), choices):
+                reply_fields.final_extras(req, ch, choice)
             body = {**self.head, "object": "chat.completion" if req.chat else "text_completion", "choices": choices,
                     "usage": usage}
+            if req.chat and req.return_token_ids:
+                body["prompt_token_ids"] = req.prompts[0][1]
             if req.chat and req.prompt_logprobs is not None:  # vLLM's place for them in a chat reply
                 body["prompt_logprobs"] = prompt_logprobs(*self._scored(0), self.tok, req.prompt_logprobs)
             self.response = web.json_response(body, headers=_timing_headers(usage, self.header_id))

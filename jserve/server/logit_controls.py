@@ -1,5 +1,5 @@
 """The token-level sampling controls of a request body: OpenAI's `logit_bias` and vLLM's
-`allowed_token_ids`, read and checked against the vocabulary (400s naming the bad value); the
+`allowed_token_ids` and `bad_words`, read and checked against the vocabulary (400s naming the bad value); the
 step applies them as sparse entries (`jserve.runtime.sampler`, docs/architecture.md)."""
 
 from __future__ import annotations
@@ -59,6 +59,25 @@ def allowed_token_ids(body: dict, vocab_size: int) -> list[int] | None:
     return [_token(t, vocab_size, "allowed_token_ids") for t in allowed]
 
 
+def bad_words(body: dict) -> list[str] | None:
+    """vLLM's `bad_words`: a list of words never generated (the engine tokenizes them)."""
+    words = body.get("bad_words")
+    if words is None or words == []:
+        return None
+    if not isinstance(words, list) or len(words) > MAX_LOGIT_ENTRIES:
+        raise bad_request(f"bad_words must be a list of at most {MAX_LOGIT_ENTRIES} words, got {_REPR.repr(words)}",
+                          param="bad_words")
+    for w in words:
+        if not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+            raise bad_request(f"each of bad_words must be a word of 1 to {MAX_BAD_WORD_CHARS} characters that is not "
+                              f"blank, got {_REPR.repr(w)}", param="bad_words")
+    return list(words)
+
+
+MAX_BAD_WORD_CHARS = 256
+
+
 def read(body: dict, vocab_size: int) -> dict[str, Any]:
     """The SamplingParams keywords of the body's token-level controls."""
-    return dict(logit_bias=logit_bias(body, vocab_size), allowed_token_ids=allowed_token_ids(body, vocab_size))
+    return dict(logit_bias=logit_bias(body, vocab_size), allowed_token_ids=allowed_token_ids(body, vocab_size),
+                bad_words=bad_words(body))

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from jserve.core.request import SamplingParams
-from jserve.server import fields, sampling_body, structured
+from jserve.server import fields, reply_fields, sampling_body, structured
 from jserve.server.errors import APIError, bad_request
 from jserve.server.limits import Limits
 from jserve.server.messages import parse_messages
@@ -43,22 +43,31 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     tools: ToolRequest | None = None  # chat: the tools offered and how calls are read back
     constraint_param: str | None = None  # the field the output constraint came from (for its errors)
+    # vLLM's extra fields (`reply_fields`)
+    truncate_prompt_tokens: int | None = None  # keep each prompt's last k tokens
+    add_special_tokens: bool = True  # the tokenizer's BOS on the prompt (chat: False)
+    continue_final_message: bool = False  # chat: the last (assistant) message is continued
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
 
     def chat_prompt(self) -> ChatPrompt:
         """What the chat template renders for this request (tools offered where calls may come)."""
         tools = self.tools
         variables = {"tools": list(tools.tools)} if tools is not None and tools.choice != "none" else {}
-        return ChatPrompt(self.messages, self.add_generation_prompt, variables=variables)
+        return ChatPrompt(self.messages, self.add_generation_prompt, variables=variables,
+                          continue_final_message=self.continue_final_message,
+                          add_special_tokens=self.add_special_tokens)
 
     @property
     def num_seqs(self) -> int:
-        """Engine sequences this request runs: n per prompt."""
-        return self.params.n * len(self.prompts)
+        """Engine sequences this request runs: n (best_of) per prompt."""
+        return self.params.num_samples * len(self.prompts)
 
     def cost_tokens(self, max_total_tokens: int) -> int:
         """Tokens its sequences may come to hold: prompt plus max_tokens (or what the context
         leaves), per sequence."""
-        n, max_tokens = self.params.n, self.params.max_tokens
+        n, max_tokens = self.params.num_samples, self.params.max_tokens
         if max_tokens is not None:
             max_tokens = max(max_tokens, 1)  # a request for none still samples one (LLMEngine.add_request)
         return sum(n * (min(len(ids) + max_tokens, max_total_tokens) if max_tokens is not None else max_total_tokens)
@@ -115,7 +124,8 @@ def _common(body: dict, ctx: Context, allowed: frozenset[str]) -> dict:
     if cache_salt is not None and not 0 < len(cache_salt) <= ctx.limits.max_cache_salt_chars:
         raise bad_request(f"cache_salt must be 1 to {ctx.limits.max_cache_salt_chars} characters, got "
                           f"{len(cache_salt)}", param="cache_salt")
-    return dict(stream=stream, include_usage=include_usage, priority=priority, cache_salt=cache_salt)
+    return dict(stream=stream, include_usage=include_usage, priority=priority, cache_salt=cache_salt,
+                **reply_fields.read(body, ctx, "messages" in allowed, include_usage))
 
 
 def check_prompts(req: GenerateRequest, ctx: Context) -> None:
@@ -127,6 +137,7 @@ def check_prompts(req: GenerateRequest, ctx: Context) -> None:
         req.params = dataclasses.replace(req.params, max_tokens=max(1, min(default_max, room)))
     max_tokens = req.params.max_tokens
     param = "messages" if req.chat else "prompt"
+    reply_fields.truncate(req)
     for _, ids in req.prompts:
         assert ids is not None, "tokenize the prompts first"
         if not ids:
@@ -168,7 +179,10 @@ def parse_completion(body: dict, ctx: Context) -> GenerateRequest:
     if len(items) > ctx.limits.max_prompts:
         raise bad_request(f"at most {ctx.limits.max_prompts} prompts per request, got {len(items)}", param="prompt")
     prompts: list[tuple[str | None, list[int] | None]] = []
+    keep = common["truncate_prompt_tokens"]
     for item in items:
+        if isinstance(item, list) and keep is not None:
+            item = item[-keep:]
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt is empty: give at least one token", param="prompt")
@@ -215,7 +229,11 @@ def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
     """Every field of a /v1/chat/completions body; the messages are left for the chat template."""
     common = _common(body, ctx, fields.CHAT)
     messages = parse_messages(body)
-    add_generation_prompt = bool_field(body, "add_generation_prompt", True)
+    continue_final = bool_field(body, "continue_final_message")
+    if continue_final and body.get("add_generation_prompt") is True:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: the reply either "
+                          "continues the last message or starts a new one", param="continue_final_message")
+    add_generation_prompt = bool_field(body, "add_generation_prompt", not continue_final)
     want_logprobs = bool_field(body, "logprobs")
     top = int_field(body, "top_logprobs", None, 0, ctx.limits.max_logprobs)
     if top is not None and not want_logprobs:
@@ -231,4 +249,5 @@ def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
                                            constraint=constraint, prompt_logprobs=prompt_logprobs)
     return GenerateRequest(chat=True, prompts=[(None, None)], params=params, top_logprobs=top_logprobs,
                            prompt_logprobs=prompt_logprobs, messages=messages,
-                           add_generation_prompt=add_generation_prompt, tools=tools, constraint_param=field, **common)
+                           add_generation_prompt=add_generation_prompt, tools=tools, constraint_param=field,
+                           continue_final_message=continue_final, **common)

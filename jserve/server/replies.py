@@ -22,6 +22,11 @@ class Choice:
         self.started = False
         self.tool_parser = tool_parser  # reads tool calls out of the text (chat with tools), or None
         self.tool_stream = tool_parser.stream() if tool_parser is not None else None
+        # what reply_fields adds: the stop that ended it, the prompt's ids, the ids and prompt sent so far
+        self.stop_reason: int | str | None = None
+        self.prompt_token_ids: list[int] = []
+        self.ids_sent = 0
+        self.prompt_sent = False
 
 
 def tool_parser(req: protocol.GenerateRequest) -> Any:

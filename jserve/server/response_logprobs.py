@@ -9,13 +9,30 @@ from typing import Any, Sequence
 from jserve.core.request import Logprob
 
 
+class TokenIdNames:
+    """A tokenizer whose tokens these replies name "token_id:N" (vLLM's `return_tokens_as_token_ids`:
+    tokens that are not valid UTF-8 alone stay identifiable); it decodes as the one it wraps."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def _shown(token_id: int, lp: Logprob | None, tokenizer: Any) -> str:
+    """A token as a reply's logprobs name it."""
+    if isinstance(tokenizer, TokenIdNames):
+        return f"token_id:{token_id}"
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([token_id])
+
+
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0  # JSON has no -Infinity
 
 
 def _token_text(token_id: int, entry: dict[int, Logprob] | None, tokenizer: Any) -> str:
-    lp = entry.get(token_id) if entry is not None else None
-    return lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([token_id])
+    return _shown(token_id, entry.get(token_id) if entry is not None else None, tokenizer)
 
 
 def _listed(token_id: int, entry: dict[int, Logprob], num_top: int | None) -> list[tuple[int, Logprob]]:
@@ -39,7 +56,7 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, L
             tops.append(None)
         else:
             token_lps.append(_finite(entry[tid].logprob) if tid in entry else None)
-            tops.append({(v.decoded_token if v.decoded_token is not None else tokenizer.decode([k])): _finite(v.logprob)
+            tops.append({_shown(k, v, tokenizer): _finite(v.logprob)
                          for k, v in sorted(_listed(tid, entry, num_top), key=lambda kv: kv[1].rank)})
         offsets.append(offset)
         offset += len(tok)
@@ -61,7 +78,7 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob
     """The `logprobs` object of a chat choice."""
 
     def item(token_id: int, lp: Logprob | None) -> dict:
-        tok = lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([token_id])
+        tok = _shown(token_id, lp, tokenizer)
         return {"token": tok, "logprob": _finite(lp.logprob) if lp is not None else None,
                 "bytes": list(tok.encode("utf-8", "replace"))}
 

@@ -54,9 +54,13 @@ def sampling_params(body: dict, ctx: Context, *, max_tokens: int | None, logprob
     if n * num_prompts > limits.max_n:
         raise bad_request(f"n * number of prompts must be at most {limits.max_n}, got {n} * {num_prompts}",
                           param="n")
-    best_of = int_field(body, "best_of")
-    if best_of is not None and best_of != n:
-        raise bad_request(f"best_of != n is not supported, got best_of={best_of}", param="best_of")
+    best_of = int_field(body, "best_of", None, n, limits.max_n)
+    if best_of is not None and best_of * num_prompts > limits.max_n:
+        raise bad_request(f"best_of * number of prompts must be at most {limits.max_n}, got {best_of} * "
+                          f"{num_prompts}", param="best_of")
+    if best_of not in (None, n) and body.get("stream"):
+        raise bad_request(f"best_of > n is not available with stream: true (the best are known at the end), got "
+                          f"best_of={best_of}", param="best_of")
     stop = _stop(body, limits)
     stop_ids = _stop_token_ids(body, ctx)
     default = ctx.sampling_defaults.get  # the model's own (`--generation-config`), else the API's
@@ -75,7 +79,8 @@ def sampling_params(body: dict, ctx: Context, *, max_tokens: int | None, logprob
         raise bad_request(f"repetition_penalty must be in [0.01, 10], got {repetition_penalty!r}",
                           param="repetition_penalty")
     kwargs = dict(
-        n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=float_field(body, "min_p", default("min_p", 0.0)),
+        n=n, best_of=best_of, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=float_field(body, "min_p", default("min_p", 0.0)),
         repetition_penalty=repetition_penalty, presence_penalty=float_field(body, "presence_penalty", 0.0),
         frequency_penalty=float_field(body, "frequency_penalty", 0.0),
         seed=int_field(body, "seed", None, -2**63, 2**64 - 1),

@@ -54,6 +54,7 @@ class ChatPrompt:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     variables: dict = dataclasses.field(default_factory=dict)  # extra template variables (e.g. tools)
+    add_special_tokens: bool = False  # the tokenizer's own (BOS) on top of what the template writes
 
     def size(self) -> int:
         """UTF-8 bytes of what is rendered (the messages and the variables), to bound the work."""
@@ -69,7 +70,7 @@ def render_chat(tok: Any, chat: ChatPrompt) -> tuple[str, list[int]]:
         raise ChatTemplateError(f"chat template: {e}") from None
     except Exception as e:  # noqa: BLE001 - jinja2 errors raised by the template (raise_exception)
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from None
-    return text, tok.encode(text, add_special_tokens=False)
+    return text, tok.encode(text, add_special_tokens=chat.add_special_tokens)
 
 
 def decode(tok: Any, ids: list[int]) -> str:
