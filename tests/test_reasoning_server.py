@@ -5,17 +5,13 @@ from /v1/completions (same prompt, seed and sampling), whole and streamed."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from conftest import DATA
+from arch_helpers import widened
 from jserve.engine import EngineConfig, build_engine
 from jserve.engine.async_engine import AsyncLLMEngine
-from jserve.model.checkpoint import read_params
 from jserve.server import ServerState
 from jserve.structured.reasoning import ReasoningParser
 from reasoning_helpers import END_THINK, THINK, VOCAB, load_tokenizer
@@ -33,15 +29,10 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    config, params = read_params(DATA / "arch" / "qwen3")
-    embed = np.asarray(params["embed"])
-    extra = np.random.default_rng(0).normal(0, embed.std(), (VOCAB - embed.shape[0], embed.shape[1]))
-    params = {**params, "embed": np.concatenate([embed, extra.astype(embed.dtype)])}
-    config = dataclasses.replace(config, vocab_size=VOCAB)
+    config, params = widened("qwen3", VOCAB)
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, page_size=4, num_pages=256,
                        backend="cpu", warmup=True)
-    engine = AsyncLLMEngine(build_engine(config, {k: jnp.asarray(v) for k, v in params.items()}, tokenizer, [],
-                                         cfg))
+    engine = AsyncLLMEngine(build_engine(config, params, tokenizer, [], cfg))
     state = ServerState(MODEL, reasoning_parser="qwen3")
     state.attach(engine)
     srv = Server(state)
