@@ -43,3 +43,19 @@ def finish(engine) -> dict:
             if out.finished:
                 outs[out.request_id] = out
     return outs
+
+
+def widened(arch: str, vocab_size: int):
+    """A tiny checkpoint's (config, params) with its embedding padded with random rows to
+    `vocab_size` ids, for a tokenizer larger than its vocabulary."""
+    import dataclasses
+
+    import numpy as np
+
+    from jserve.model.checkpoint import read_params
+
+    config, params = read_params(DATA / "arch" / arch)
+    embed = np.asarray(params["embed"])
+    extra = np.random.default_rng(0).normal(0, embed.std(), (vocab_size - embed.shape[0], embed.shape[1]))
+    params = {**params, "embed": np.concatenate([embed, extra.astype(embed.dtype)])}
+    return dataclasses.replace(config, vocab_size=vocab_size), {k: jnp.asarray(v) for k, v in params.items()}

@@ -29,7 +29,8 @@ class StructuredOutputsParams:
     `disable_any_whitespace` (default True) makes JSON compact, with ", " and ": " separators and
     no other whitespace: small models otherwise fill the output with spaces and newlines; set it
     False for JSON whose whitespace is free. The grammar library (`jserve.structured`) compiles it
-    into a token mask per step; the output ends when the constraint is complete.
+    into a token mask per step; the output ends when the constraint is complete. `reasoning`: a
+    reasoning model's free `<think>` ... `</think>` comes first, the constraint after it.
     """
 
     json: dict | str | None = None
@@ -38,6 +39,7 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = True
+    reasoning: bool = False
 
     def __post_init__(self):
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]

@@ -31,7 +31,7 @@ from jserve.server.limits import Admission, Limits
 from jserve.server.messages import parse_messages
 from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server.tenancy import TENANT, tenant_of_key
-from jserve.structured import tool_parsers
+from jserve.structured import reasoning, tool_parsers
 from jserve.structured.grammar import GrammarBusy, GrammarError
 
 logger = logging.getLogger(__name__)
@@ -71,13 +71,15 @@ class ServerState:
       tool_call_parser: what reads the model's tool calls for tool_choice "auto"
         (`jserve.structured.tool_parsers`); None: the one the chat template implies, if any.
       log_requests: log each generation request as it arrives and ends (--enable-log-requests).
+      reasoning_parser: splits a chat reply's thinking into `reasoning` (`jserve.structured.reasoning`).
     """
 
     def __init__(self, model_names: str | tuple[str, ...] = "jserve", *, api_keys: tuple[str, ...] = (),
                  limits: Limits | None = None, timeouts: Timeouts | None = None, scheduling_policy: str = "fcfs",
                  step_timeout: float = watchdog.DEFAULT_STEP_TIMEOUT, tokenizer_workers: int = 1,
                  metrics: ServerMetrics | None = None, on_fatal: Callable[[str], Any] | None = None,
-                 tool_call_parser: str | None = None, log_requests: bool = False):
+                 tool_call_parser: str | None = None, log_requests: bool = False,
+                 reasoning_parser: str | None = None):
         if tool_call_parser is not None:
             tool_parsers.get_parser(tool_call_parser)  # ValueError naming an unknown one
         if scheduling_policy not in ("fcfs", "priority"):
@@ -94,6 +96,9 @@ class ServerState:
         self.metrics = metrics or ServerMetrics()
         self.on_fatal = on_fatal
         self.tool_call_parser = tool_call_parser
+        if reasoning_parser is not None:
+            reasoning.get_parser(reasoning_parser)  # ValueError naming an unknown one
+        self.reasoning_parser = reasoning_parser
         self.engine: AsyncLLMEngine | None = None
         self.tokenizer: Any = None
         self.ctx: protocol.Context | None = None
@@ -123,9 +128,13 @@ class ServerState:
         self.capacity = engine.max_num_seqs
         self.admission = Admission(engine.max_num_seqs + limits.max_queue, limits.max_queued_tokens)
         parser = self.tool_call_parser or tool_parsers.parser_for_template(engine.tokenizer.chat_template)
+        if self.reasoning_parser is not None:
+            reasoning.check_tokenizer(self.reasoning_parser,
+                                      lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
         self.ctx = protocol.Context(self.model_names, engine.max_model_len, engine.vocab_size, limits,
                                     allow_priority=self.scheduling_policy == "priority", tool_parser=parser,
-                                    sampling_defaults=dict(sampling_defaults or {}))
+                                    sampling_defaults=dict(sampling_defaults or {}),
+                                    reasoning_parser=self.reasoning_parser)
         self.quantization = quantization_summary(engine.quantization)
         engine.prepare_constraints()  # llguidance's vocabulary, in the background
         self.metrics.set_quantization(self.quantization)
@@ -414,6 +423,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = protocol.parse_chat(body, state.ctx)
     state.admission.check(req.num_seqs, 0)
     req.prompts = [await _render(state, req.chat_prompt())]
+    req.start_reasoning()
     protocol.check_prompts(req, state.ctx)
     await _compile_constraint(state, req)
     return await run_generation(request, state, req)

@@ -28,6 +28,7 @@ from jserve.server import logs
 from jserve.server.http import Timeouts
 from jserve.server.limits import Limits
 from jserve.server.watchdog import DEFAULT_STEP_TIMEOUT
+from jserve.structured.reasoning import REASONING_PARSERS
 from jserve.structured.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls, for tool_choice 'auto' (default: what the chat template "
                         "implies; without one, 'auto' is refused and 'required' / named tools still work)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="how the model writes its thinking (<think> ... </think>): chat replies carry it in "
+                        "message.reasoning / delta.reasoning, apart from the content (default: none, it stays "
+                        "in the content)")
     p.add_argument("--tokenizer-workers", type=int, default=1,
                    help="processes that tokenize large inputs off the event loop (0: tokenize inline)")
     _add_log_args(p)
@@ -284,7 +289,8 @@ async def serve(args: argparse.Namespace) -> int:
     state = ServerState(names, api_keys=api_keys(args), limits=limits(args), timeouts=timeouts(args),
                         scheduling_policy=args.scheduling_policy, step_timeout=args.step_timeout,
                         tokenizer_workers=args.tokenizer_workers, on_fatal=on_fatal,
-                        tool_call_parser=args.tool_call_parser, log_requests=args.enable_log_requests)
+                        tool_call_parser=args.tool_call_parser, log_requests=args.enable_log_requests,
+                        reasoning_parser=args.reasoning_parser)
     runner = await _listen(build_app(state, max_body_bytes=args.max_body_bytes), state.timeouts, args)
     loaded = _load_in_background(args, loop)
     stopping = asyncio.ensure_future(stop.wait())

@@ -25,11 +25,13 @@ _CONSTRAINTS = frozenset({"response_format", "structured_outputs", "guided_json"
                           "guided_grammar"})
 COMPLETIONS = _SAMPLING | _CONSTRAINTS | {"prompt", "echo", "suffix"}
 CHAT = _SAMPLING | _CONSTRAINTS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                                   "tools", "tool_choice", "parallel_tool_calls", "continue_final_message"}
+                                   "tools", "tool_choice", "parallel_tool_calls", "continue_final_message",
+                                   "chat_template_kwargs", "include_reasoning"}
 TOKENIZE = frozenset({"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
 DETOKENIZE = frozenset({"model", "tokens"})
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
-MESSAGE = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+MESSAGE = frozenset({"role", "content", "name", "tool_call_id", "tool_calls",
+                     "reasoning", "reasoning_content"})  # an assistant turn's thinking, sent back
 TOOL_CALL = frozenset({"id", "type", "function", "index"})
 TOOL_CALL_FUNCTION = frozenset({"name", "arguments"})
 CONTENT_PART = frozenset({"type", "text"})

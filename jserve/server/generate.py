@@ -154,7 +154,7 @@ class _Generation:
         for p, (text, ids) in enumerate(req.prompts):
             prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
             for i in range(n):
-                self.choices[p * n + i] = replies.Choice(p * n + i, prefix, replies.tool_parser(req))
+                self.choices[p * n + i] = replies.Choice(p * n + i, prefix, replies.tool_parser(req), req.reasoning)
                 self.choices[p * n + i].prompt_token_ids = ids
         created = int(time.time())
         self.head = {"id": self.request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",

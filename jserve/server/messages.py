@@ -49,8 +49,24 @@ def parse_messages(body: dict) -> list[dict]:
                 raise bad_request(f"{name}.tool_calls is for assistant messages, got role {role}",
                                   param=f"{name}.tool_calls")
             msg["tool_calls"] = _message_tool_calls(m["tool_calls"], f"{name}.tool_calls")
+        thought = _message_reasoning(m, name)
+        if thought is not None:  # both names, as vLLM passes it: Qwen3's template reads reasoning_content
+            msg["reasoning"] = msg["reasoning_content"] = thought
         out.append(msg)
     return out
+
+
+def _message_reasoning(m: dict, name: str) -> str | None:
+    """An assistant message's thinking sent back (`reasoning`, or the older `reasoning_content`)."""
+    given = {key: str_field(m, key) for key in ("reasoning", "reasoning_content") if m.get(key) is not None}
+    if not given:
+        return None
+    key = next(iter(given))
+    if m.get("role") != "assistant":
+        raise bad_request(f"{name}.{key} is for assistant messages, got role {m.get('role')}", param=f"{name}.{key}")
+    if len(set(given.values())) > 1:
+        raise bad_request(f"{name}.reasoning and {name}.reasoning_content differ: give one", param=f"{name}.reasoning")
+    return given[key]
 
 
 def _message_tool_calls(calls: Any, name: str) -> list[dict]:

@@ -21,6 +21,7 @@ from jserve.server.messages import parse_messages
 from jserve.server.readers import bool_field, int_field, show, str_field, token_ids, type_error
 from jserve.server.structured import ToolRequest
 from jserve.server.tokenizer_pool import ChatPrompt
+from jserve.structured import reasoning
 
 
 @dataclasses.dataclass
@@ -50,14 +51,31 @@ class GenerateRequest:
     return_token_ids: bool = False
     tokens_as_ids: bool = False  # return_tokens_as_token_ids
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    chat_template_kwargs: dict | None = None  # chat: the client's template variables (enable_thinking, ...)
+    include_reasoning: bool = True  # chat: false drops the reasoning from the reply
+    reasoning_parser: str | None = None  # chat: the server's --reasoning-parser
+    reasoning: reasoning.ReasoningParser | None = None  # what splits the thinking out, once rendered
 
     def chat_prompt(self) -> ChatPrompt:
         """What the chat template renders for this request (tools offered where calls may come)."""
         tools = self.tools
-        variables = {"tools": list(tools.tools)} if tools is not None and tools.choice != "none" else {}
+        variables = dict(self.chat_template_kwargs or {})
+        if tools is not None and tools.choice != "none":
+            variables["tools"] = list(tools.tools)
         return ChatPrompt(self.messages, self.add_generation_prompt, variables=variables,
                           continue_final_message=self.continue_final_message,
                           add_special_tokens=self.add_special_tokens)
+
+    def start_reasoning(self) -> None:
+        """Once the chat prompt is rendered: whether this request thinks (`reasoning.get_parser`),
+        and if so its output constraint applies after the thinking."""
+        if self.reasoning_parser is None:
+            return
+        self.reasoning = reasoning.get_parser(self.reasoning_parser, self.chat_template_kwargs, self.prompts[0][0])
+        spec = self.params.structured_outputs
+        if spec is not None and self.reasoning.thinking:
+            spec = dataclasses.replace(spec, reasoning=True)
+            self.params = dataclasses.replace(self.params, structured_outputs=spec)
 
     @property
     def num_seqs(self) -> int:
@@ -86,6 +104,7 @@ class Context:
     tool_parser: str | None = None  # what reads tool calls for tool_choice "auto" (None: refused)
     # the model's sampling defaults for fields a request leaves out (`--generation-config`)
     sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    reasoning_parser: str | None = None  # what splits a chat reply's thinking out (--reasoning-parser)
 
     @property
     def model_name(self) -> str:
@@ -250,4 +269,26 @@ def parse_chat(body: dict, ctx: Context) -> GenerateRequest:
     return GenerateRequest(chat=True, prompts=[(None, None)], params=params, top_logprobs=top_logprobs,
                            prompt_logprobs=prompt_logprobs, messages=messages,
                            add_generation_prompt=add_generation_prompt, tools=tools, constraint_param=field,
-                           continue_final_message=continue_final, **common)
+                           continue_final_message=continue_final, chat_template_kwargs=_chat_template_kwargs(body),
+                           include_reasoning=bool_field(body, "include_reasoning", True),
+                           reasoning_parser=ctx.reasoning_parser, **common)
+
+
+# the variables jserve itself gives the chat template (from the request's other fields)
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "tools", "bos_token", "eos_token",
+                 "unk_token", "pad_token")
+
+
+def _chat_template_kwargs(body: dict) -> dict | None:
+    """vLLM's chat_template_kwargs: more variables for the chat template (e.g. enable_thinking)."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise type_error("chat_template_kwargs", "an object", value)
+    clash = [k for k in value if k in _TEMPLATE_OWN]
+    if clash:
+        raise bad_request(f"chat_template_kwargs.{clash[0]} is set by the server from the request (the template's "
+                          f"own variables: {', '.join(_TEMPLATE_OWN)}): give it in its own field",
+                          param=f"chat_template_kwargs.{clash[0]}")
+    return value

@@ -12,7 +12,7 @@ from jserve.structured.tools import ForcedToolParser
 
 
 class Choice:
-    def __init__(self, index: int, prefix: str, tool_parser: Any = None):
+    def __init__(self, index: int, prefix: str, tool_parser: Any = None, reasoning: Any = None):
         self.index = index
         self.text = ""
         self.token_ids: list[int] = []
@@ -27,6 +27,8 @@ class Choice:
         self.prompt_token_ids: list[int] = []
         self.ids_sent = 0
         self.prompt_sent = False
+        self.reasoning = reasoning  # splits the thinking out (a ReasoningParser), or None
+        self.reasoning_stream = reasoning.stream() if reasoning is not None else None
 
 
 def tool_parser(req: protocol.GenerateRequest) -> Any:
@@ -58,12 +60,17 @@ def chunk(req: protocol.GenerateRequest, ch: Choice, delta: Any, offset: int, to
     in the first."""
     first, ch.started = not ch.started, True
     text = ch.prefix + delta.text if first else delta.text
+    thought = ""
+    if req.chat and ch.reasoning_stream is not None:
+        thought, text = _split_reasoning(req, ch, text, delta.finish_reason is not None)
     if req.chat and ch.tool_stream is not None:
-        return _toolchunk(req, ch, delta, text, first, tok)
+        return _toolchunk(req, ch, delta, text, first, tok, thought)
     if req.chat:
         d: dict = {"role": "assistant", "content": text} if first else {"content": text}
         logprobs = (chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
-                    if delta.logprobs is not None else None)
+                    if delta.logprobs is not None and req.include_reasoning else None)
+        if ch.reasoning is not None:
+            return _reasoning_chunk(ch, d, text, thought, logprobs, delta.finish_reason, first)
         return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason}
     if first and req.echo_logprobs is not None:
         ids, lps = scored
@@ -74,8 +81,30 @@ def chunk(req: protocol.GenerateRequest, ch: Choice, delta: Any, offset: int, to
     return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
+def _split_reasoning(req: protocol.GenerateRequest, ch: Choice, text: str, last: bool) -> tuple[str, str]:
+    """(thinking, content) of a streamed piece; the thinking is dropped for include_reasoning false."""
+    thought, content = ch.reasoning_stream.feed(text)
+    if last:
+        more, rest = ch.reasoning_stream.finish()
+        thought, content = thought + more, content + rest
+    return (thought if req.include_reasoning else ""), content
+
+
+def _reasoning_chunk(ch: Choice, d: dict, text: str, thought: str, logprobs: Any, finish: str | None,
+                     first: bool) -> dict | None:
+    """A streamed chat choice of a reasoning model: `delta.reasoning` while it thinks, then
+    `delta.content`; None where the piece held nothing to send."""
+    if not text and not first:
+        d.pop("content")
+    if thought:
+        d["reasoning"] = thought
+    if not first and not text and not thought and finish is None and not logprobs:
+        return None
+    return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+
+
 def _toolchunk(req: protocol.GenerateRequest, ch: Choice, delta: Any, text: str, first: bool,
-                tok: Any) -> dict | None:
+                tok: Any, thought: str = "") -> dict | None:
     """A streamed chat choice whose text may hold tool calls: content the parser lets through,
     and `delta.tool_calls` as each call is read (the openai client assembles them)."""
     content, calls = ch.tool_stream.feed(text)
@@ -85,14 +114,16 @@ def _toolchunk(req: protocol.GenerateRequest, ch: Choice, delta: Any, text: str,
     if req.tools is not None and not req.tools.parallel:
         calls = [c for c in calls if c.index == 0]
     logprobs = (chat_logprobs(delta.token_ids, delta.logprobs, tok, req.top_logprobs)
-                if delta.logprobs is not None else None)
+                if delta.logprobs is not None and req.include_reasoning else None)
     finish = _finish_reason(delta.finish_reason, ch.tool_stream.calls)
     d: dict = {"role": "assistant"} if first else {}
     if content or first:
         d["content"] = content if content else None
+    if thought:
+        d["reasoning"] = thought
     if calls:
         d["tool_calls"] = [c.to_openai() for c in calls]
-    if not first and not content and not calls and finish is None and not logprobs:
+    if not first and not content and not thought and not calls and finish is None and not logprobs:
         return None
     return {"index": ch.index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
 
@@ -103,16 +134,19 @@ def final_choice(req: protocol.GenerateRequest, ch: Choice, tok: Any, scored: tu
     has_lp = req.params.logprobs is not None
     if req.chat:
         logprobs = chat_logprobs(ch.token_ids, ch.logprobs, tok, req.top_logprobs) if has_lp else None
-        message: dict = {"role": "assistant", "content": ch.text}
+        thought, text = ch.reasoning.parse(ch.text) if ch.reasoning is not None else (None, ch.text)
+        message: dict = {"role": "assistant", "content": text}
         finish = ch.finish_reason
         if ch.tool_parser is not None:
-            content, calls = ch.tool_parser.parse(ch.text)
+            content, calls = ch.tool_parser.parse(text or "")
             calls = _openai_calls(req, calls)
             if calls:
                 message = {"role": "assistant", "content": content or None,
                            "tool_calls": [{"id": c.id, "type": "function",
                                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
                 finish = _finish_reason(finish, calls)
+        if ch.reasoning is not None:  # vLLM's field (its older name, reasoning_content, is no longer sent)
+            message["reasoning"] = thought if req.include_reasoning else None
         return {"index": ch.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     if req.echo_logprobs is not None:  # the prompt's tokens first, the first with null logprobs
         ids, lps = scored

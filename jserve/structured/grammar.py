@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jserve.core.request import StructuredOutputsParams
+from jserve.structured import reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def canonical(spec: StructuredOutputsParams) -> str:
                 raise GrammarError(f"structured_outputs.json is not valid JSON: {e}") from None
         if isinstance(value, tuple):
             value = list(value)
-        return json.dumps([spec.kind, value, spec.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
+        key = [spec.kind, value, spec.disable_any_whitespace] + (["reasoning"] if spec.reasoning else [])
+        return json.dumps(key, sort_keys=True, ensure_ascii=False)
     except RecursionError:
         raise GrammarError(f"structured_outputs.{spec.kind} is nested too deeply") from None
 
@@ -276,6 +278,8 @@ class GrammarCompiler:
 
         t0 = time.perf_counter()
         grammar = grammar_text(spec)
+        if spec.reasoning:
+            grammar = reasoning.wrap_grammar(grammar, *self._tag_ids(spec))
         tok = self._library_tokenizer()
         # An invalid grammar, and a schema keyword the library does not implement (`uniqueItems`:
         # ignoring it could break the schema), leave the matcher in error with the reason.
@@ -292,6 +296,14 @@ class GrammarCompiler:
             why = _first_line(probe.get_error()) if probe.is_error() else "no token is allowed"
             raise GrammarError(f"structured_outputs.{spec.kind} can produce no text at all ({why})")
         return CompiledGrammar(key, matcher, time.perf_counter() - t0)
+
+    def _tag_ids(self, spec: StructuredOutputsParams) -> list[int]:
+        """The reasoning tags' token ids (each must be one token)."""
+        ids = [self._tokenizer.encode(tag, add_special_tokens=False) for tag in (reasoning.START, reasoning.END)]
+        if any(len(i) != 1 for i in ids):
+            raise GrammarError(f"structured_outputs.{spec.kind}: the tokenizer writes {reasoning.START} and "
+                               f"{reasoning.END} as several tokens, so the thinking before the output is not found")
+        return [i[0] for i in ids]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
