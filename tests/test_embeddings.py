@@ -135,3 +135,59 @@ def test_task_resolution(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [32, 64]}))
     assert read_sentence_transformers(tmp_path).matryoshka == (32, 64)
     assert read_sentence_transformers(tmp_path / "1_Pooling") is None
+
+
+def _st_folder(folder, pooling_key: str):
+    """tests/data/arch/qwen3 as a sentence-transformers embedding model: weights saved from the bare
+    decoder (no `model.` prefix, as Qwen3-Embedding's), modules.json with Pooling and Normalize."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jserve.model.checkpoint import resolve_model
+
+    src = DATA / "arch" / "qwen3"
+    folder.mkdir()
+    shutil.copy(src / "config.json", folder / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()}, folder / "model.safetensors")
+    shutil.copy(resolve_model(None) / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({pooling_key: True}))
+    return folder
+
+
+def test_llm_embed_from_a_sentence_transformers_folder(tmp_path):
+    """`convert` records the folder's pooling in generation.json; `LLM` (task auto) then serves
+    embeddings (mean here, from 1_Pooling) and refuses generation, and the reverse."""
+    from jserve import LLM
+    from jserve.core.request import SamplingParams
+    from jserve.model.checkpoint import convert
+
+    out = convert(_st_folder(tmp_path / "st", "pooling_mode_mean_tokens"), tmp_path / "ckpt", progress=False)
+    assert json.loads((out / "generation.json").read_text())["pooling"] == {
+        "pooling": "mean", "normalize": True, "matryoshka": None}
+    config, params = load_arch("qwen3")
+    ids, hidden = _reference_hidden("qwen3", params)
+    settings = dict(backend="xla-reference", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                    compilation_cache=False)
+    llm = LLM(str(out), **settings)
+    try:
+        outs = llm.embed([{"prompt_token_ids": list(map(int, p))} for p in ids])
+        for o, h in zip(outs, hidden):
+            np.testing.assert_allclose(o.embedding, _expected(h, "mean"), atol=2e-4)
+        with pytest.raises(ValueError, match="task 'embed', not 'generate'"):
+            llm.generate([[1, 2]], SamplingParams(max_tokens=1))
+        assert llm.stats()["pages_in_use"] == 0
+    finally:
+        llm.close()
+    llm = LLM(str(out), task="generate", **settings)
+    try:
+        with pytest.raises(ValueError, match="task 'generate', not 'embed'"):
+            llm.embed([[1, 2]])
+    finally:
+        llm.close()

@@ -85,3 +85,14 @@ def read_sentence_transformers(folder: str | Path) -> PoolingConfig | None:
     dims = config.get("matryoshka_dimensions")
     matryoshka = tuple(dims) if dims else (() if config.get("is_matryoshka") else None)
     return PoolingConfig(pooling, any(t.endswith("Normalize") for t in types), matryoshka)
+
+
+def declared_pooling(path: str | Path) -> PoolingConfig | None:
+    """The pooling a model declares: a jserve checkpoint's (generation.json's `pooling`, written by
+    `convert`) or a Hugging Face folder's (`read_sentence_transformers`); None for neither."""
+    path = Path(path)
+    generation = path / "generation.json"
+    if generation.is_file():
+        data = json.loads(generation.read_text()).get("pooling")
+        return None if data is None else PoolingConfig.from_json(data)
+    return read_sentence_transformers(path)
