@@ -209,7 +209,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    embeddings.add_routes(app)
+    embeddings.add_routes(app, STATE)
     app.cleanup_ctx.append(_watchdog)
     return app
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from aiohttp import web
@@ -23,13 +24,10 @@ from jserve.server import fields, protocol, readers, tokenizer_pool
 from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request
 
-if TYPE_CHECKING:
-    from jserve.server.app import ServerState
-
 ENCODING_FORMATS = ("float", "base64")
 
 
-def require_task(state: "ServerState", task: str, route: str) -> None:
+def require_task(state: Any, task: str, route: str) -> None:
     """400 where the served model's task is not `task` (an embedding model serves no completions,
     a generation model no embeddings), naming the flag that serves it."""
     served = state.engine.task
@@ -38,10 +36,8 @@ def require_task(state: "ServerState", task: str, route: str) -> None:
                             f"{state.model_name!r} is served with --task {served}", code="wrong_task")
 
 
-async def _begin(request: web.Request, route: str, allowed: frozenset[str]) -> tuple["ServerState", dict]:
-    from jserve.server.app import STATE
-
-    state = request.app[STATE]
+async def _begin(request: web.Request, key: web.AppKey, route: str, allowed: frozenset[str]) -> tuple[Any, dict]:
+    state = request.app[key]
     state.check_ready()
     require_task(state, "embed", route)
     body = await read_json(request, state.timeouts.body)
@@ -63,7 +59,7 @@ def _texts(value: Any, name: str, *, ids_allowed: bool) -> list:
     raise readers.type_error(name, want, value)
 
 
-async def _token_ids(state: "ServerState", items: list, name: str, body: dict) -> list[list[int]]:
+async def _token_ids(state: Any, items: list, name: str, body: dict) -> list[list[int]]:
     """Each input's token ids (text tokenized), truncated as `truncate_prompt_tokens` asks (its last
     tokens kept, as vLLM does) and checked against the context."""
     limits = state.ctx.limits
@@ -92,7 +88,7 @@ async def _token_ids(state: "ServerState", items: list, name: str, body: dict) -
     return out
 
 
-async def _embed(state: "ServerState", prompts: list[list[int]], dimensions: int | None = None) -> list[np.ndarray]:
+async def _embed(state: Any, prompts: list[list[int]], dimensions: int | None = None) -> list[np.ndarray]:
     """The inputs' embeddings, in order: admitted as one request, each input its own engine request."""
     seqs, tokens = len(prompts), sum(map(len, prompts))
     state.admission.check(seqs, tokens)
@@ -119,8 +115,8 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
 
 
-async def embeddings(request: web.Request) -> web.Response:
-    state, body = await _begin(request, "/v1/embeddings", fields.EMBEDDINGS)
+async def embeddings(key: web.AppKey, request: web.Request) -> web.Response:
+    state, body = await _begin(request, key, "/v1/embeddings", fields.EMBEDDINGS)
     if "input" not in body:
         raise bad_request("input is required", param="input")
     fmt = body.get("encoding_format") or "float"
@@ -140,10 +136,10 @@ async def embeddings(request: web.Request) -> web.Response:
         "usage": _usage(prompts)})
 
 
-async def score(request: web.Request) -> web.Response:
+async def score(key: web.AppKey, request: web.Request) -> web.Response:
     """vLLM's /v1/score for an embedding model: text_1 against text_2 one to one, or one text_1
     against each text_2; the cosine similarity of their embeddings."""
-    state, body = await _begin(request, "/v1/score", fields.SCORE)
+    state, body = await _begin(request, key, "/v1/score", fields.SCORE)
     for name in ("text_1", "text_2"):
         if name not in body:
             raise bad_request(f"{name} is required", param=name)
@@ -162,10 +158,10 @@ async def score(request: web.Request) -> web.Response:
         "usage": _usage(prompts)})
 
 
-async def rerank(request: web.Request) -> web.Response:
+async def rerank(key: web.AppKey, request: web.Request) -> web.Response:
     """vLLM's /rerank (Jina and Cohere's shape): the documents by their similarity to the query,
     the `top_n` best (0 or none: all)."""
-    state, body = await _begin(request, request.path, fields.RERANK)
+    state, body = await _begin(request, key, request.path, fields.RERANK)
     for name in ("query", "documents"):
         if name not in body:
             raise bad_request(f"{name} is required", param=name)
@@ -186,9 +182,10 @@ async def rerank(request: web.Request) -> web.Response:
         "results": [{"index": i, "document": {"text": docs[i]}, "relevance_score": scores[i]} for i in order]})
 
 
-def add_routes(app: web.Application) -> None:
-    """Register the embedding routes (each refuses a generation model's server)."""
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/v1/score", score)
+def add_routes(app: web.Application, key: web.AppKey) -> None:
+    """Register the embedding routes, which read the server's state at `key` (each refuses a
+    generation model's server)."""
+    app.router.add_post("/v1/embeddings", functools.partial(embeddings, key))
+    app.router.add_post("/v1/score", functools.partial(score, key))
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        app.router.add_post(path, rerank)
+        app.router.add_post(path, functools.partial(rerank, key))
