@@ -83,6 +83,7 @@ class LLM:
         from jserve.engine.config import EngineConfig
         from jserve.model.checkpoint import load_tokenizer, model_files, read_quantization, resolve_model, served_dtype
         from jserve.model.dtype import check_dtype
+        from jserve.model.pooling import declared_pooling
         from jserve.text.chat_template import compile_chat_template
 
         engine_config = EngineConfig.from_settings(**settings)  # bad settings are named before loading
@@ -115,7 +116,7 @@ class LLM:
         eos = self.generation_config.get("eos_token_ids") or list(self.tokenizer.eos_token_ids)
         draft = _load_draft(engine_config, self.tokenizer, dtype)
         self.engine = build_engine(self.config, params, self.tokenizer, eos, engine_config, self.quantization,
-                                   draft=draft)
+                                   draft=draft, pooling=declared_pooling(self.path))
         self.runner = self.engine.runner
         self._next_id = 0
         self._closed = False
@@ -143,11 +144,31 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for one prompt or a list; each prompt is text, token ids, or
         `{"prompt": text}` / `{"prompt_token_ids": ids}`. Returns one RequestOutput per prompt."""
-        if self._closed:
-            raise RuntimeError("this LLM is closed (LLM.close): load the model again to generate")
+        self._require_task("generate")
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
-        encoded = [self._encode(item) for item in items]
+        return self._run([self._encode(item) for item in items], params)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, dimensions: int | None = None) -> list[Any]:
+        """Embed one prompt or a list (as `generate` takes them) with an embedding model (task
+        "embed"): one `PoolingOutput` per prompt, its `embedding` a float32 vector (cut to
+        `dimensions` where the model allows Matryoshka sizes)."""
+        from jserve.engine.embed_engine import PoolingParams
+
+        self._require_task("embed")
+        items = _as_prompt_list(prompts)
+        return self._run([self._encode(item) for item in items], [PoolingParams(dimensions)] * len(items))
+
+    def _require_task(self, task: str) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed (LLM.close): load the model again to use it")
+        served = getattr(self.engine, "task", "generate")
+        if served != task:
+            raise ValueError(f"this model is loaded for task {served!r}, not {task!r}: load it with "
+                             f"LLM(..., task={task!r})")
+
+    def _run(self, encoded: list, params: list) -> list:
+        """Add each (text, token ids) with its params and step until all are done; their outputs."""
         request_ids = []
         try:
             for (text, tokens), p in zip(encoded, params):
@@ -159,7 +180,7 @@ class LLM:
             for rid in request_ids:
                 self.engine.abort_request(rid)
             raise
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, Any] = {}
         while len(results) < len(request_ids):
             steps = self.engine.num_steps
             outputs = self.engine.step()

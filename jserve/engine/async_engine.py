@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -24,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from jserve.core.request import RequestOutput, SamplingParams
-from jserve.engine.handover import Command, post
+from jserve.engine.handover import Command, latest, post
 from jserve.engine.request_ledger import RequestLedger, requests_of
 from jserve.engine.stream_output import RequestTimings, Tracker
 
@@ -160,7 +161,8 @@ class AsyncLLMEngine:
 
     def prepare_constraints(self) -> None:
         """Start building the grammar compiler's vocabulary in the background."""
-        self.engine.grammars.prepare()
+        if hasattr(self.engine, "grammars"):  # an embedding model's engine has none
+            self.engine.grammars.prepare()
 
     async def compile_constraint(self, spec: Any) -> Any:
         """Compile a structured-outputs spec (cached) in the grammar compiler's threads, off the
@@ -199,34 +201,48 @@ class AsyncLLMEngine:
         grammar = None  # compiled in the compiler's threads and handed over: never on the engine thread
         if params.structured_outputs is not None:
             grammar = await self.compile_constraint(params.structured_outputs)
+        tracker = Tracker(params, delta)
+        kwargs = dict(prompt=prompt, priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
+                      **({"grammar": grammar} if grammar else {}))
+        async with contextlib.aclosing(self._outputs(request_id, (ids, params), kwargs)) as outputs:
+            async for item in outputs:
+                out = tracker.next(item)
+                if out is not None:
+                    yield out
+
+    async def encode(self, request_id: str, prompt_token_ids: Sequence[int], params: Any, *,
+                     prompt: str | None = None, priority: int = 0) -> Any:
+        """An embedding model's request (`EmbedEngine`, `PoolingParams`): its one output, a
+        `PoolingOutput`. Raises as `generate` does; cancelled, it aborts the request."""
+        kwargs = dict(prompt=prompt, priority=priority, arrival_time=time.monotonic())
+        async with contextlib.aclosing(self._outputs(request_id, (list(prompt_token_ids), params), kwargs)) as outs:
+            return [out async for out in outs][-1]  # one output, finished
+
+    @property
+    def task(self) -> str:
+        """What the engine serves: "generate", or "embed" (an embedding model's `EmbedEngine`)."""
+        return getattr(self.engine, "task", "generate")
+
+    async def _outputs(self, request_id: str, args: tuple, kwargs: dict) -> AsyncIterator[Any]:
+        """Add a request and yield its outputs (`latest`), the last finished; leaving early aborts it."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
             self._streams[queue] = loop
         try:
-            self._submit(Command("add", request_id, (ids, params),
-                                  dict(prompt=prompt, priority=priority, cache_salt=cache_salt,
-                                       arrival_time=time.monotonic(), **({"grammar": grammar} if grammar else {})),
-                                  queue=queue, loop=loop))
+            self._submit(Command("add", request_id, args, kwargs, queue=queue, loop=loop))
         except BaseException:
             with self._cond:
                 self._streams.pop(queue, None)
             raise
-        tracker = Tracker(params, delta)
         done = False  # finished, or never added: nothing to abort
         try:
             while not done:
-                items = [await queue.get()]
-                while not queue.empty():  # coalesce the steps a slow consumer missed
-                    items.append(queue.get_nowait())
-                for item in items:
-                    if isinstance(item, BaseException):
-                        done = True
-                        raise item
-                done = items[-1].finished
-                out = tracker.next(items[-1])
-                if out is not None:
-                    yield out
+                item = await latest(queue)
+                done = isinstance(item, BaseException) or item.finished
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
             with self._cond:
                 self._streams.pop(queue, None)

@@ -53,16 +53,23 @@ def _device_kind() -> str:
 
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  config: EngineConfig, quantization: dict[str, Any] | None = None,
-                 draft: tuple[Any, dict] | None = None) -> LLMEngine:
+                 draft: tuple[Any, dict] | None = None, pooling: Any = None) -> LLMEngine:
     """Size the page pool, build the runner (warming it up if asked) and the engine.
     `quantization`: the weights' quantization record (with its quality report), for reports.
     `draft`: the draft model's (config, params) for speculative decoding with a draft model; its
-    runner gets as many pages as the target's, of the same size (the KV budget covers both)."""
+    runner gets as many pages as the target's, of the same size (the KV budget covers both).
+    `pooling`: the checkpoint's declared `PoolingConfig` (None: none); with task embed (or auto and
+    one declared) the engine is an `EmbedEngine`, which pools every prompt token, so with no
+    prefix caching."""
     from jserve.core import buckets
+    from jserve.engine.embed_engine import resolve_pooling
     from jserve.runtime import backends
     from jserve.runtime.kv_cache import kv_page_dtype
 
     config = resolve_platform_defaults(resolve_max_model_len(config, model_config))
+    pooling = resolve_pooling(config, pooling)
+    if pooling is not None:
+        config = dataclasses.replace(config, enable_prefix_caching=False)
     spec = config.speculative_config
     mesh, dp, tp = None, 1, 1
     if config.mesh is not None:
@@ -97,6 +104,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                 "of %d tokens (%d tokens, %s); decode batch buckets %s", backend.name, backend.kernel,
                 _device_kind(), config.max_num_seqs, config.max_num_batched_tokens, num_pages,
                 page_size, num_pages * page_size, kv_dtype.name, list(runner.batch_buckets))
+    if pooling is not None:
+        return _embed_engine(runner, tokenizer, config, pooling, quantization)
     draft_runner = None
     if spec is not None and spec.method == "draft_model":
         draft_runner = _draft_runner(config, model_config, draft, num_pages=num_pages, page_size=page_size,
@@ -110,6 +119,17 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     if config.warmup:
         runner.warmup(lazy=config.lazy_buckets)
     return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)
+
+
+def _embed_engine(runner: Runner, tokenizer: Tokenizer, config: EngineConfig, pooling, quantization):
+    """The embedding engine over `runner`, its pooled step compiled first (every shape)."""
+    from jserve.engine.embed_engine import EmbedEngine
+
+    logger.info("engine: task embed, %s pooling%s", pooling.pooling, ", normalised" if pooling.normalize else "")
+    engine = EmbedEngine(runner, tokenizer, config, pooling, quantization)
+    if config.warmup:
+        engine.pooled.warmup()
+    return engine
 
 
 def _planned_pages(config: EngineConfig, model_config, params: dict, draft, *, page_size: int, kv_dtype,

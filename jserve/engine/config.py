@@ -21,6 +21,8 @@ BACKEND_ALIASES = ("cpu", "tpu", "gpu", "reference", "cpu_pallas")  # jserve.run
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")  # at load; "gguf": a GGUF file's own quantized weights
 QUALITY_GATES = ("enforce", "warn", "off")
 LOAD_FORMATS = ("auto", "dummy")
+TASKS = ("auto", "generate", "embed")
+POOLING_TYPES = ("last", "mean", "cls")  # jserve.model.pooling.POOLING_TYPES
 # Where `jserve serve` defaults otherwise than the offline LLM: a server is ready once the largest
 # shapes compile, the others compile while it serves (--no-lazy-buckets compiles them all first).
 SERVE_DEFAULTS = {"lazy_buckets": True}
@@ -129,6 +131,17 @@ class EngineConfig:
                                             parse=float)
     quality_min_top1: float | None = _setting(None, "the gate's smallest top-1 agreement with the float model "
                                                     "(default: per scheme)", parse=float)
+    task: str = _setting("auto", "generate: a text generation model; embed: an embedding model "
+                                 "(/v1/embeddings, /v1/score, /rerank; LLM.embed), its final hidden states "
+                                 "pooled; auto: embed where the checkpoint declares a pooling "
+                                 "(sentence-transformers files, e.g. Qwen3-Embedding's), else generate",
+                         choices=TASKS)
+    pooling: str | None = _setting(None, "task embed: how a prompt's hidden states become one vector: last "
+                                         "(token), mean or cls (first token); default: the checkpoint's, "
+                                         "else last", choices=POOLING_TYPES)
+    pooling_normalize: str = _setting("auto", "task embed: L2-normalise each vector (true / false); auto: "
+                                              "the checkpoint's (a sentence-transformers Normalize module), "
+                                              "else true", choices=("auto", "true", "false"))
 
     def __post_init__(self):
         if not isinstance(self.num_scheduler_steps, int) or isinstance(self.num_scheduler_steps, bool) \
@@ -169,6 +182,12 @@ class EngineConfig:
             raise ValueError("load_format 'dummy' makes float weights: give no quantization with it")
         if self.quality_gate not in QUALITY_GATES:
             raise ValueError(f"quality_gate must be one of {QUALITY_GATES}, got {self.quality_gate!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {POOLING_TYPES} or None, got {self.pooling!r}")
+        if self.pooling_normalize not in ("auto", "true", "false"):
+            raise ValueError(f"pooling_normalize must be 'auto', 'true' or 'false', got {self.pooling_normalize!r}")
         for name in ("quality_max_kl", "quality_min_top1"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):

@@ -39,3 +39,12 @@ def _deliver(batch: list) -> None:
                 target.set_exception(item)
             else:
                 target.set_result(item)
+
+
+async def latest(queue: asyncio.Queue):
+    """The newest item of a stream's queue once it holds any (the steps a slow consumer missed
+    coalesced), or the exception posted among them."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return next((i for i in items if isinstance(i, BaseException)), items[-1])

@@ -27,6 +27,7 @@ from jserve.model.config import ModelConfig
 from jserve.model.dtype import current_platform, resolve_dtype, source_dtype, storage_dtype
 from jserve.model.llama import param_shapes
 from jserve.model.named import DEFAULT_MODEL, gguf_path, named_model, require
+from jserve.model.pooling import declared_pooling
 from jserve.model.sources import numpy_dtype, read_gguf, read_params
 
 __all__ = ["DEFAULT_MODEL", "check_model", "convert", "default_checkpoint_root", "default_gguf_path", "is_checkpoint",
@@ -291,6 +292,9 @@ def convert(source: str | os.PathLike, out: str | os.PathLike | None = None, *,
     sampling = sampling_defaults.of_source(src)
     if sampling:
         generation["sampling_defaults"] = sampling
+    pooling = declared_pooling(src) if src.is_dir() else None  # an embedding model's (sentence-transformers)
+    if pooling is not None:
+        generation["pooling"] = pooling.to_json()
     (tmp / "generation.json").write_text(json.dumps(generation, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

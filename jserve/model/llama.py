@@ -364,7 +364,7 @@ class LlamaModel(nnx.Module):
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), dtype)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Any, meta: Any, ops: ModelOps, *,
-                 logits_index: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                 logits_index: jax.Array | None = None, hidden: bool = False) -> tuple[jax.Array, Any]:
         """Run the decoder.
 
         Args:
@@ -376,8 +376,10 @@ class LlamaModel(nnx.Module):
           ops: how the operations run (`ModelOps`: a backend's, or `XlaOps`).
           logits_index: optional int32 [batch, n]: only these token positions get logits
             (decode and prefill need just the last one; prompt logprobs need all).
+          hidden: return the final hidden states (after the final norm, before the head) instead
+            of logits: what an embedding model pools (`jserve.runtime.pooled_steps`).
         Returns:
-          float32 logits [batch, tokens or n, vocab] and the new cache.
+          float32 logits [batch, tokens or n, vocab] (or hidden states [..., hidden]) and the new cache.
         """
         c = self.config
         B = tokens.shape[0]
@@ -394,6 +396,8 @@ class LlamaModel(nnx.Module):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_offset)
+        if hidden:
+            return x.astype(jnp.float32), cache
         n = x.shape[1]
         table = _w(self.embed) if c.tie_word_embeddings else _w(self.lm_head)
         logits = soft_cap(ops.head(x.reshape(B * n, -1), table, c.tie_word_embeddings), c.final_logit_softcap)

@@ -61,6 +61,7 @@ _HF_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.":
                      "language_model.lm_head.": "lm_head."}
 _HF_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _GLOBAL_NAMES = ("embed", "final_norm", "lm_head")
+_HF_BARE = ("layers.", "embed_tokens.", "norm.")
 _HF_GLOBAL = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False),
               "lm_head.weight": ("lm_head", True)}
 # GGUF per-layer names (after "blk.{i}.") -> the HF name, so both paths share one table.
@@ -268,6 +269,8 @@ def _split_outputs(array: Any, widths: Sequence[int], hf_name: str) -> list[Any]
 
 def _map_hf_name(hf_name: str, family: str = "llama") -> tuple[str | None, int | None, bool]:
     gemma = family in GEMMA_FAMILIES
+    if hf_name.startswith(_HF_BARE):  # saved from the bare decoder (`Qwen3Model`: Qwen3-Embedding)
+        hf_name = "model." + hf_name
     if gemma:
         for prefix, to in _HF_TEXT_PREFIXES.items():
             if hf_name.startswith(prefix):

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from jserve import __version__
 from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.server import fields, protocol, readers, tokenizer_pool, watchdog
+from jserve.server import embeddings, fields, protocol, readers, tokenizer_pool, watchdog
 from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request, error_body
 from jserve.server.generate import DISCONNECTED, run_generation
@@ -220,6 +220,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    embeddings.add_routes(app, STATE)
     app.cleanup_ctx.append(_watchdog)
     return app
 
@@ -391,6 +392,7 @@ async def _render(state: ServerState, chat: tokenizer_pool.ChatPrompt) -> tuple[
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.check_ready()
+    embeddings.require_task(state, "generate", "/v1/completions")
     body = await read_json(request, state.timeouts.body)
     req = protocol.parse_completion(body, state.ctx)
     state.admission.check(req.num_seqs, 0)  # before tokenizing: a full server does no work for it
@@ -419,6 +421,7 @@ async def _compile_constraint(state: ServerState, req: protocol.GenerateRequest)
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     state.check_ready()
+    embeddings.require_task(state, "generate", "/v1/chat/completions")
     body = await read_json(request, state.timeouts.body)
     req = protocol.parse_chat(body, state.ctx)
     state.admission.check(req.num_seqs, 0)

@@ -60,3 +60,9 @@ def check_fields(obj: dict, allowed: frozenset[str], where: str = "") -> None:
                 else "not a field this server knows")
         raise bad_request(f"unsupported field `{shown}`: {what} (it is refused rather than ignored)",
                           param=shown, code="unsupported_field")
+
+# the embedding model's routes (jserve.server.embeddings), vLLM's fields
+_POOLING = frozenset({"model", "user", "truncate_prompt_tokens", "add_special_tokens"})
+EMBEDDINGS = _POOLING | {"input", "encoding_format", "dimensions"}
+SCORE = _POOLING | {"text_1", "text_2"}
+RERANK = _POOLING | {"query", "documents", "top_n"}
