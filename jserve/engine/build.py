@@ -63,6 +63,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     from jserve.runtime.kv_cache import kv_page_dtype
 
     config = resolve_platform_defaults(resolve_max_model_len(config, model_config))
+    source_config = model_config  # what new weights are named and shaped by (update_weights)
     spec = config.speculative_config
     mesh, dp, tp = None, 1, 1
     if config.mesh is not None:
@@ -106,10 +107,13 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
 
         if config.warmup and jax.process_index() == 0:
             runner.warmup()  # the other processes compile the same shapes in Runner.follow()
-        return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
-    if config.warmup:
-        runner.warmup(lazy=config.lazy_buckets)
-    return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)
+        engine = LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
+    else:
+        if config.warmup:
+            runner.warmup(lazy=config.lazy_buckets)
+        engine = LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)
+    engine.source_config = source_config
+    return engine
 
 
 def _planned_pages(config: EngineConfig, model_config, params: dict, draft, *, page_size: int, kv_dtype,
