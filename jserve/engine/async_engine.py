@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from jserve.core.request import RequestOutput, SamplingParams
+from jserve.engine.async_weights import AsyncWeightControl
 from jserve.engine.handover import Command, post
 from jserve.engine.request_ledger import RequestLedger, requests_of
 from jserve.engine.stream_output import RequestTimings, Tracker
@@ -50,7 +51,7 @@ class _Live:
     seen_first_output: bool = False
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(AsyncWeightControl):
     """Runs an `LLMEngine` on a daemon thread and streams each request's outputs to asyncio.
 
     Args:
@@ -73,6 +74,7 @@ class AsyncLLMEngine:
         self._iteration_start: float | None = None  # monotonic start of the engine thread's work now
         self._streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}  # open generate() streams
         self._thread: threading.Thread | None = None
+        self._waiting, self._held = [], []  # engine thread only: calls waiting for a drain, requests held
         if start:
             self.start()
 
@@ -330,6 +332,7 @@ class AsyncLLMEngine:
                         draining = True
                     else:
                         self._apply(command)
+                self._run_waiting()  # requests aborted meanwhile may have ended a drain
                 if stop_now:
                     for rid in list(self._live):
                         self._abort(rid, None)
@@ -339,6 +342,7 @@ class AsyncLLMEngine:
                     num_steps = engine.num_steps
                     self._dispatch(engine.step())
                     busy = engine.has_unfinished_requests()
+                    self._run_waiting()
                     if busy and engine.num_steps == num_steps:
                         with self._cond:  # nothing ran (cannot happen today): do not spin hot
                             self._cond.wait(0.001)
@@ -351,6 +355,8 @@ class AsyncLLMEngine:
             self._close_loop()
 
     def _apply(self, command: Command) -> None:
+        if self._take_call(command):  # update_weights, sleep, wake_up (AsyncWeightControl)
+            return
         if command.kind == "add":
             rid = command.request_id
             try:
@@ -410,7 +416,7 @@ class AsyncLLMEngine:
         """Last words of the engine thread: refuse new commands, then answer the queued ones."""
         with self._cond:
             self._stopped = self._closing = True
-            leftover = list(self._commands)
+            leftover = self._leftover_calls() + list(self._commands)
             self._commands.clear()
         if self._error is not None:
             for rid, live in list(self._live.items()):
@@ -427,6 +433,8 @@ class AsyncLLMEngine:
                 try:
                     if command.kind == "abort":
                         result = self._abort(command.request_id, None) if self._error is None else False
+                    elif command.kind == "call":
+                        result = self._dead_error()
                     else:
                         result = self._stats()
                 except Exception as exc:  # noqa: BLE001
