@@ -147,7 +147,11 @@ def serving_params(engine: "LLMEngine", flat: dict[str, Any], *, donate: bool = 
         _, params = place_params(config, flat, runner.mesh, layout=runner.backend.param_layout)
     else:
         sharding = jax.tree.leaves(spec)[0].sharding
-        params = {k: jax.tree.map(lambda x: _moved(x, sharding, donate), v) for k, v in flat.items()}
+        if runner.backend.param_layout == "list" and all(isinstance(x, np.ndarray) for x in jax.tree.leaves(flat)):
+            from jserve.model import model_params
+
+            flat = model_params(runner.config, flat, "list")  # host views: each layer copied over on its own
+        params = jax.tree.map(lambda x: _moved(x, sharding, donate), flat)
     return runner.backend.prepare_params(runner.config, params)
 
 
