@@ -44,6 +44,17 @@ class AsyncWeightControl:
         """Whether the engine sleeps (a plain read: any thread)."""
         return bool(getattr(self.engine, "sleep_level", 0))
 
+    def sleep_state(self) -> dict:
+        """What /is_sleeping reports (`jserve.engine.sleep.state`; plain reads: any thread)."""
+        from jserve.engine.sleep import state
+
+        return state(self.engine)
+
+    @property
+    def served_dtype(self) -> str:
+        """The served weights' float dtype, what new weights are read in (also while asleep)."""
+        return str(self.engine.runner.params["final_norm"].dtype)
+
     async def between_steps(self, fn: Callable[[Any], Any], *, drain: bool = False, policy: str = "abort") -> Any:
         """`fn(engine)` on the engine thread between steps (after the requests in flight finish
         when `drain`); its result, or its exception raised here."""

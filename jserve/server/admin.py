@@ -23,6 +23,7 @@ from jserve.server.errors import APIError
 
 PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/update_weights")
 ADMIN_KEY = web.AppKey("admin_key", bytes)
+SERVER = web.AppKey("admin_server_state", object)  # the ServerState (jserve.server.app)
 
 
 def admin_key(value: str | None) -> str | None:
@@ -30,11 +31,12 @@ def admin_key(value: str | None) -> str | None:
     return value or os.environ.get("JSERVE_ADMIN_KEY") or None
 
 
-def register(app: web.Application, key: str | None) -> None:
+def register(app: web.Application, state, key: str | None) -> None:
     """Add the admin routes to `app` when a key is given."""
     if not key:
         return
     app[ADMIN_KEY] = key.encode()
+    app[SERVER] = state
     app.router.add_post("/sleep", sleep)
     app.router.add_post("/wake_up", wake_up)
     app.router.add_get("/is_sleeping", is_sleeping)
@@ -43,15 +45,13 @@ def register(app: web.Application, key: str | None) -> None:
 
 def _engine(request: web.Request):
     """The engine, once the admin key is checked; 503 while the model loads."""
-    from jserve.server.app import STATE
-
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "replace"),
                                                              request.app[ADMIN_KEY]):
         raise APIError(401, "this route needs the admin key: send 'Authorization: Bearer <admin key>'",
                        code="invalid_admin_key")
-    engine = request.app[STATE].engine
+    engine = request.app[SERVER].engine
     if engine is None:
         raise APIError(503, "the model is loading and warming up; retry shortly", code="warming_up")
     return engine
@@ -81,26 +81,22 @@ async def wake_up(request: web.Request) -> web.Response:
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
-    from jserve.engine.sleep import state
-
-    engine = _engine(request)
-    return web.json_response(state(engine.engine))
+    return web.json_response(_engine(request).sleep_state())
 
 
 async def update_weights(request: web.Request) -> web.Response:
     """Read the checkpoint on a thread (off the event loop and the engine thread), then swap."""
     from jserve.engine.weights import load_weights
-    from jserve.server.app import STATE
 
     engine = _engine(request)
-    body = await read_json(request, request.app[STATE].timeouts.body)
+    body = await read_json(request, request.app[SERVER].timeouts.body)
     path = body.get("path")
     if not isinstance(path, str) or not path:
         raise APIError(400, f"'path' must be a checkpoint folder on the server, got {path!r}", param="path")
     unknown = sorted(set(body) - {"path", "policy"})
     if unknown:
         raise APIError(400, f"unknown field {unknown[0]!r}: give 'path' and optionally 'policy'", param=unknown[0])
-    dtype = str(engine.engine.runner.params["final_norm"].dtype)  # the served one (read while asleep too)
+    dtype = engine.served_dtype
     try:
         weights = await asyncio.to_thread(load_weights, path, dtype)
     except (ValueError, OSError) as e:

@@ -215,7 +215,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    admin.register(app, admin_key)  # /sleep, /wake_up, /is_sleeping, /update_weights behind the admin key
+    admin.register(app, state, admin_key)  # /sleep, /wake_up, /is_sleeping, /update_weights behind the admin key
     app.cleanup_ctx.append(_watchdog)
     return app
 
