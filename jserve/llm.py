@@ -215,6 +215,45 @@ class LLM:
         """Engine counters: preemptions, compilations after warm-up, pages in use / cached, ..."""
         return self.engine.stats()
 
+    def update_weights(self, params: Any, *, policy: str | None = None, donate: bool = False) -> dict[str, Any]:
+        """Serve new weights from now on, without a reload or a recompilation: a pytree of arrays
+        (numpy, or JAX on any devices or mesh) in jserve's checkpoint names (flat, or a model state
+        with "layers") or Hugging Face's, resharded onto the serving mesh, cast to the served
+        dtype and re-quantized if the model is served quantized; the prefix cache is dropped.
+        `policy`: requests in flight (drain / abort / continue; `jserve.engine.sleep`). `donate`:
+        the source's device buffers may be consumed. Returns the update's timings (seconds)."""
+        self.engine.update_weights(params, policy=policy, donate=donate)
+        return dict(self.engine.last_weight_update)
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the accelerator's memory back (vLLM's name): level 1 moves the weights to host
+        memory (pinned where the backend has it) and frees the KV pages; level 2 frees the
+        weights too (the next `update_weights`, or `wake_up`, which then reloads the checkpoint,
+        brings them back). `generate` raises until `wake_up`."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Serve again after `sleep`, with no compilation (`tags`: "weights", "kv_cache"; None:
+        both). Weights that level 2 dropped, with none given since, are reloaded from the model."""
+        from jserve.engine.sleep import TAGS
+        from jserve.runtime.param_swap import Residency
+
+        if "weights" in (TAGS if tags is None else tags) and Residency.of(self.runner).params_state == "dropped":
+            self.engine.update_weights(self._reload_weights())
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.sleep_level)
+
+    def _reload_weights(self) -> dict[str, Any]:
+        """The model's weights again, on the host (or drawn again for a dummy model)."""
+        from jserve.engine.weights import load_weights
+        from jserve.model.dummy import dummy_params
+
+        if self.engine.config.load_format == "dummy":
+            return dummy_params(self.config, self.dtype)
+        return load_weights(self.path, self.dtype)
+
     def close(self) -> None:
         """Free the model now: stop the background compilation thread and delete the weights' and
         KV pages' device buffers (the draft model's too), instead of leaving them to a later

@@ -128,6 +128,14 @@ class PagePool:
             self._free.append(self._evict_lru())
         return num
 
+    def forget_prefixes(self) -> int:
+        """Drop the prefix index (the pages' K/V came from other weights): cached pages are freed,
+        used ones unindexed (freed, not cached, when released). Returns the pages freed."""
+        num = self.evict()
+        self._page_by_hash.clear()
+        self._hash_by_page.clear()
+        return num
+
     def _evict_lru(self) -> int:
         page, _ = self._cached.popitem(last=False)
         del self._page_by_hash[self._hash_by_page.pop(page)]

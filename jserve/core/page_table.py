@@ -111,6 +111,7 @@ class PageTable:
         self.num_prefix_queries = 0
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_prefix_resets = 0
 
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._seqs
@@ -316,6 +317,15 @@ class PageTable:
             del seq.page_ids[keep:]
             self.pool.release(reversed(extra))
         return len(extra)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (new weights: the pages' K/V are stale): cached pages are
+        freed, and the live requests' pages, present and later, are salted apart so that no other
+        request ever shares them. Returns the pages freed."""
+        self.num_prefix_resets += 1
+        for request_id, seq in self._seqs.items():
+            seq.cache_salt = f"{seq.cache_salt or ''}\x00reset-{self.num_prefix_resets}-{request_id}"
+        return self.pool.forget_prefixes()
 
     # Release.
 

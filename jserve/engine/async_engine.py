@@ -25,6 +25,8 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from jserve.core.request import RequestOutput, SamplingParams
+from jserve.engine.async_weights import AsyncWeightControl
+from jserve.engine.engine_facts import EngineFacts
 from jserve.engine.handover import Command, latest, post
 from jserve.engine.request_ledger import RequestLedger, requests_of
 from jserve.engine.stream_output import RequestTimings, Tracker
@@ -51,7 +53,7 @@ class _Live:
     seen_first_output: bool = False
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(AsyncWeightControl, EngineFacts):
     """Runs an `LLMEngine` on a daemon thread and streams each request's outputs to asyncio.
 
     Args:
@@ -74,6 +76,7 @@ class AsyncLLMEngine:
         self._iteration_start: float | None = None  # monotonic start of the engine thread's work now
         self._streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}  # open generate() streams
         self._thread: threading.Thread | None = None
+        self._waiting, self._held = [], []  # engine thread only: calls waiting for a drain, requests held
         if start:
             self.start()
 
@@ -115,49 +118,6 @@ class AsyncLLMEngine:
         error = self._dead_error()
         for queue, loop in streams:
             post(loop, [(queue, error)])
-
-    # ------------------------------------------------------------------------------ what the server reads
-    # Fixed once the engine is built, so any thread may read them.
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.engine.config.max_num_seqs
-
-    @property
-    def vocab_size(self) -> int:
-        """The model's vocabulary: the token ids a request may carry."""
-        return self.engine.runner.config.vocab_size
-
-    @property
-    def num_kv_tokens(self) -> int:
-        """Tokens the KV pages hold in all (pages x page size; 0 for an engine without pages)."""
-        runner = self.engine.runner
-        return getattr(runner, "num_pages", 0) * getattr(runner, "page_size", 0)
-
-    @property
-    def cache_config(self) -> dict[str, Any]:
-        """The KV cache's settings (page size, pages, dtype, prefix caching, memory fraction)."""
-        config, runner = self.engine.config, self.engine.runner
-        return {"page_size": getattr(runner, "page_size", 0), "num_pages": getattr(runner, "num_pages", 0),
-                "kv_cache_dtype": config.kv_cache_dtype, "enable_prefix_caching": config.enable_prefix_caching,
-                "memory_fraction": config.memory_fraction}
-
-    @property
-    def quantization(self) -> dict[str, Any] | None:
-        """The weights' quantization record (label, bits, quality report); None: float weights."""
-        return self.engine.quantization
-
-    def step_records(self) -> list:
-        """The recent steps' `StepRecord`s, oldest first (a C-level copy: safe beside the thread)."""
-        return list(self.engine.runner.records.copy())
 
     def prepare_constraints(self) -> None:
         """Start building the grammar compiler's vocabulary in the background."""
@@ -346,6 +306,7 @@ class AsyncLLMEngine:
                         draining = True
                     else:
                         self._apply(command)
+                self._run_waiting()  # requests aborted meanwhile may have ended a drain
                 if stop_now:
                     for rid in list(self._live):
                         self._abort(rid, None)
@@ -355,6 +316,7 @@ class AsyncLLMEngine:
                     num_steps = engine.num_steps
                     self._dispatch(engine.step())
                     busy = engine.has_unfinished_requests()
+                    self._run_waiting()
                     if busy and engine.num_steps == num_steps:
                         with self._cond:  # nothing ran (cannot happen today): do not spin hot
                             self._cond.wait(0.001)
@@ -367,6 +329,8 @@ class AsyncLLMEngine:
             self._close_loop()
 
     def _apply(self, command: Command) -> None:
+        if self._take_call(command):  # update_weights, sleep, wake_up (AsyncWeightControl)
+            return
         if command.kind == "add":
             rid = command.request_id
             try:
@@ -427,7 +391,7 @@ class AsyncLLMEngine:
         """Last words of the engine thread: refuse new commands, then answer the queued ones."""
         with self._cond:
             self._stopped = self._closing = True
-            leftover = list(self._commands)
+            leftover = self._leftover_calls() + list(self._commands)
             self._commands.clear()
         if self._error is not None:
             for rid, live in list(self._live.items()):
@@ -444,6 +408,8 @@ class AsyncLLMEngine:
                 try:
                     if command.kind == "abort":
                         result = self._abort(command.request_id, None) if self._error is None else False
+                    elif command.kind == "call":
+                        result = self._dead_error()
                     else:
                         result = self._stats()
                 except Exception as exc:  # noqa: BLE001

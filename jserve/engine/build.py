@@ -70,6 +70,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     pooling = resolve_pooling(config, pooling)
     if pooling is not None:
         config = dataclasses.replace(config, enable_prefix_caching=False)
+    source_config = model_config  # what new weights are named and shaped by (update_weights)
     spec = config.speculative_config
     mesh, dp, tp = None, 1, 1
     if config.mesh is not None:
@@ -115,10 +116,13 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
 
         if config.warmup and jax.process_index() == 0:
             runner.warmup()  # the other processes compile the same shapes in Runner.follow()
-        return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
-    if config.warmup:
-        runner.warmup(lazy=config.lazy_buckets)
-    return LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)
+        engine = LLMEngine(runner, tokenizer, eos_token_ids, config, quantization)
+    else:
+        if config.warmup:
+            runner.warmup(lazy=config.lazy_buckets)
+        engine = LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)
+    engine.source_config = source_config
+    return engine
 
 
 def _embed_engine(runner: Runner, tokenizer: Tokenizer, config: EngineConfig, pooling, quantization):

@@ -112,6 +112,11 @@ class EngineConfig:
                                          "jserve_bucket_fallbacks in /metrics). On by default for `jserve "
                                          "serve` (ready in seconds); off for the offline LLM, which compiles "
                                          "every bucket first")
+    weight_update_policy: str = _setting("drain", "requests in flight when new weights arrive (update_weights) or "
+                                                  "the engine sleeps: drain (finish them first, holding new ones), "
+                                                  "abort them, or continue (finish on the new weights: off-policy "
+                                                  "for a trainer; sleep drains)",
+                                         choices=("drain", "abort", "continue"))
     load_format: str = _setting("auto", "auto: the model's weights; dummy: random weights of its config's shapes "
                                         "(vLLM's name: speed and memory without the weights; the text is "
                                         "meaningless)", choices=LOAD_FORMATS)

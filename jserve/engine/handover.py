@@ -11,7 +11,7 @@ import dataclasses
 
 @dataclasses.dataclass
 class Command:
-    kind: str  # "add" | "abort" | "stats" | "stop"
+    kind: str  # "add" | "abort" | "stats" | "stop" | "call" (AsyncWeightControl)
     request_id: str | None = None
     args: tuple = ()
     kwargs: dict = dataclasses.field(default_factory=dict)

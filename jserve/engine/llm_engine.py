@@ -25,6 +25,8 @@ from jserve.core.plan import PLACEHOLDER, RequestStatus, SchedulerProtocol, Step
 from jserve.core.request import Logprob, RequestOutput, SamplingParams
 from jserve.core.scheduler import Scheduler
 from jserve.core.stop import StopPolicy
+from jserve.engine import sleep as sleep_mode
+from jserve.engine import weights
 from jserve.engine.config import EngineConfig
 from jserve.engine.sequence import SampleGroup, SequenceState
 from jserve.engine.speculative import DraftModelProposer, SpeculativeStep, build_speculator
@@ -66,6 +68,9 @@ class LLMEngine:
         self.speculator = build_speculator(config, runner, draft_runner, self.scheduler)
         self.async_scheduling = config.async_scheduling
         self.step_fn = self._step_function()
+        self.source_config = runner.config  # the checkpoint's config (build_engine: before a mesh's layout)
+        self.sleep_level = 0  # 0 awake, else the level of `sleep`
+        self.last_weight_update: dict[str, Any] | None = None  # the last update_weights' timings
 
     def _build_scheduler(self, shared_window: bool) -> tuple[list[PageTable], SchedulerProtocol]:
         """A page table and scheduler per data-parallel group (each with its share of seqs and
@@ -105,6 +110,8 @@ class LLMEngine:
         prompt that leaves no room for output in the context. `grammar`: its structured-outputs
         constraint compiled already (`self.grammars.compile`, off this thread); else it is
         compiled here when the request has one."""
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}): wake_up() first")
         if params.bad_words and params.bad_words_token_ids is None:
             encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
             sequences = bad_words.token_sequences(params.bad_words, encode)
@@ -324,6 +331,29 @@ class LLMEngine:
         if token not in entry:
             entry[token] = Logprob(float(logprob), int(rank), decode([token]))
         return entry
+
+    # ------------------------------------------------------------------------------ weights, sleep
+
+    def update_weights(self, params: Any, *, policy: str | None = None, donate: bool = False) -> list[RequestOutput]:
+        """Swap in new weights between steps (`jserve.engine.weights`: names, dtype, quantization,
+        mesh); no recompilation, the prefix cache dropped. `policy` for requests in flight
+        (default `weight_update_policy`, `jserve.engine.sleep`). Returns the aborted requests'
+        outputs; the timings are in `last_weight_update`."""
+        aborted = sleep_mode.settle_in_flight(self, policy or self.config.weight_update_policy, "update_weights")
+        self.last_weight_update = weights.update_weights(self, params, donate=donate)
+        return aborted
+
+    def sleep(self, level: int = 1, *, policy: str | None = None) -> list[RequestOutput]:
+        """Free the KV pages and move the weights to host memory (level 1) or drop them (2)."""
+        return sleep_mode.sleep(self, level, policy or self.config.weight_update_policy)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Weights and/or pages back on the device (`tags`: "weights", "kv_cache")."""
+        sleep_mode.wake_up(self, tags)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (stale K/V); returns the pages freed."""
+        return sum(t.reset_prefix_cache() for t in self.page_tables)
 
     # ------------------------------------------------------------------------------ stats
 

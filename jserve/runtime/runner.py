@@ -20,7 +20,7 @@ import numpy as np
 from jserve.core import buckets
 from jserve.model import model_graphdef, quant
 from jserve.model.config import ModelConfig
-from jserve.runtime import backends, device_steps, step_rows, warmup
+from jserve.runtime import backends, device_steps, param_swap, step_rows, warmup
 from jserve.runtime.backends import Backend
 from jserve.runtime.compile_tracker import CompileTracker
 from jserve.runtime.distributed import StepBroadcast
@@ -307,7 +307,6 @@ class Runner:
         """rows: one `StepRow` or None (padding) per batch row (`step_rows.pack`)."""
         return step_rows.pack(rows, B, T, max_pages=self.max_pages, page_size=self.page_size, config=self.config)
 
-
     def cost(self, rows) -> tuple[int, int]:
         """The bytes and FLOPs a step needs at minimum: the physical floor for metrics (MBU/MFU)."""
         return step_rows.cost(self.config, rows, param_bytes=self.param_bytes, num_params=self.num_params,
@@ -420,6 +419,10 @@ class Runner:
         return step_rows.pack_mixed(lengths, max_tokens=self.token_buckets[-1], max_rows=self.batch_buckets[-1])
 
     # ------------------------------------------------------------------ life cycle
+    def replace_params(self, new) -> None:
+        """Swap in weights of the served params' tree, shapes, dtypes and shardings (no recompile,
+        the old buffers freed); ValueError naming the first mismatch."""
+        param_swap.Residency.of(self).replace_params(new)
 
     def warmup(self, *, progress: bool = True, lazy: bool = False) -> None:
         """Compile every bucket now (the steps write only into the null page). With `lazy`, only

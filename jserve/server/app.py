@@ -22,7 +22,7 @@ from aiohttp import web
 
 from jserve import __version__
 from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.server import embeddings, fields, protocol, readers, tokenizer_pool, watchdog
+from jserve.server import admin, embeddings, fields, protocol, readers, tokenizer_pool, watchdog
 from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request, error_body
 from jserve.server.generate import DISCONNECTED, run_generation
@@ -151,6 +151,8 @@ class ServerState:
             return "shutting_down"
         if self.engine is None:
             return "warming_up"
+        if self.engine.is_sleeping:
+            return "sleeping"
         return watchdog.engine_problem(self.engine, self.step_timeout)
 
     @property
@@ -164,6 +166,9 @@ class ServerState:
         if problem == "warming_up":
             raise APIError(503, "the model is loading and warming up; retry shortly", code="warming_up",
                            headers={"Retry-After": "5"})
+        if problem == "sleeping":
+            raise APIError(503, "the model is asleep (its memory given back): an admin wakes it with POST /wake_up",
+                           code="sleeping", headers={"Retry-After": "10"})
         if problem is not None:  # the details are in the log, not for clients
             raise APIError(503, watchdog.CLIENT_MESSAGE, code="engine_unavailable", headers={"Retry-After": "10"})
 
@@ -206,7 +211,8 @@ class ServerState:
 STATE = web.AppKey("state", ServerState)
 
 
-def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              admin_key: str | None = None) -> web.Application:
     """The aiohttp app around `state`. Run it with `state.timeouts.runner_kwargs()` (among them
     `handler_cancellation=True`, so that a client that goes away cancels, so aborts, its request)."""
     app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
@@ -221,6 +227,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     embeddings.add_routes(app, STATE)
+    admin.register(app, state, admin_key)  # /sleep, /wake_up, /is_sleeping, /update_weights behind the admin key
     app.cleanup_ctx.append(_watchdog)
     return app
 
@@ -272,7 +279,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 async def _auth(request: web.Request, handler) -> web.StreamResponse:
     keys = request.app[STATE].api_keys
     request[TENANT] = ""
-    if keys and request.path not in _OPEN_PATHS:
+    if keys and request.path not in _OPEN_PATHS + admin.PATHS:  # admin routes check the admin key
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         given = token.strip().encode("utf-8", "replace")

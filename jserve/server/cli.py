@@ -24,7 +24,7 @@ from typing import Any
 from jserve.model.hub import parse_hub_id
 from jserve.model.model_args import add_model_args, model_source
 from jserve.model.named import DEFAULT_MODEL, NAMED_MODELS, named_model
-from jserve.server import logs
+from jserve.server import admin, logs
 from jserve.server.http import Timeouts
 from jserve.server.limits import Limits
 from jserve.server.watchdog import DEFAULT_STEP_TIMEOUT
@@ -74,6 +74,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "is named in the log, then the steps compile as usual)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--admin-key", default=None, help="Bearer key of the management routes (/sleep, /wake_up, "
+                   "/is_sleeping, /update_weights; else $JSERVE_ADMIN_KEY; none: no such routes)")
     p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable); "
                    "default: the comma-separated keys in $JSERVE_API_KEY (kept out of the process list); "
                    "none: no auth")
@@ -291,7 +293,8 @@ async def serve(args: argparse.Namespace) -> int:
                         tokenizer_workers=args.tokenizer_workers, on_fatal=on_fatal,
                         tool_call_parser=args.tool_call_parser, log_requests=args.enable_log_requests,
                         reasoning_parser=args.reasoning_parser)
-    runner = await _listen(build_app(state, max_body_bytes=args.max_body_bytes), state.timeouts, args)
+    app = build_app(state, max_body_bytes=args.max_body_bytes, admin_key=admin.admin_key(args.admin_key))
+    runner = await _listen(app, state.timeouts, args)
     loaded = _load_in_background(args, loop)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -1,0 +1,89 @@
+"""Sleep and wake (`LLM.sleep` / `wake_up`, vLLM's names): the weights' and pages' device bytes are
+freed (counted from the backend's live arrays), and waking serves the same tokens with no
+compilation; level 2 drops the weights until new ones or a reload bring them back."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jserve.runtime.param_swap import device_bytes
+from test_update_weights import SETTINGS, _tokens, checkpoints  # noqa: F401 - the fixture
+
+
+def _bytes(tree) -> int:
+    """Bytes of the distinct arrays in `tree` (a leaf may appear twice)."""
+    return sum({id(x): x.nbytes for x in jax.tree.leaves(tree)}.values())
+
+
+@pytest.mark.parametrize("backend", ["native", "xla"])
+def test_sleep_frees_the_weights_and_pages_and_wake_serves_again(checkpoints, backend):  # noqa: F811
+    from jserve import LLM
+
+    base, _, perturbed = checkpoints
+    llm = LLM(str(base), backend=backend, **SETTINGS)
+    before = _tokens(llm)
+    weights, pages = _bytes(llm.runner.params), _bytes(llm.runner.kv)
+    awake = device_bytes()
+    served = jax.tree.leaves((llm.runner.params, llm.runner.kv))
+    llm.sleep(level=1)
+    assert llm.is_sleeping() and all(x.is_deleted() for x in served)
+    assert device_bytes() <= awake - (weights + pages) + 1024  # (a step's small inputs come and go)
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate([1, 2, 3])
+    llm.wake_up()
+    assert not llm.is_sleeping() and _tokens(llm) == before
+    # level 2: the weights are dropped; wake_up reloads the checkpoint
+    llm.sleep(level=2)
+    assert device_bytes() <= awake - (weights + pages) + 1024
+    llm.wake_up()
+    assert _tokens(llm) == before
+    # level 2, then new weights while asleep: they are what wakes up
+    llm.sleep(level=2)
+    llm.update_weights(perturbed)
+    assert llm.is_sleeping()
+    llm.wake_up(["kv_cache"])
+    assert _tokens(llm) != before
+    assert llm.stats()["compilations_after_warmup"] == 0
+    llm.close()
+
+
+def test_wake_up_in_steps_and_bad_arguments(checkpoints):  # noqa: F811
+    from jserve import LLM
+
+    llm = LLM(str(checkpoints[0]), **SETTINGS)
+    before = _tokens(llm)
+    with pytest.raises(ValueError, match="sleep level must be 1"):
+        llm.sleep(level=3)
+    llm.sleep(level=1)
+    llm.wake_up(["weights"])  # the weights first (a trainer's memory is still in use), then the pages
+    assert llm.is_sleeping()
+    with pytest.raises(ValueError, match="tags must be among"):
+        llm.wake_up(["pages"])
+    llm.wake_up(["kv_cache"])
+    assert _tokens(llm) == before
+    llm.sleep(level=2)
+    with pytest.raises(ValueError, match="level 2 dropped the weights"):
+        llm.engine.wake_up()
+    llm.close()
+
+
+def test_prefix_cache_is_dropped_by_an_update(checkpoints):  # noqa: F811
+    from jserve import LLM
+
+    base, perturbed_dir, perturbed = checkpoints
+    llm = LLM(str(base), **SETTINGS)
+    _tokens(llm)
+    _tokens(llm)
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0 and llm.stats()["pages_cached"] > 0
+    llm.update_weights(perturbed)
+    assert llm.stats()["pages_cached"] == 0
+    hits = llm.stats()["prefix_cache_hit_tokens"]
+    got = _tokens(llm)
+    assert llm.stats()["prefix_cache_hit_tokens"] == hits  # nothing computed by the old weights is reused
+    fresh = LLM(str(perturbed_dir), **SETTINGS)
+    assert got == _tokens(fresh)
+    fresh.close()
+    llm.close()
+    assert np.isfinite(hits)
