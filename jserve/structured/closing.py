@@ -21,36 +21,45 @@ import numpy as np
 CLOSE_HORIZON = 64  # no estimate while more tokens than this are left
 CLOSE_MARGIN = 8  # narrow the mask once the budget is within this many tokens of the estimate
 _SINGLE_BYTES_TRIED = 16  # single-byte candidates the narrowed mask may keep, at most
-_CLOSING = frozenset(b'"}]')
-_CLOSER_BYTES = frozenset(b'"}]: ')
+_CLOSING = frozenset(b'"}])')
+_CLOSER_BYTES = frozenset(b'"}]): ')
 _VALUES = (b"0", b'""', b"{}", b"[]", b"null", b"true", b"false")
-_SINGLES_FIRST = b" etaoinsrhldcumfpgwybvkxjqz0123456789"
+_TEXT = b" etaoinsrhldcumfpgwybvkxjqz0123456789"
 
 
-def _natural(b: bytes) -> tuple[int, bytes]:
-    """Single bytes as text would use them (letters by frequency, digits), then the rest."""
-    i = _SINGLES_FIRST.find(b)
-    return (i if i >= 0 else len(_SINGLES_FIRST), b)
+def _text_first(b: bytes) -> tuple[int, bytes]:
+    """Single bytes as text uses them (letters by frequency, digits), then the rest."""
+    i = _TEXT.find(b)
+    return (i if i >= 0 else len(_TEXT), b)
+
+
+def _punctuation_first(b: bytes) -> tuple[bool, bytes]:
+    """Single bytes that likely end a part of a grammar (punctuation) before those inside one."""
+    return (b.isalnum() or b == b" ", b)
 
 
 class Closer:
     """One vocabulary's closing candidates, in the orders the greedy walks try them.
 
     Two walks: one tries tokens with a `"` first (inside a string only they make progress), the
-    other `}` and `]` first (after `{` or `[` they close at once); the estimate is the shorter."""
+    other `}`, `]` and `)` first (after `{` or `[` they close at once); the estimate is the
+    shorter. Then short values, then single bytes (punctuation first: letters rarely end anything).
+    """
 
     def __init__(self, token_bytes: Sequence[bytes], eos_token_ids: Sequence[int]):
         closers = [t for t, b in enumerate(token_bytes) if b and set(b) <= _CLOSER_BYTES and set(b) & _CLOSING]
         by_bytes = {b: t for t, b in enumerate(token_bytes) if b}
         values = [by_bytes[v] for v in _VALUES if v in by_bytes and by_bytes[v] not in closers]
-        singles = sorted((t for t, b in enumerate(token_bytes) if len(b) == 1 and 32 <= b[0] < 127
-                          and t not in closers and t not in values), key=lambda t: _natural(token_bytes[t]))
+        singles = [t for t, b in enumerate(token_bytes) if len(b) == 1 and 32 <= b[0] < 127
+                   and t not in closers and t not in values]
+        tail = sorted(singles, key=lambda t: _punctuation_first(token_bytes[t]))
         self.orders = []
         for quote_first in (True, False):
             ranked = sorted(closers, key=lambda t: ((b'"' in token_bytes[t]) != quote_first,
                                                     -len(token_bytes[t].strip()), t))
-            self.orders.append(np.array(ranked + values + singles, np.int64))
-        self.num_structural = len(closers) + len(values)
+            self.orders.append(np.array(ranked + values + tail, np.int64))
+        self.structural = np.array(closers + values, np.int64)
+        self.text = np.array(sorted(singles, key=lambda t: _text_first(token_bytes[t])), np.int64)
         self.eos = [int(t) for t in eos_token_ids]
 
     @classmethod
@@ -116,13 +125,12 @@ class Closer:
         return estimate
 
     def _candidates(self, matcher: Any, row: np.ndarray) -> list[int]:
-        """The tokens worth a walk: forced ones, allowed structural ones, a few single bytes, EOS."""
-        order = self.orders[0]
-        hits = np.flatnonzero(self._bits(row.view(np.uint32), order))
-        structural = hits[hits < self.num_structural]
-        singles = hits[hits >= self.num_structural][:_SINGLE_BYTES_TRIED]
+        """The tokens worth a walk: a forced one, the allowed structural ones, a few allowed
+        single bytes (as text would use them), EOS where the grammar may end."""
+        words = row.view(np.uint32)
         out = [int(t) for t in matcher.compute_ff_tokens()[:1]]
-        out += [int(t) for t in order[np.concatenate([structural, singles])]]
+        out += self.structural[self._bits(words, self.structural)].tolist()
+        out += self.text[self._bits(words, self.text)][:_SINGLE_BYTES_TRIED].tolist()
         if matcher.is_accepting():
             out += self.eos
         return list(dict.fromkeys(out))
