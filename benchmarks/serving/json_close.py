@@ -58,10 +58,11 @@ def main(argv=None) -> int:
             after = server.metrics()
             steps = after["jserve_structured_mask_steps"] - before["jserve_structured_mask_steps"]
             mask_ms = 1000 * (after["jserve_structured_mask_seconds"] - before["jserve_structured_mask_seconds"])
-            rows.append({"mask_ms_per_step": round(mask_ms / max(steps, 1), 3), "close_at_limit": close, "requests": len(runs), "parsed": sum(r["parsed"] for r in runs),
+            rows.append({"close_at_limit": close, "requests": len(runs), "parsed": sum(r["parsed"] for r in runs),
                          "stop": sum(r["finish"] == "stop" for r in runs),
                          "length": sum(r["finish"] == "length" for r in runs),
-                         "mean_tokens": round(sum(r["tokens"] for r in runs) / len(runs), 1)})
+                         "mean_tokens": round(sum(r["tokens"] for r in runs) / len(runs), 1),
+                         "mask_ms_per_step": round(mask_ms / max(steps, 1), 3)})
     report(rows, args.out, title=f"json_object at max_tokens {args.max_tokens}", model=args.model or "default")
     return 0
 
