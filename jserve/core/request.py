@@ -31,6 +31,9 @@ class StructuredOutputsParams:
     False for JSON whose whitespace is free. The grammar library (`jserve.structured`) compiles it
     into a token mask per step; the output ends when the constraint is complete. `reasoning`: a
     reasoning model's free `<think>` ... `</think>` comes first, the constraint after it.
+    `close_at_limit`: near `max_tokens` (or the context's end), only tokens that let the output
+    complete within it are allowed (`jserve.structured.closing`); None: the engine's default (off
+    unless the server says so).
     """
 
     json: dict | str | None = None
@@ -40,6 +43,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     disable_any_whitespace: bool = True
     reasoning: bool = False
+    close_at_limit: bool | None = None
 
     def __post_init__(self):
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
@@ -49,6 +53,8 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), got "
                              f"{type(self.json).__name__}")
+        if self.close_at_limit is not None and not isinstance(self.close_at_limit, bool):
+            raise ValueError(f"structured_outputs.close_at_limit must be a boolean, got {self.close_at_limit!r:.60}")
         if self.json_object is not True and self.json_object is not False:
             raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
         for name in ("regex", "grammar"):

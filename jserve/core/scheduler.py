@@ -385,8 +385,8 @@ class Scheduler:
             return True
         policy = self.stop_policy
         stop = None if policy is None else policy.check_token(request.params, token, len(request.output_token_ids))
-        if stop is None and grammar is not None and grammar.is_stopped:
-            stop = Stop("stop", weak=True)
+        if (stop is None or stop.finish_reason == "length") and grammar is not None and grammar.is_stopped:
+            stop = Stop("stop", weak=True)  # a document complete at max_tokens stopped, not cut
         if stop is not None:
             self._finish(request, RequestStatus[stop.status_name], stop)
         return stop is not None

@@ -34,6 +34,7 @@ class PoolingParams:
 
     dimensions: int | None = None
     n: ClassVar[int] = 1  # one sequence per request (what the async engine's ledger counts)
+    num_samples: ClassVar[int] = 1
 
 
 @dataclasses.dataclass

@@ -125,6 +125,11 @@ class LLMEngine:
         group = SampleGroup(request_id, prompt, ids, params)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # the first token has none; the prefill fills the rest
+        closer = budget = None
+        if grammar is not None and self.grammars.closes(params.structured_outputs):
+            closer = self.grammars.closer()  # the output closes within max_tokens and the context
+            room = self.scheduler.max_len - len(ids) - 1  # the context's last token ends it unread
+            budget = room if params.max_tokens is None else min(max(params.max_tokens, 1), room)
         base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         ranked = params.num_samples > params.n  # best_of: each sample's logprob is summed
@@ -142,7 +147,8 @@ class LLMEngine:
             group.sequences.append(SequenceState(
                 request_id if params.num_samples == 1 else f"{request_id}#{i}", list(ids), sub, arrival,
                 priority=priority,
-                cache_salt=salt, grammar=grammar.matcher() if grammar is not None else None, group=group, index=i,
+                cache_salt=salt, grammar=grammar.matcher(closer, budget) if grammar is not None else None,
+                group=group, index=i,
                 detok=self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens),
                 logprobs=[] if params.logprobs is not None else None))
         added = []

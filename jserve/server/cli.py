@@ -94,6 +94,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="how the model writes its thinking (<think> ... </think>): chat replies carry it in "
                         "message.reasoning / delta.reasoning, apart from the content (default: none, it stays "
                         "in the content)")
+    p.add_argument("--structured-outputs-close-at-limit", action="store_true",
+                   help="constrained outputs close (a JSON document completes) within max_tokens where they can, "
+                        "unless a request sets structured_outputs.close_at_limit false")
     p.add_argument("--tokenizer-workers", type=int, default=1,
                    help="processes that tokenize large inputs off the event loop (0: tokenize inline)")
     _add_log_args(p)
@@ -300,6 +303,7 @@ async def serve(args: argparse.Namespace) -> int:
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
     if loaded.done():
         llm = loaded.result()  # a load error propagates: exit non-zero
+        llm.engine.grammars.close_at_limit = args.structured_outputs_close_at_limit
         frozen = freeze_startup_heap()
         state.attach(AsyncLLMEngine(llm.engine), sampling_defaults=_sampling_defaults(args, llm))
         logger.info("ready: serving %s on http://%s:%d (%d startup objects frozen out of the garbage "

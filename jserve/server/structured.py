@@ -6,6 +6,9 @@ Constraints come in the spellings clients use, one per request: OpenAI's `respon
 `guided_grammar`. Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are chat only: a
 "required" or named choice becomes a constraint (`jserve.structured.tools`), "auto" needs a
 tool-call parser (`--tool-call-parser`, or the one the chat template implies).
+
+A `structured_outputs` holding only options (`close_at_limit`, `disable_any_whitespace`) applies
+them to the constraint another field gives (`response_format`, `guided_*`, a forced tool choice).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from jserve.server.errors import bad_request
 from jserve.structured.tools import function_of, tool_constraint
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_STRUCTURED_OUTPUTS = frozenset({"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"})
+_STRUCTURED_OUTPUTS = frozenset({"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                                 "close_at_limit"})
+_OPTIONS = ("close_at_limit", "disable_any_whitespace")  # alone, they apply to the constraint given elsewhere
 _RESPONSE_FORMAT = frozenset({"type", "json_schema"})
 _JSON_SCHEMA = frozenset({"name", "schema", "strict", "description"})
 _TOOL = frozenset({"type", "function"})
@@ -117,9 +122,11 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
         return None
     fields.check_fields(spec, _STRUCTURED_OUTPUTS, "structured_outputs")
     kwargs = {k: v for k, v in spec.items() if v is not None}
-    if "disable_any_whitespace" in kwargs and not isinstance(kwargs["disable_any_whitespace"], bool):
-        raise bad_request("structured_outputs.disable_any_whitespace must be a boolean",
-                          param="structured_outputs.disable_any_whitespace")
+    for name in _OPTIONS:
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise bad_request(f"structured_outputs.{name} must be a boolean", param=f"structured_outputs.{name}")
+    if not set(kwargs) - set(_OPTIONS):
+        return None  # options only (`_with_options`)
     if "json" in kwargs:
         _schema_size(kwargs["json"], "structured_outputs.json")
     return _make(kwargs, "structured_outputs")
@@ -139,9 +146,29 @@ def _guided(body: dict) -> StructuredOutputsParams | None:
     return spec
 
 
+def _with_options(spec: StructuredOutputsParams | None, field: str | None,
+                  body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The constraint with the options of a `structured_outputs` that names no constraint of its
+    own (`{"close_at_limit": true}` beside `response_format`); 400 if there is no constraint."""
+    given = body.get("structured_outputs")
+    options = {k: given[k] for k in _OPTIONS if isinstance(given, dict) and given.get(k) is not None}
+    if not options or field == "structured_outputs":
+        return spec, field
+    if spec is None:
+        name = next(iter(options))
+        raise bad_request(f"structured_outputs.{name} needs an output constraint: response_format json_object or "
+                          f"json_schema, structured_outputs json, regex, choice or grammar, guided_*, or a forced "
+                          f"tool_choice", param=f"structured_outputs.{name}")
+    return dataclasses.replace(spec, **options), field
+
+
 def parse_constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
     """The one output constraint a body asks for and the field it came from, or (None, None);
     400 if it asks for several."""
+    return _with_options(*_own_constraint(body), body)
+
+
+def _own_constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
     guided = next((name for name in _GUIDED if body.get(name) is not None), "guided_json")
     found = [(name, spec) for name, spec in (("response_format", _response_format(body)),
                                              ("structured_outputs", _structured_outputs(body)),
@@ -224,9 +251,10 @@ def parse_tools(body: dict, default_parser: str | None) -> ToolRequest | None:
 
 def chat_constraint(body: dict, tools: ToolRequest | None) -> tuple[StructuredOutputsParams | None, str | None]:
     """A chat request's constraint (its own, or its forced tool choice's: not both) and its field."""
-    own, field = parse_constraint(body)
+    own, field = _own_constraint(body)
     forced = tool_constraint(tools.tools, tools.choice, tools.parallel) if tools is not None else None
     if own is not None and forced is not None:
         raise bad_request("tool_choice 'required' or a named function constrains the output already: drop "
                           "response_format / structured_outputs, or use tool_choice 'auto'", param="tool_choice")
-    return (own, field) if own is not None else (forced, "tools" if forced is not None else None)
+    return _with_options(*((own, field) if own is not None else (forced, "tools" if forced is not None else None)),
+                         body)

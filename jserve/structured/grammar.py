@@ -26,6 +26,7 @@ import numpy as np
 
 from jserve.core.request import StructuredOutputsParams
 from jserve.structured import reasoning
+from jserve.structured.closing import CLOSE_HORIZON, Closer
 
 logger = logging.getLogger(__name__)
 
@@ -94,18 +95,31 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 class GrammarMatcher:
     """One sequence's place in its grammar (an llguidance `LLMatcher`)."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "_closer", "_budget", "_used", "estimate")
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, closer: Closer | None = None, budget: int | None = None):
         self._matcher = matcher
+        self._closer = closer if budget is not None else None  # close_at_limit: see jserve.structured.closing
+        self._budget = budget  # the tokens the sequence may generate
+        self._used = 0
+        self.estimate: int | None = None  # the last closing estimate (None: not near the budget)
 
     def consume(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar refuses it (the matcher is then in error)."""
+        self._used += 1
         return bool(self._matcher.consume_token(int(token)))
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading `tokens` the grammar would accept from here (nothing is consumed)."""
-        return int(self._matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
+        """How many leading `tokens` the grammar would accept from here (nothing is consumed); none
+        once a closing sequence nears its budget (its masks must come from `close_mask`)."""
+        if not tokens or (self._closer is not None and self._budget - self._used <= CLOSE_HORIZON + len(tokens)):
+            return 0
+        return int(self._matcher.validate_tokens([int(t) for t in tokens]))
+
+    def close_mask(self, row: np.ndarray) -> None:
+        """Narrow this step's filled mask `row` to closing tokens when the budget is near."""
+        if self._closer is not None:
+            self.estimate = self._closer.narrow(self._matcher, row, self._budget - self._used)
 
     @property
     def is_stopped(self) -> bool:
@@ -125,8 +139,10 @@ class CompiledGrammar:
         self._template = template
         self.seconds = seconds  # compile time
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+    def matcher(self, closer: Closer | None = None, budget: int | None = None) -> GrammarMatcher:
+        """A sequence's own matcher; with a `closer` and its token `budget`, one that closes the
+        output within it (`close_at_limit`)."""
+        return GrammarMatcher(self._template.deep_copy(), closer, budget)
 
 
 def _llg_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
@@ -189,6 +205,8 @@ class GrammarCompiler:
         self.timeout = timeout
         self.queue_timeout = 3 * timeout  # the most a constraint waits for a free compiler thread
         self._llg_tok: Any = None
+        self._closer: Closer | None = None
+        self.close_at_limit = False  # the default where a constraint leaves `close_at_limit` unset
         self._lock = threading.RLock()  # a done callback may run in compile(), under it
         self._tokenizer_lock = threading.Lock()  # the library's tokenizer is built once
         self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
@@ -205,6 +223,18 @@ class GrammarCompiler:
                 self._llg_tok = _llg_tokenizer(self._tokenizer, self.vocab_size, self._eos)
             return self._llg_tok
 
+    def closer(self) -> Closer:
+        """The vocabulary's closing candidates (`close_at_limit`), built on first use."""
+        tok = self._library_tokenizer()
+        with self._tokenizer_lock:
+            if self._closer is None:
+                self._closer = Closer.for_tokenizer(tok)
+            return self._closer
+
+    def closes(self, spec: StructuredOutputsParams) -> bool:
+        """Whether a constraint's sequences close within their budget (its own choice, else the default)."""
+        return self.close_at_limit if spec.close_at_limit is None else spec.close_at_limit
+
     def prepare(self) -> None:
         """Build the library's view of the vocabulary now, in the background (a server calls this
         at start, so its first constrained request does not wait for it)."""
@@ -215,6 +245,8 @@ class GrammarCompiler:
         way for it is waited for, not repeated); GrammarError naming what is wrong with it, or
         saying it did not compile within `timeout` (default: the compiler's)."""
         key = canonical(spec)
+        if self.closes(spec):
+            self.closer()  # built here, off the engine thread
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -331,10 +363,11 @@ def fill_bitmasks(rows: Sequence[tuple[GrammarMatcher, int]], out: np.ndarray) -
     if _EXECUTOR is None:
         _EXECUTOR = llguidance.LLExecutor()
     if len(rows) == 1:
-        matcher, row = rows[0]
-        llg_np.fill_next_token_bitmask(matcher._matcher, out, row)
-        return
-    llg_np.fill_next_token_bitmask_par(_EXECUTOR, [(m._matcher, row) for m, row in rows], out)
+        llg_np.fill_next_token_bitmask(rows[0][0]._matcher, out, rows[0][1])
+    else:
+        llg_np.fill_next_token_bitmask_par(_EXECUTOR, [(m._matcher, row) for m, row in rows], out)
+    for matcher, row in rows:
+        matcher.close_mask(out[row])
 
 
 def fill_bitmasks_with_drafts(rows: Sequence[tuple[GrammarMatcher, int, Sequence[int]]], out: np.ndarray) -> None:
