@@ -32,6 +32,7 @@ from jserve.server.messages import parse_messages
 from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server.tenancy import TENANT, tenant_of_key
 from jserve.structured import tool_parsers
+from jserve.structured.generic_tools import template_shows_tools
 from jserve.structured.grammar import GrammarBusy, GrammarError
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ class ServerState:
         self.capacity = engine.max_num_seqs
         self.admission = Admission(engine.max_num_seqs + limits.max_queue, limits.max_queued_tokens)
         parser = self.tool_call_parser or tool_parsers.parser_for_template(engine.tokenizer.chat_template)
+        if parser is None:
+            logger.info("tools: the chat template shows %s, so tools reach the model in jserve's generic JSON "
+                        "format", "a tool format jserve does not read (--tool-call-parser names one it does)"
+                        if template_shows_tools(engine.tokenizer.chat_template) else "no tools")
         self.ctx = protocol.Context(self.model_names, engine.max_model_len, engine.vocab_size, limits,
                                     allow_priority=self.scheduling_policy == "priority", tool_parser=parser)
         self.quantization = quantization_summary(engine.quantization)

@@ -20,6 +20,7 @@ from jserve.server.messages import parse_messages
 from jserve.server.readers import bool_field, int_field, show, str_field, token_ids, type_error
 from jserve.server.structured import ToolRequest
 from jserve.server.tokenizer_pool import ChatPrompt
+from jserve.structured.generic_tools import generic_messages
 
 
 @dataclasses.dataclass
@@ -47,7 +48,11 @@ class GenerateRequest:
         """What the chat template renders for this request (tools offered where calls may come)."""
         tools = self.tools
         variables = {"tools": list(tools.tools)} if tools is not None and tools.choice != "none" else {}
-        return ChatPrompt(self.messages, self.add_generation_prompt, variables=variables)
+        messages = self.messages
+        if variables and tools.generic:  # a template without a tool format that jserve reads: tools as text
+            messages = generic_messages(messages, tools.tools, tools.parallel, tools.choice == "auto")
+            variables = {k: v for k, v in variables.items() if k != "tools"}
+        return ChatPrompt(messages, self.add_generation_prompt, variables=variables)
 
     @property
     def num_seqs(self) -> int:
