@@ -117,7 +117,7 @@ def _conversation():
 
 
 def test_messages_for_a_template_without_tools():
-    out = generic_messages(_conversation(), [WEATHER, TIME], parallel=True, auto=True)
+    out = generic_messages(_conversation(), [WEATHER, TIME], parallel=True)
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user", "user"]
     assert '"name": "get_weather"' in out[0]["content"] and '{"response": ' in out[0]["content"]
     assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}},
@@ -127,11 +127,9 @@ def test_messages_for_a_template_without_tools():
     assert results == [{"tool_response": {"name": "get_weather", "content": "21 C"}},
                        {"tool_response": {"name": "get_time", "content": "noon"}}]
     with_system = generic_messages([{"role": "system", "content": "Be brief."}, *_conversation()], [WEATHER],
-                                   parallel=False, auto=True)
+                                   parallel=False)
     assert with_system[0]["content"].startswith("Be brief.\n\nYou can call these tools")
     assert "to call one tool" in with_system[0]["content"] and len(with_system) == 5
-    forced = generic_messages(_conversation()[:1], [WEATHER], parallel=True, auto=False)
-    assert "get_weather" in forced[0]["content"] and '"response"' not in forced[0]["content"]
     rendered = render_chat_template(SMOL, out)
     assert "21 C" in rendered and '"arguments": {"city": "Paris"}' in rendered and "You are a helpful" not in rendered
 
@@ -150,14 +148,14 @@ def test_template_shows_tools():
 def test_server_picks_the_generic_format_without_a_parser():
     body = {"tools": [WEATHER], "parallel_tool_calls": False}
     tools = structured.parse_tools(body, None)
-    assert (tools.choice, tools.parser, tools.generic) == ("auto", GENERIC, True)
+    assert (tools.choice, tools.parser) == ("auto", GENERIC)
     spec, field = structured.chat_constraint(body, tools)
     assert field == "tools" and spec.json == generic_schema([WEATHER], parallel=False)
     hermes = structured.parse_tools(body, "hermes")  # a parser, given or implied, wins
-    assert (hermes.parser, hermes.generic) == ("hermes", False)
+    assert hermes.parser == "hermes"
     assert structured.chat_constraint(body, hermes) == (None, None)
     required = structured.parse_tools({**body, "tool_choice": "required"}, None)
-    assert required.parser is None and required.generic  # forced: its own grammar, the tools shown as text
+    assert required.parser is None  # forced: its own grammar, the template's own rendering
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     spec, field = structured.chat_constraint({**body, "response_format": fmt}, tools)
     assert field == "response_format" and spec.json["anyOf"][1]["properties"]["response"] == {"type": "object"}

@@ -20,7 +20,7 @@ from jserve.server.messages import parse_messages
 from jserve.server.readers import bool_field, int_field, show, str_field, token_ids, type_error
 from jserve.server.structured import ToolRequest
 from jserve.server.tokenizer_pool import ChatPrompt
-from jserve.structured.generic_tools import generic_messages
+from jserve.structured.generic_tools import GENERIC, generic_messages
 
 
 @dataclasses.dataclass
@@ -49,8 +49,8 @@ class GenerateRequest:
         tools = self.tools
         variables = {"tools": list(tools.tools)} if tools is not None and tools.choice != "none" else {}
         messages = self.messages
-        if variables and tools.generic:  # a template without a tool format that jserve reads: tools as text
-            messages = generic_messages(messages, tools.tools, tools.parallel, tools.choice == "auto")
+        if tools is not None and tools.parser == GENERIC:  # no tool format jserve reads: the tools as text
+            messages = generic_messages(messages, tools.tools, tools.parallel)
             variables = {k: v for k, v in variables.items() if k != "tools"}
         return ChatPrompt(messages, self.add_generation_prompt, variables=variables)
 

@@ -37,15 +37,14 @@ MAX_SCHEMA_BYTES = 256 * 1024
 @dataclasses.dataclass(frozen=True)
 class ToolRequest:
     """A chat request's tools: the OpenAI tool objects, the choice ("none", "auto", "required", or
-    `{"type": "function", "function": {"name": ...}}`), whether several calls may come, for
-    "auto" the parser that reads the model's own format (`GENERIC`: jserve's), and whether the
-    chat template shows no format jserve reads (the tools then reach it as text: `generic_tools`)."""
+    `{"type": "function", "function": {"name": ...}}`), whether several calls may come, and for
+    "auto" the parser that reads the model's own format (`GENERIC` where the chat template shows
+    none that jserve reads: the tools then reach the model as text, `generic_tools`)."""
 
     tools: tuple[dict, ...]
     choice: str | dict
     parallel: bool = True
     parser: str | None = None
-    generic: bool = False
 
     @property
     def forced_name(self) -> str | None:
@@ -219,7 +218,7 @@ def parse_tools(body: dict, default_parser: str | None) -> ToolRequest | None:
         raise bad_request(f"tool_choice must be none, auto, required or a named function, got {choice!r:.60}",
                           param="tool_choice")
     return ToolRequest(parsed, choice, True if parallel is None else parallel,
-                       (default_parser or GENERIC) if choice == "auto" else None, default_parser is None)
+                       (default_parser or GENERIC) if choice == "auto" else None)
 
 
 def chat_constraint(body: dict, tools: ToolRequest | None) -> tuple[StructuredOutputsParams | None, str | None]:

@@ -3,8 +3,8 @@
 Where the chat template shows no tool-call format that jserve reads (no `--tool-call-parser`, none
 implied by the template), the tools reach the model as text and its answer is constrained to JSON:
 
-- `generic_messages`: the tools (and, for `tool_choice` "auto", the answer format) go into a system
-  message, merged into the conversation's own first one; assistant tool calls and tool results
+- `generic_messages`: the tools and the answer format go into a system message, merged into the
+  conversation's own first one; assistant tool calls and tool results
   already in the conversation become text in the same format, so any template renders them;
 - `generic_schema` ("auto"): one JSON object, `{"tool_calls": [{"name": ..., "arguments": {...}}]}`
   (one call at most where `parallel_tool_calls` is false) or `{"response": "..."}`;
@@ -38,14 +38,12 @@ def template_shows_tools(template: str | None) -> bool:
         return False
 
 
-def system_text(tools: Sequence[dict], parallel: bool, auto: bool) -> str:
-    """The system message's part that offers the tools (and for "auto" says how to answer)."""
+def system_text(tools: Sequence[dict], parallel: bool) -> str:
+    """The system message's part that offers the tools and says how to answer."""
     lines = "\n".join(json.dumps({k: v for k, v in function_of(t).items() if k != "strict"}, ensure_ascii=False)
                       for t in tools)
     text = ("You can call these tools (one JSON object each: its name, what it does and the JSON schema of its "
             f"arguments):\n{lines}")
-    if not auto:
-        return text
     what = "one or more tools" if parallel else "one tool"
     return (f'{text}\n\nAnswer with one JSON object: {{"tool_calls": [{{"name": "<tool name>", "arguments": '
             f'{{<its arguments>}}}}]}} to call {what} (their results come back to you as {{"tool_response": '
@@ -58,7 +56,7 @@ def _calls_text(calls: list[dict]) -> str:
                                       for c in calls]}, ensure_ascii=False)
 
 
-def generic_messages(messages: Sequence[dict], tools: Sequence[dict], parallel: bool, auto: bool) -> list[dict]:
+def generic_messages(messages: Sequence[dict], tools: Sequence[dict], parallel: bool) -> list[dict]:
     """The conversation as a template without a tool format renders it: the tools in the first
     system message, assistant calls as their JSON, each run of tool results as one user message."""
     out: list[dict] = []
@@ -82,7 +80,7 @@ def generic_messages(messages: Sequence[dict], tools: Sequence[dict], parallel: 
             continue
         results = False
         out.append(m)
-    text = system_text(tools, parallel, auto)
+    text = system_text(tools, parallel)
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text}
     else:
