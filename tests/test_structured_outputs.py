@@ -163,7 +163,8 @@ BAD = [
     ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "guided_json",
      "one output constraint"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": [WEATHER]}, "tool_choice", "--tool-call-parser"),  # auto, and this template knows no tools
+    # auto, and this template knows no tools: the generic format's answer takes a JSON constraint only
+    ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"}}, "structured_outputs", "JSON schema only"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among the tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"},

@@ -32,6 +32,7 @@ from jserve.server.messages import parse_messages
 from jserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from jserve.server.tenancy import TENANT, tenant_of_key
 from jserve.structured import reasoning, tool_parsers
+from jserve.structured.generic_tools import template_shows_tools
 from jserve.structured.grammar import GrammarBusy, GrammarError
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,10 @@ class ServerState:
         if self.reasoning_parser is not None:
             reasoning.check_tokenizer(self.reasoning_parser,
                                       lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
+        if parser is None:
+            logger.info("tools: the chat template shows %s, so tools reach the model in jserve's generic JSON "
+                        "format", "a tool format jserve does not read (--tool-call-parser names one it does)"
+                        if template_shows_tools(engine.tokenizer.chat_template) else "no tools")
         self.ctx = protocol.Context(self.model_names, engine.max_model_len, engine.vocab_size, limits,
                                     allow_priority=self.scheduling_policy == "priority", tool_parser=parser,
                                     sampling_defaults=dict(sampling_defaults or {}),

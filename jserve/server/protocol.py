@@ -22,6 +22,7 @@ from jserve.server.readers import bool_field, int_field, show, str_field, token_
 from jserve.server.structured import ToolRequest
 from jserve.server.tokenizer_pool import ChatPrompt
 from jserve.structured import reasoning
+from jserve.structured.generic_tools import GENERIC, generic_messages
 
 
 @dataclasses.dataclass
@@ -60,9 +61,12 @@ class GenerateRequest:
         """What the chat template renders for this request (tools offered where calls may come)."""
         tools = self.tools
         variables = dict(self.chat_template_kwargs or {})
-        if tools is not None and tools.choice != "none":
+        messages = self.messages
+        if tools is not None and tools.parser == GENERIC:  # no tool format jserve reads: the tools as text
+            messages = generic_messages(messages, tools.tools, tools.parallel)
+        elif tools is not None and tools.choice != "none":
             variables["tools"] = list(tools.tools)
-        return ChatPrompt(self.messages, self.add_generation_prompt, variables=variables,
+        return ChatPrompt(messages, self.add_generation_prompt, variables=variables,
                           continue_final_message=self.continue_final_message,
                           add_special_tokens=self.add_special_tokens)
 

@@ -8,6 +8,7 @@ from typing import Any
 from jserve.server import protocol
 from jserve.server.response_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from jserve.structured import tool_parsers
+from jserve.structured.generic_tools import GENERIC, GenericToolParser
 from jserve.structured.tools import ForcedToolParser
 
 
@@ -37,6 +38,8 @@ def tool_parser(req: protocol.GenerateRequest) -> Any:
     tools = req.tools
     if tools is None or not tools.calls_expected:
         return None
+    if tools.choice == "auto" and tools.parser == GENERIC:
+        return GenericToolParser()
     if tools.choice == "auto":  # calls to functions outside the request's tools stay content
         return tool_parsers.get_parser(tools.parser, [t["function"]["name"] for t in tools.tools])
     return ForcedToolParser(tools.forced_name)
@@ -145,6 +148,8 @@ def final_choice(req: protocol.GenerateRequest, ch: Choice, tok: Any, scored: tu
                            "tool_calls": [{"id": c.id, "type": "function",
                                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
                 finish = _finish_reason(finish, calls)
+            elif getattr(ch.tool_parser, "replaces_content", False):  # the generic format's response
+                message["content"] = content
         if ch.reasoning is not None:  # vLLM's field (its older name, reasoning_content, is no longer sent)
             message["reasoning"] = thought if req.include_reasoning else None
         return {"index": ch.index, "message": message, "logprobs": logprobs, "finish_reason": finish}

@@ -5,7 +5,9 @@ Constraints come in the spellings clients use, one per request: OpenAI's `respon
 `grammar`, `json_object`) and its older `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar`. Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are chat only: a
 "required" or named choice becomes a constraint (`jserve.structured.tools`), "auto" needs a
-tool-call parser (`--tool-call-parser`, or the one the chat template implies).
+tool-call parser (`--tool-call-parser`, or the one the chat template implies); without one, the
+tools go to the model in jserve's generic format (`jserve.structured.generic_tools`), "auto" answers
+constrained to tool calls or a response.
 
 A `structured_outputs` holding only options (`close_at_limit`, `disable_any_whitespace`) applies
 them to the constraint another field gives (`response_format`, `guided_*`, a forced tool choice).
@@ -21,6 +23,7 @@ from typing import Any
 from jserve.core.request import StructuredOutputsParams
 from jserve.server import fields
 from jserve.server.errors import bad_request
+from jserve.structured.generic_tools import GENERIC, generic_schema
 from jserve.structured.tools import function_of, tool_constraint
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -40,7 +43,8 @@ MAX_SCHEMA_BYTES = 256 * 1024
 class ToolRequest:
     """A chat request's tools: the OpenAI tool objects, the choice ("none", "auto", "required", or
     `{"type": "function", "function": {"name": ...}}`), whether several calls may come, and for
-    "auto" the parser that reads the model's own format."""
+    "auto" the parser that reads the model's own format (`GENERIC` where the chat template shows
+    none that jserve reads: the tools then reach the model as text, `generic_tools`)."""
 
     tools: tuple[dict, ...]
     choice: str | dict
@@ -204,7 +208,7 @@ def _tool(tool: Any, i: int) -> dict:
 def parse_tools(body: dict, default_parser: str | None) -> ToolRequest | None:
     """A chat body's tools, or None when it has none (a `tool_choice` other than "none" without
     tools is a 400). `default_parser`: the server's tool-call parser for "auto" (None: "auto"
-    is refused, naming what to do instead)."""
+    answers in jserve's generic format)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -240,21 +244,39 @@ def parse_tools(body: dict, default_parser: str | None) -> ToolRequest | None:
     elif choice not in ("none", "auto", "required"):
         raise bad_request(f"tool_choice must be none, auto, required or a named function, got {choice!r:.60}",
                           param="tool_choice")
-    if choice == "auto" and default_parser is None:
-        raise bad_request("tool_choice 'auto' needs a tool-call parser, and this model's chat template shows no "
-                          "tool-call format: use tool_choice 'required' or a named function (enforced by a "
-                          "grammar, with any model), or start the server with --tool-call-parser",
-                          param="tool_choice")
     return ToolRequest(parsed, choice, True if parallel is None else parallel,
-                       default_parser if choice == "auto" else None)
+                       (default_parser or GENERIC) if choice == "auto" else None)
 
 
 def chat_constraint(body: dict, tools: ToolRequest | None) -> tuple[StructuredOutputsParams | None, str | None]:
     """A chat request's constraint (its own, or its forced tool choice's: not both) and its field."""
     own, field = _own_constraint(body)
+    if tools is not None and tools.parser == GENERIC:
+        return _with_options(_generic_constraint(tools, own, field), field or "tools", body)
     forced = tool_constraint(tools.tools, tools.choice, tools.parallel) if tools is not None else None
     if own is not None and forced is not None:
         raise bad_request("tool_choice 'required' or a named function constrains the output already: drop "
                           "response_format / structured_outputs, or use tool_choice 'auto'", param="tool_choice")
     return _with_options(*((own, field) if own is not None else (forced, "tools" if forced is not None else None)),
                          body)
+
+
+def _generic_constraint(tools: ToolRequest, own: StructuredOutputsParams | None,
+                        field: str | None) -> StructuredOutputsParams:
+    """"auto" in the generic format: tool calls or a response; the request's own JSON constraint,
+    if any, is the response's schema (as llama.cpp nests it)."""
+    response = None
+    if own is not None and own.kind == "json_object":
+        response = {"type": "object"}
+    elif own is not None and own.kind == "json":
+        try:
+            response = json.loads(own.json) if isinstance(own.json, str) else own.json
+        except ValueError as e:
+            raise bad_request(f"{field}: the schema is not valid JSON: {e}", param=field) from None
+    elif own is not None:
+        raise bad_request(f"{field}: with tools and tool_choice 'auto' on a model whose chat template shows no "
+                          f"tool-call format, the answer can be constrained by a JSON schema only, not a "
+                          f"{own.kind}: use response_format, or tool_choice 'none'", param=field)
+    whitespace = own.disable_any_whitespace if own is not None else True
+    return StructuredOutputsParams(json=generic_schema(tools.tools, tools.parallel, response),
+                                   disable_any_whitespace=whitespace)

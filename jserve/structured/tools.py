@@ -27,11 +27,11 @@ def function_of(tool: dict) -> dict:
     return tool["function"]
 
 
-def required_schema(tools: Sequence[dict], parallel: bool) -> dict:
-    """The JSON schema of "required": an array of calls to these tools."""
+def required_schema(tools: Sequence[dict], parallel: bool, args_key: str = "parameters") -> dict:
+    """The JSON schema of "required": an array of calls to these tools, each `{"name", args_key}`."""
     calls = [{"type": "object", "properties": {"name": {"const": function_of(t)["name"]},
-                                               "parameters": function_of(t).get("parameters") or _ANY_OBJECT},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+                                               args_key: function_of(t).get("parameters") or _ANY_OBJECT},
+              "required": ["name", args_key], "additionalProperties": False} for t in tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
@@ -81,8 +81,9 @@ class ForcedToolStream:
     `finish` when no call came out of it.
     """
 
-    def __init__(self, name: str | None):
+    def __init__(self, name: str | None, args_key: str = "parameters"):
         self.name = name  # the named function, or None for "required"
+        self.args_key = args_key  # an array element's arguments: "parameters" ("required"), "arguments" (generic)
         self.calls: list[ToolCall] = []
         self._text = ""
         self._pos = 0  # "required": where the next array element starts
@@ -122,7 +123,7 @@ class ForcedToolStream:
                 return deltas  # not complete yet
             self._pos = end
             if isinstance(element, dict) and isinstance(element.get("name"), str):
-                call = ToolCall(element["name"], json.dumps(element.get("parameters", {}), ensure_ascii=False))
+                call = ToolCall(element["name"], json.dumps(element.get(self.args_key, {}), ensure_ascii=False))
                 deltas.append(ToolCallDelta(len(self.calls), call.id, call.name, call.arguments))
                 self.calls.append(call)
 
