@@ -146,3 +146,22 @@ def test_the_other_task_is_refused(server):
     assert e.value.status == 400
     status, _, stats = request(server, "GET", "/metrics")
     assert status == 200
+
+
+def test_the_readme_examples_work_as_written(server):
+    """The README's embeddings block: each curl line (its `jserve serve` line is this server)."""
+    import json
+    import re
+    import subprocess
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "--task embed" in b)
+    commands = re.findall(r"^curl .*?(?<!\\)$", block.replace("\\\n", " "), re.M)
+    assert len(commands) == 3, block
+    for command in commands:
+        done = subprocess.run(["bash", "-c", command.replace("localhost:8000", f"127.0.0.1:{server.port}")],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+        assert "error" not in answer and (answer.get("data") or answer.get("results")), answer

@@ -17,20 +17,20 @@ from jserve import LLM
 from jserve.core.request import SamplingParams
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = parser(__doc__, out="")
     p.add_argument("--model", default=None, help="the model (default: jserve's default model)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    args = p.parse_args()
-    settings = dict(max_model_len=args.tokens + 16, max_num_seqs=args.batch,
+    args = p.parse_args(argv)
+    settings = dict(max_model_len=max(args.tokens + 16, args.max_num_batched_tokens), max_num_seqs=args.batch,
                     max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
-    rng = np.random.default_rng(0)
     rows = []
     for task in ("embed", "generate"):
         llm = LLM(args.model, task=task, **settings)
+        rng = np.random.default_rng(0)  # the same prompts for both tasks
         prompts = [rng.integers(100, llm.config.vocab_size, args.tokens).tolist() for _ in range(args.batch)]
         if task == "embed":
             ms = median_ms(lambda: llm.embed(prompts), args.reps)
@@ -43,7 +43,8 @@ def main() -> None:
         llm.close()  # its weights and pages freed before the next task's load
         gc.collect()
     report(rows, args.out, title=f"embeddings vs prefill, {args.model or 'default model'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -269,7 +269,8 @@ def _sampling_defaults(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
     """`--generation-config`'s defaults, logged (as vLLM warns) when they override the API's."""
     from jserve.model.sampling_defaults import resolve
 
-    defaults = resolve(getattr(args, "generation_config", None), llm.generation_config.get("sampling_defaults", {}))
+    recorded = (getattr(llm, "generation_config", None) or {}).get("sampling_defaults", {})
+    defaults = resolve(getattr(args, "generation_config", None), recorded)
     if defaults:
         logger.warning("sampling defaults from the model's generation config: %s (a request's own values win; "
                        "--generation-config vllm serves the API's defaults instead)", defaults)
