@@ -136,7 +136,7 @@ def pytest_runtest_teardown(item, nextitem):
     """Collect garbage once a test leaves more memory mappings than `_NEXT_COLLECTION`: the
     engines of finished tests are garbage in reference cycles (every Runner, measured: gc frees
     all of them), and each holds its executables' mappings; one test module makes about 4000 per
-    test (test_speculative.py). Past 46000 after that (executables something still holds: JAX's
+    test (test_speculative.py). Past 40000 after that (executables something still holds: JAX's
     caches of jitted kernels, session fixtures), drop JAX's caches too, at the module's end
     (`_free_executables`; within a module only past 52000). The next collection
     waits for 15000 mappings or 6000 more than this one left, whichever is more (at most
@@ -159,11 +159,11 @@ def pytest_runtest_teardown(item, nextitem):
     _maybe_collect(maps, rss, clear_past=52000)
 
 
-def _maybe_collect(maps: int, rss: int, clear_past: int = 46000) -> None:
+def _maybe_collect(maps: int, rss: int, clear_past: int = 40000) -> None:
     """`pytest_runtest_teardown`'s rule, for `maps` mappings and `rss` resident bytes now. JAX's
     caches are dropped past `clear_past` mappings left: between tests of a module only near the
     kernel's limit, as it recompiles the module's warmed-up engines (whose tests then count
-    compilations after warm-up); at a module's end past 46000 (a clear recompiles the session
+    compilations after warm-up); at a module's end past 40000 (a clear recompiles the session
     fixtures' warmed-up engines too, which the golden tests count)."""
     if maps > _NEXT_COLLECTION[0] or rss > _NEXT_RSS[0]:
         _collect()
