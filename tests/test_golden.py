@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import conftest
 from jserve import SamplingParams
 from jserve.model import DenseAttention, init_cache
 
@@ -49,7 +50,7 @@ def test_greedy_generation_matches_reference(smollm2_llm, golden):
             assert out.outputs[0].text == case["greedy_text"]
     # The runner's steps, not stats()' total: the fixture is shared, and another module's
     # prompt_logprobs request compiles the scoring step on first use (counted in stats() by design).
-    assert smollm2_llm.runner.num_compilations_after_warmup == 0, smollm2_llm.runner.compiles.seen
+    _no_compilations(smollm2_llm)
 
 
 def test_chat_api_matches_reference(smollm2_llm, golden):
@@ -57,7 +58,7 @@ def test_chat_api_matches_reference(smollm2_llm, golden):
     out = smollm2_llm.chat(case["messages"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert out.prompt_token_ids == case["prompt_ids"]
     assert out.outputs[0].token_ids == case["greedy_ids"][:8]
-    assert smollm2_llm.runner.num_compilations_after_warmup == 0, smollm2_llm.runner.compiles.seen
+    _no_compilations(smollm2_llm)
 
 
 def test_teacher_forced_logits_match_reference(smollm2_llm, golden):
@@ -85,3 +86,10 @@ def test_teacher_forced_logits_match_reference(smollm2_llm, golden):
         for pos, ref in refs:
             got = logits[pos][ref["top5_ids"]]
             np.testing.assert_allclose(got, ref["top5_logits"], rtol=1e-3, atol=1e-4)
+
+
+def _no_compilations(llm) -> None:
+    """Nothing compiled after warm-up, unless the suite dropped JAX's caches under this shared
+    session engine (conftest's mapping guard: that recompiles every warmed-up step)."""
+    if conftest._GC["cleared"] == 0:
+        assert llm.runner.num_compilations_after_warmup == 0, llm.runner.compiles.seen
