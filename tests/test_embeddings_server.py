@@ -10,24 +10,19 @@ transformers).
 from __future__ import annotations
 
 import base64
-import dataclasses
 import types
 
-import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
 
-from conftest import DATA
+from arch_helpers import widened
 from jserve.engine import EngineConfig, build_engine
-from jserve.engine.async_engine import AsyncLLMEngine
 from jserve.engine.embed_engine import PoolingParams
-from jserve.model.checkpoint import read_params
-from jserve.server import ServerState
 from jserve.server.embeddings import require_task
 from jserve.server.errors import APIError
 from jserve.text.tokenizer import Tokenizer
-from test_server import Server, assert_error, request
+from test_server import assert_error, request, serving
 
 MODEL = "tiny-embed"
 TEXTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,", "Once upon a time there was"]
@@ -35,15 +30,11 @@ TEXTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,", "Once upon
 
 @pytest.fixture(scope="module")
 def engine(smollm2_checkpoint):
-    config, params = read_params(DATA / "arch" / "smollm2")
     tokenizer = Tokenizer.load(smollm2_checkpoint)
-    embed = np.asarray(params["embed"])
-    extra = np.random.default_rng(0).normal(0, embed.std(), (tokenizer.vocab_size - embed.shape[0], embed.shape[1]))
-    params = {**params, "embed": np.concatenate([embed, extra.astype(embed.dtype)])}
-    config = dataclasses.replace(config, vocab_size=tokenizer.vocab_size)
+    config, params = widened("smollm2", tokenizer.vocab_size)
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=4, num_pages=64,
                        backend="cpu", task="embed", pooling="mean")
-    return build_engine(config, {k: jnp.asarray(v) for k, v in params.items()}, tokenizer, [], cfg)
+    return build_engine(config, params, tokenizer, [], cfg)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +51,8 @@ def expected(engine):
 
 @pytest.fixture(scope="module")
 def server(engine, expected):
-    aengine = AsyncLLMEngine(engine)
-    state = ServerState(MODEL)
-    state.attach(aengine)
-    srv = Server(state)
-    yield srv
-    srv.close()
-    assert aengine.shutdown(timeout=30)
+    with serving(engine, MODEL) as srv:
+        yield srv
 
 
 def test_embeddings_float_base64_and_ids(server, expected):

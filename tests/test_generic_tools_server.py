@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from test_server import Server, request
+from test_server import request, serving
 from test_structured_outputs import _collect
 
 pytestmark = pytest.mark.slow
@@ -35,18 +35,11 @@ ASKS = ["What is the weather in Paris?", "Say hello to me in one short sentence.
 @pytest.fixture(scope="module")
 def tool_server(smollm2_checkpoint):
     from jserve import LLM
-    from jserve.engine.async_engine import AsyncLLMEngine
-    from jserve.server.app import ServerState
 
     llm = LLM(str(smollm2_checkpoint), max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128)
-    aengine = AsyncLLMEngine(llm.engine)
-    state = ServerState(MODEL)
-    state.attach(aengine)
-    assert state.ctx.tool_parser is None  # the template shows no tools: the generic format
-    srv = Server(state)
-    yield srv
-    srv.close()
-    assert aengine.shutdown(timeout=30)
+    with serving(llm.engine, MODEL) as srv:
+        assert srv.state.ctx.tool_parser is None  # the template shows no tools: the generic format
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import DATA
 from jserve.core.request import SamplingParams
-from jserve.engine.async_engine import AsyncLLMEngine
-from jserve.server import ServerState
 from jserve.server.metrics_vllm import VllmMetrics, buckets_1_2_5
-from test_server import MAX_MODEL_LEN, MODEL, PROMPTS, Server, engine, engine_idle, request, run_sync  # noqa: F401
+from test_server import MAX_MODEL_LEN, MODEL, PROMPTS, engine, engine_idle, request, run_sync, serving  # noqa: F401
 
 NAMES = json.loads((DATA / "vllm_metric_names.json").read_text())
 CACHE = {"page_size": 4, "num_pages": 256, "kv_cache_dtype": "auto", "enable_prefix_caching": True,
@@ -42,13 +40,8 @@ def stop_request(engine):  # noqa: F811 - the fixture imported above
 
 @pytest.fixture(scope="module")
 def server(engine, stop_request):  # noqa: F811
-    aengine = AsyncLLMEngine(engine)
-    state = ServerState((MODEL, "an-alias"))
-    state.attach(aengine)
-    srv = Server(state)
-    yield srv
-    srv.close()
-    assert aengine.shutdown(timeout=30)
+    with serving(engine, (MODEL, "an-alias")) as srv:
+        yield srv
 
 
 def scrape(server) -> dict:

@@ -11,16 +11,13 @@ to 1e-3.
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
 
 from conftest import DATA
 from jserve.core.request import MAX_LOGPROBS, SamplingParams
-from jserve.engine.async_engine import AsyncLLMEngine
-from jserve.server import ServerState
-from test_server import CHAT, MODEL, Server, assert_error, engine, engine_idle, request  # noqa: F401
+from test_server import CHAT, MODEL, assert_error, engine, engine_idle, request, serving  # noqa: F401
 
 K = 3  # alternatives the offline reference lists per prompt position
 SCORED = ["The capital of France is Paris", "1, 2, 3, 4, 5", "Hello, my name is"]
@@ -36,18 +33,6 @@ def run_offline(engine, prompts: list[list[int]], params: SamplingParams) -> lis
     return [done[f"offline-{i}"] for i in range(len(prompts))]
 
 
-@contextlib.contextmanager
-def serving(engine, model: str):
-    """`engine` behind a live server on a loopback port."""
-    aengine = AsyncLLMEngine(engine)
-    state = ServerState(model)
-    state.attach(aengine)
-    srv = Server(state)
-    try:
-        yield srv
-    finally:
-        srv.close()
-        assert aengine.shutdown(timeout=30)
 
 
 @pytest.fixture(scope="module")

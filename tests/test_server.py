@@ -8,23 +8,20 @@ work end to end; greedy outputs are compared with the plain LLMEngine's for the 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import http.client
 import json
 import threading
 import time
 
-import jax.numpy as jnp
-import numpy as np
 import openai
 import pytest
 from aiohttp import web
 
-from conftest import DATA
+from arch_helpers import widened
 from jserve.core.request import MAX_LOGPROBS, SamplingParams
 from jserve.engine import EngineConfig, build_engine
 from jserve.engine.async_engine import AsyncLLMEngine
-from jserve.model.checkpoint import read_params
 from jserve.server import ServerState, build_app
 from jserve.server.http import CappedSite
 from jserve.text.tokenizer import Tokenizer
@@ -91,16 +88,12 @@ def assert_error(status, body, want_status, code=None, *, contains=()):
 
 @pytest.fixture(scope="module")
 def engine(smollm2_checkpoint):
-    config, params = read_params(DATA / "arch" / "smollm2")
     tokenizer = Tokenizer.load(smollm2_checkpoint)
-    embed = np.asarray(params["embed"])
-    extra = np.random.default_rng(0).normal(0, embed.std(), (tokenizer.vocab_size - embed.shape[0], embed.shape[1]))
-    params = {**params, "embed": np.concatenate([embed, extra.astype(embed.dtype)])}
-    config = dataclasses.replace(config, vocab_size=tokenizer.vocab_size)
+    config, params = widened("smollm2", tokenizer.vocab_size)
     # few buckets (5 shapes): a 49152-wide vocabulary makes each compile slow on a cold cache
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN, page_size=4,
                        num_pages=256, backend="cpu", warmup=True)
-    return build_engine(config, {k: jnp.asarray(v) for k, v in params.items()}, tokenizer, [], cfg)
+    return build_engine(config, params, tokenizer, [], cfg)
 
 
 def run_sync(engine, prompts, params):
@@ -123,15 +116,25 @@ def expected(engine):
             "ids": dict(zip(PROMPTS, ids))}
 
 
+@contextlib.contextmanager
+def serving(engine, model_names, **app_kwargs):
+    """`engine` (an LLMEngine) behind a live server on a loopback port; its engine thread is shut
+    down after."""
+    aengine = AsyncLLMEngine(engine)
+    state = ServerState(model_names)
+    state.attach(aengine)
+    srv = Server(state, **app_kwargs)
+    try:
+        yield srv
+    finally:
+        srv.close()
+        assert aengine.shutdown(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def server(engine, expected):
-    aengine = AsyncLLMEngine(engine)
-    state = ServerState(MODEL)
-    state.attach(aengine)
-    srv = Server(state, max_body_bytes=64 * 1024)
-    yield srv
-    srv.close()
-    assert aengine.shutdown(timeout=30)
+    with serving(engine, MODEL, max_body_bytes=64 * 1024) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -54,21 +54,17 @@ class SampleGroup:
     def output(self) -> RequestOutput:
         params = self.params
         finished = all(s.is_finished for s in self.sequences)
+        chosen = [(s.index, s) for s in self.sequences]
         if params.num_samples > params.n:  # best_of: nothing until all are done, then the n best
-            best = sorted(self.sequences, key=lambda s: -s.cumulative_logprob)[:params.n] if finished else []
-            outs = [CompletionOutput(i, s.text, list(s.output_token_ids), None if s.logprobs is None else
-                                     list(s.logprobs), s.status.finish_reason, s.stop_reason)
-                    for i, s in enumerate(best)]
-            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.prompt_logprobs,
-                                 finished=finished)
-        if self.params.max_tokens == 0:  # its sequences' one sample is hidden (LLMEngine.add_request)
-            reasons = [s.status.finish_reason for s in self.sequences]
-            outs = [CompletionOutput(s.index, "", [], None if s.logprobs is None else [],
-                                     reason if reason in (None, "abort") else "length")
-                    for s, reason in zip(self.sequences, reasons)]
+            chosen = list(enumerate(sorted(self.sequences, key=lambda s: -s.cumulative_logprob)[:params.n]
+                                    if finished else []))
+        if params.max_tokens == 0:  # its sequences' one sample is hidden (LLMEngine.add_request)
+            outs = [CompletionOutput(i, "", [], None if s.logprobs is None else [],
+                                     s.status.finish_reason if s.status.finish_reason in (None, "abort") else "length")
+                    for i, s in chosen]
         else:
-            outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids),
+            outs = [CompletionOutput(i, s.text, list(s.output_token_ids),
                                      None if s.logprobs is None else list(s.logprobs),
-                                     s.status.finish_reason, s.stop_reason) for s in self.sequences]
+                                     s.status.finish_reason, s.stop_reason) for i, s in chosen]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.prompt_logprobs,
-                             finished=all(s.is_finished for s in self.sequences))
+                             finished=finished)

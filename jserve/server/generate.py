@@ -233,7 +233,7 @@ class _Generation:
         for chunk in chunks:
             extra = _null_usage(self.req)
             if self.req.continuous_usage:
-                extra = {"usage": reply_fields.chunk_usage(self.req, self.choices[chunk["index"]])}
+                extra = {"usage": reply_fields.chunk_usage(self.choices[chunk["index"]])}
             if self.req.chat and self.req.return_token_ids and not self.prompt_ids_sent:
                 extra["prompt_token_ids"], self.prompt_ids_sent = self.req.prompts[0][1], True
             await _send(self.request, self.response, {**self.head, "choices": [chunk], **extra}, self.write_timeout)

@@ -66,7 +66,7 @@ def final_extras(req: GenerateRequest, ch: Any, choice: dict) -> None:
         choice["token_ids"] = list(ch.token_ids)
 
 
-def chunk_usage(req: GenerateRequest, ch: Any) -> dict:
+def chunk_usage(ch: Any) -> dict:
     """A chunk's usage with `continuous_usage_stats`: its choice's prompt and tokens so far."""
     prompt, done = len(ch.prompt_token_ids), len(ch.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
