@@ -11,12 +11,27 @@ import pytest
 from test_update_weights import SETTINGS, _tokens, checkpoints  # noqa: F401 - the fixture
 
 
-def _device_copies(served, before_ids) -> list:
-    """Device arrays made since `before_ids` with the shape and dtype of one of `served`."""
+def _on_device(x) -> bool:
+    return not x.is_deleted() and getattr(x.sharding, "memory_kind", None) not in ("pinned_host", "unpinned_host")
+
+
+def _bytes(arrays) -> int:
+    """Device bytes of the distinct, undeleted arrays among `arrays`."""
+    return sum({id(x): x.nbytes for x in arrays if _on_device(x)}.values())
+
+
+def _check_freed(llm, sleep) -> None:
+    """`sleep()` frees the served weights' and pages' device bytes and makes no device copy of
+    them. Counted over the arrays alive before it (held here, so their ids stay theirs): other
+    tests' engines in this process may allocate meanwhile (their background compiles)."""
+    served = jax.tree.leaves((llm.runner.params, llm.runner.kv))
+    alive = jax.live_arrays()
+    awake, ids, freed = _bytes(alive), {id(x) for x in alive}, _bytes(served)
+    sleep()
+    assert all(x.is_deleted() for x in served)
+    assert _bytes(alive) <= awake - freed + 1024  # (a step's small inputs come and go)
     shapes = {(x.shape, x.dtype) for x in served if x.nbytes > 1024}
-    return [x for x in jax.live_arrays() if id(x) not in before_ids and not x.is_deleted()
-            and getattr(x.sharding, "memory_kind", None) not in ("pinned_host", "unpinned_host")
-            and (x.shape, x.dtype) in shapes]
+    assert not [x for x in jax.live_arrays() if id(x) not in ids and _on_device(x) and (x.shape, x.dtype) in shapes]
 
 
 @pytest.mark.parametrize("backend", ["native", "xla"])
@@ -26,22 +41,14 @@ def test_sleep_frees_the_weights_and_pages_and_wake_serves_again(checkpoints, ba
     base, _, perturbed = checkpoints
     llm = LLM(str(base), backend=backend, **SETTINGS)
     before = _tokens(llm)
-    awake_ids = {id(x) for x in jax.live_arrays()}
-    served = jax.tree.leaves((llm.runner.params, llm.runner.kv))
-    llm.sleep(level=1)
-    assert llm.is_sleeping() and all(x.is_deleted() for x in served)
-    # Not the process's total device bytes: other tests' engines in this process allocate meanwhile
-    # (their background compiles). No new device array may have the shape of a weight or the pages.
-    assert not _device_copies(served, awake_ids)
+    _check_freed(llm, lambda: llm.sleep(level=1))
+    assert llm.is_sleeping()
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate([1, 2, 3])
     llm.wake_up()
     assert not llm.is_sleeping() and _tokens(llm) == before
     # level 2: the weights are dropped; wake_up reloads the checkpoint
-    served = jax.tree.leaves((llm.runner.params, llm.runner.kv))
-    awake_ids = {id(x) for x in jax.live_arrays()}
-    llm.sleep(level=2)
-    assert all(x.is_deleted() for x in served) and not _device_copies(served, awake_ids)
+    _check_freed(llm, lambda: llm.sleep(level=2))
     llm.wake_up()
     assert _tokens(llm) == before
     # level 2, then new weights while asleep: they are what wakes up
