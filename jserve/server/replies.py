@@ -55,9 +55,8 @@ def _openai_calls(req: protocol.GenerateRequest, calls: list) -> list:
     return calls if req.tools is None or req.tools.parallel else calls[:1]
 
 
-
 def chunk(req: protocol.GenerateRequest, ch: Choice, delta: Any, offset: int, tok: Any,
-           scored: tuple[list[int], list] | None) -> dict | None:
+          scored: tuple[list[int], list] | None) -> dict | None:
     """One streamed choice for the new part `delta` (a CompletionOutput of deltas); None where a
     tool-call parser holds the whole part back. An echo with logprobs sends the prompt's (`scored`)
     in the first."""
