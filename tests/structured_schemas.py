@@ -1,8 +1,9 @@
 """The JSON-schema suite for structured outputs (OpenAI `response_format: json_schema`).
 
-Data plus one helper, no tests: tests/test_structured_schemas.py random-walks every schema through
+Data, no tests: tests/test_structured_schemas.py random-walks every schema through
 llguidance (proving the library compiles and enforces it end to end), the engine and server tests
-decode the real default model (SmolLM2-135M-Instruct) under each and check the text with `validate`.
+decode the real default model (SmolLM2-135M-Instruct) under each and check the text with
+`validate` (tests/schema_validation.py).
 
 Every case is *bounded* unless marked `bounded=False`: each free string has a `maxLength` (<= 40),
 each array a `maxItems` (<= 5), and each object `additionalProperties: false`, so that a 135M
@@ -23,69 +24,10 @@ keys" or refuses): `propertyNames`, `contains`, `dependentRequired`, `uniqueItem
 `oneOf` branches (it asks for the `coerce_one_of` option), and `minProperties`/`maxProperties`
 unless every listed property is required. Formats `hostname`, `duration` and `uri` compile, but
 jsonschema cannot check them here (its checkers need fqdn, isoduration, rfc3987), so they are left
-out too; see `FORMAT_CHECKER` for date-time and time.
+out too; see tests/schema_validation.py's `FORMAT_CHECKER` for date-time and time.
 """
 
-import dataclasses
-import datetime
-import json
-import re
-
-import jsonschema
-
-
-@dataclasses.dataclass(frozen=True)
-class SchemaCase:
-    name: str
-    schema: dict
-    prompt: str  # a user message asking for such an object, short and concrete
-    bounded: bool = True  # False: some string (or array) has no maxLength (maxItems)
-    example: object = None  # one valid instance (its json.dumps is what a constrained decode may emit)
-
-
-# `jsonschema.FormatChecker()` with no arguments is not what Draft 2020-12 means: it maps "time"
-# to draft 3's `%H:%M:%S` (rejecting RFC 3339 offsets and fractions, which llguidance allows),
-# and without the optional rfc3339-validator package it checks no "date-time" at all. So start
-# from the 2020-12 checker's formats and add strict RFC 3339 (section 5.6) date-time and time.
-FORMAT_CHECKER = jsonschema.FormatChecker(formats=list(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers))
-
-_RFC3339_TIME = r"(\d{2}):(\d{2}):(\d{2})(?:\.\d+)?(?:[Zz]|([+-])(\d{2}):(\d{2}))"
-_TIME_RE = re.compile(_RFC3339_TIME)
-_DATE_TIME_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})[Tt]" + _RFC3339_TIME)
-
-
-def _time_ok(hour: str, minute: str, second: str, sign: str | None, off_h: str | None, off_m: str | None) -> bool:
-    if int(hour) > 23 or int(minute) > 59 or int(second) > 60:  # 60: a leap second
-        return False
-    return sign is None or (int(off_h) <= 23 and int(off_m) <= 59)
-
-
-@FORMAT_CHECKER.checks("date-time", raises=ValueError)
-def _is_date_time(instance: object) -> bool:
-    if not isinstance(instance, str):
-        return True
-    m = _DATE_TIME_RE.fullmatch(instance)
-    if m is None:
-        return False
-    datetime.date(int(m[1]), int(m[2]), int(m[3]))  # raises ValueError on 2025-02-30
-    return _time_ok(*m.groups()[3:])
-
-
-@FORMAT_CHECKER.checks("time")
-def _is_time(instance: object) -> bool:
-    if not isinstance(instance, str):
-        return True
-    m = _TIME_RE.fullmatch(instance)
-    return m is not None and _time_ok(*m.groups())
-
-
-def validate(case: SchemaCase, text: str) -> object:
-    """Parse `text` as JSON and check it against `case.schema`, formats included.
-
-    Returns the parsed value; raises json.JSONDecodeError or jsonschema.ValidationError."""
-    obj = json.loads(text)
-    jsonschema.validate(obj, case.schema, format_checker=FORMAT_CHECKER)
-    return obj
+from schema_validation import SchemaCase
 
 
 def _str(max_length: int, **extra) -> dict:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from jserve.core.request import SamplingParams, StructuredOutputsParams
-from structured_schemas import SCHEMAS, validate
+from schema_validation import validate
+from structured_schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from structured_schemas import SCHEMAS, SchemaCase, validate
+from schema_validation import SchemaCase, validate
+from structured_schemas import SCHEMAS
 
 llg = pytest.importorskip("llguidance")
 lln = pytest.importorskip("llguidance.numpy")
