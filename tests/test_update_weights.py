@@ -72,6 +72,9 @@ def test_update_equals_a_fresh_llm_on_the_new_weights(checkpoints, backend):
     _, original, _ = load_checkpoint(base)
     llm.update_weights(_hf_names(original, llm.config.num_layers))
     assert _tokens(llm) == before
+    # donated device arrays already on the serving device: taken over, not freed under the new params
+    llm.update_weights({k: jax.device_put(v) for k, v in perturbed.items()}, donate=True)
+    assert _tokens(llm) == want
     assert llm.stats()["compilations_after_warmup"] == 0
     llm.close()
 

@@ -157,9 +157,11 @@ def serving_params(engine: "LLMEngine", flat: dict[str, Any], *, donate: bool = 
 
 def _moved(x: Any, sharding: Any, donate: bool) -> Any:
     """`x` in `sharding`; a donated JAX source's buffers are freed once copied (not through
-    `device_put(donate=)`, whose aliasing between a CPU's devices left `x` live on freed memory)."""
+    `device_put(donate=)`, whose aliasing between a CPU's devices left `x` live on freed memory).
+    Where `x` is in `sharding` already, nothing is copied: the result holds its buffers."""
     out = jax.device_put(x, sharding)
-    if donate and isinstance(x, jax.Array) and out is not x and not x.is_deleted():
+    copied = isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(sharding, x.ndim)
+    if donate and copied and not x.is_deleted():
         out.block_until_ready()
         x.delete()
     return out
