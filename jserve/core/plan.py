@@ -53,6 +53,8 @@ class Request:
     # scheduler's update feeds it each sampled token.
     grammar: Any = None
     stop: Stop | None = None  # what ended it, where a stop rule did (None: running, aborted)
+    lora_name: str | None = None  # its LoRA adapter (`jserve.core.lora_slots`); None: the base model
+    lora_slot: int = 0  # the model's slot holding that adapter while it runs; 0: none
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jserve.model import lora as lora_slots
 from jserve.model import moe, quant
 from jserve.model.config import LAYER_MATMULS, ModelConfig
 from jserve.model.rotary import apply_rotary, model_rotary_tables
@@ -56,6 +57,7 @@ class ModelOps(Protocol):
     """
 
     attention: Attention
+    lora_ids: Any  # int32 [batch, tokens]: each token's LoRA slot (`jserve.model.lora`); None: no adapters
 
     def linear(self, x: jax.Array, w: Any, out_features: Any) -> Any:
         """x [..., in] @ w for a layer weight as the params hold it; given a tuple of weights (and
@@ -107,8 +109,7 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float | None = 
 
 
 def _w(variable: nnx.Variable) -> Any:
-    """A weight as the params hold it: an array, or a pytree such as a `QuantizedWeight`."""
-    return variable.get_value()
+    return variable.get_value()  # an array, or a pytree such as a `QuantizedWeight`
 
 
 _GLOBAL = ("embed", "final_norm", "lm_head")
@@ -122,7 +123,8 @@ class DecoderLayer(nnx.Module):
     stack that scans over them (`scanned_layers`); a scanned step sees one layer's slice.
     """
 
-    def __init__(self, c: ModelConfig, dtype, rngs: nnx.Rngs, stack: int | None = None):
+    def __init__(self, c: ModelConfig, dtype, rngs: nnx.Rngs, stack: int | None = None,
+                 lora: lora_slots.LoraSpec | None = None):
         D, F, hd = c.hidden_size, c.intermediate_size, c.head_dim
         qd, kvd = c.num_heads * hd, c.num_kv_heads * hd
         lead = () if stack is None else (stack,)
@@ -149,10 +151,12 @@ class DecoderLayer(nnx.Module):
             self.w_gate, self.w_up, self.w_down = param((D, F)), param((D, F)), param((F, D))
         if c.mlp_bias:
             self.b_gate, self.b_up, self.b_down = param((F,), 0.0), param((F,), 0.0), param((D,), 0.0)
+        if lora is not None:  # adapter slots beside the target linears (`jserve.model.lora`)
+            for name, shape in lora_slots.slot_shapes(c, lora).items():
+                setattr(self, name, param(shape, 0.0))
 
     def matmul_weights(self) -> tuple[Any, ...]:
-        """The layer's matmul weights in `LAYER_MATMULS` order, as the params hold them."""
-        return tuple(_w(getattr(self, name)) for name in LAYER_MATMULS)
+        return tuple(_w(getattr(self, name)) for name in LAYER_MATMULS)  # as the params hold them
 
     def __call__(self, x: jax.Array, cos: Any, sin: Any, cache: Any, layer: Any, meta: Any,
                  ops: ModelOps, sliding: bool | None = None) -> tuple[jax.Array, Any]:
@@ -186,6 +190,13 @@ class DecoderLayer(nnx.Module):
         c = self.config
         return rms_norm(h, weight[...], c.rms_norm_eps, c.norm_offset)
 
+    def _linear(self, ops: ModelOps, x: jax.Array, names: tuple[str, ...], widths: tuple[int, ...]):
+        """The products of x and the named weights (`ops.linear`; one weight alone, several as one
+        call), each plus its tokens' LoRA deltas where the step has adapters (`ops.lora_ids`)."""
+        weights = tuple(_w(getattr(self, n)) for n in names)
+        outs = ops.linear(x, weights, widths) if len(names) > 1 else (ops.linear(x, weights[0], widths[0]),)
+        return outs if ops.lora_ids is None else lora_slots.apply(self, names, x, outs, ops.lora_ids)
+
     def _attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Any, layer: Any,
                    meta: Any, ops: ModelOps, spec: AttentionSpec) -> tuple[jax.Array, Any]:
         """The attention block's output (before the residual) and the cache with its K/V written."""
@@ -193,7 +204,7 @@ class DecoderLayer(nnx.Module):
         B, T, _ = x.shape
         qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h = self._norm(x, self.attn_norm)
-        q, k, v = ops.linear(h, (_w(self.wq), _w(self.wk), _w(self.wv)), (qd, kvd, kvd))
+        q, k, v = self._linear(ops, h, ("wq", "wk", "wv"), (qd, kvd, kvd))
         if c.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(B, T, c.num_heads, c.head_dim)
@@ -205,7 +216,7 @@ class DecoderLayer(nnx.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         attn, cache = ops.attention(layer, q, k, v, cache, meta, spec)
-        out = ops.linear(attn.reshape(B, T, qd), _w(self.wo), c.hidden_size)
+        (out,) = self._linear(ops, attn.reshape(B, T, qd), ("wo",), (c.hidden_size,))
         if c.o_bias:
             out = out + self.bo[...]
         if c.post_norms:
@@ -220,11 +231,11 @@ class DecoderLayer(nnx.Module):
         if c.moe:
             down = moe.moe_mlp(self, h, ops)
         else:
-            gate, up = ops.linear(h, (_w(self.w_gate), _w(self.w_up)), (F, F))
+            gate, up = self._linear(ops, h, ("w_gate", "w_up"), (F, F))
             if c.mlp_bias:
                 gate, up = gate + self.b_gate[...], up + self.b_up[...]
             act = jax.nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-            down = ops.linear(act * up, _w(self.w_down), D)
+            (down,) = self._linear(ops, act * up, ("w_down",), (D,))
             if c.mlp_bias:
                 down = down + self.b_down[...]
         if c.post_norms:
@@ -249,8 +260,7 @@ def scanned_layers(layers: DecoderLayer, x, cos, sin, cache, meta, ops: ModelOps
     `config.layer_period()` layers (2 for Gemma 2, 6 for Gemma 3), each group one traced copy of
     each of its layers with its kind fixed; the layers after the last whole group (Gemma 3 1B's
     26 = 4 x 6 + 2) run after the scan, one traced copy each. The compiled step grows with the
-    period, not the depth. (A traced window would need the kernels to take it at run time; two
-    attention calls per layer selected by `where` would double attention's cost.)"""
+    period, not the depth (a traced window would need the kernels to take it at run time)."""
     graphdef, state = nnx.split(layers)
     num_layers = jax.tree.leaves(state)[0].shape[0]
     config = layers.config
@@ -295,11 +305,7 @@ def xla_linear(x: jax.Array, w, out_features):
 
 def xla_tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
     """Float32 logits [rows, vocab] = x [rows, hidden] @ embed [vocab, hidden].T, as an XLA dot.
-
-    Written E @ x.T, not x @ E.T: at one row XLA:CPU runs the former as a matrix-vector product
-    over E's contiguous rows and the latter as a transposing copy fused with the dot (slower); from
-    two rows on both become the same dot.
-    """
+    Written E @ x.T: at one row XLA:CPU runs x @ E.T as a slower transposing copy fused with the dot."""
     flat = jax.lax.dot_general(embed, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return flat.T
 
@@ -314,6 +320,7 @@ class XlaOps:
     # "gather") and the mesh whose ep / tp axes split the experts (None: one device).
     grouped_matmul: str = "ragged_dot"
     mesh: Any = None
+    lora_ids: Any = None  # `ModelOps.lora_ids`: set inside a step (`jserve.runtime.device_steps`)
 
     def linear(self, x, w, out_features):
         return xla_linear(x, w, out_features)
@@ -348,7 +355,7 @@ class LlamaModel(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-                 layout: str = "list"):
+                 layout: str = "list", lora: lora_slots.LoraSpec | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         rngs = rngs or nnx.Rngs(0)
@@ -356,9 +363,9 @@ class LlamaModel(nnx.Module):
         self.config = c
         self.embed = _param(rngs, (c.vocab_size, c.hidden_size), dtype)
         if layout == "stacked":
-            self.layers = DecoderLayer(c, dtype, rngs, stack=c.num_layers)
+            self.layers = DecoderLayer(c, dtype, rngs, stack=c.num_layers, lora=lora)
         else:
-            self.layers = nnx.List([DecoderLayer(c, dtype, rngs) for _ in range(c.num_layers)])
+            self.layers = nnx.List([DecoderLayer(c, dtype, rngs, lora=lora) for _ in range(c.num_layers)])
         self.final_norm = _param(rngs, (c.hidden_size,), dtype, 0.0 if c.norm_offset else None)
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), dtype)
@@ -406,7 +413,7 @@ class LlamaModel(nnx.Module):
 
 def _layer_slice(w: Any, i: int) -> Any:
     """Layer i of a stacked weight (an array, or every array of a `QuantizedWeight`)."""
-    return jax.tree.map(lambda a: a[i], w) if quant.is_quantized(w) else w[i]
+    return jax.tree.map(lambda a: a[i], w)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -437,6 +444,7 @@ def params_layout(params: dict[str, Any]) -> str:
     return "list" if 0 in params["layers"] else "stacked"
 
 
-def model_graphdef(config: ModelConfig, layout: str = "list"):
-    """The model's structure without weights (for `nnx.merge(graphdef, model_params(...))`)."""
-    return nnx.graphdef(nnx.eval_shape(lambda: LlamaModel(config, layout=layout)))
+def model_graphdef(config: ModelConfig, layout: str = "list", lora: lora_slots.LoraSpec | None = None):
+    """The model's structure without weights (for `nnx.merge(graphdef, model_params(...))`), with
+    LoRA slots where `lora` is given (`jserve.model.lora.add_slots` adds them to the params)."""
+    return nnx.graphdef(nnx.eval_shape(lambda: LlamaModel(config, layout=layout, lora=lora)))

@@ -3,7 +3,8 @@ a speculative step's verification.
 
 Pure device code: they take the params, the KV pages (donated) and the step's arrays, and return
 the sampler's outputs and the new pages. The runner binds the model's graph and its backend's
-`ModelOps` with `functools.partial` and compiles one shape per bucket.
+`ModelOps` with `functools.partial` and compiles one shape per bucket. Over a model with LoRA
+slots each takes `lora`, the tokens' slot ids (`jserve.model.lora`; shaped as the tokens), else None.
 """
 
 from __future__ import annotations
@@ -20,13 +21,19 @@ from jserve.runtime.paged_attention import PagedMeta
 from jserve.runtime.sampler import prompt_logprobs, sample, token_counts
 
 
-def forward(graphdef, ops, params, kv, tokens, positions, meta, last):
+def with_lora(ops, lora):
+    """`ops` with the step's LoRA slot ids (`ModelOps.lora_ids`), or as they are without."""
+    return ops if lora is None else dataclasses.replace(ops, lora_ids=lora)
+
+
+def forward(graphdef, ops, params, kv, tokens, positions, meta, last, lora=None):
     """The model over each row's tokens: float32 logits [batch, vocab] at each row's `last` token,
     and the new pages. A mixed step (`RaggedMeta`: tokens [groups, num_tokens], last [groups,
     rows], indices into the group's tokens) gives [groups * rows, vocab], group-major."""
     model = nnx.merge(graphdef, params)
     index = jnp.maximum(last, 0)
-    logits, kv = model(tokens, positions, kv, meta, ops, logits_index=index if last.ndim == 2 else index[:, None])
+    logits, kv = model(tokens, positions, kv, meta, with_lora(ops, lora),
+                       logits_index=index if last.ndim == 2 else index[:, None])
     return logits.reshape(-1, logits.shape[-1]), kv
 
 
@@ -43,12 +50,13 @@ def sample_rows(logits, sampling, history, bitmask, feed_rows: int = 0):
     return out
 
 
-def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sampling, history, bitmask):
+def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sampling, history, bitmask,
+          lora=None):
     """A prefill chunk whose prompt logprobs are wanted: the model's logits at every position, the
     logprobs of `next_ids` (the token after each position; negative: none) under them, and the
     sampler at each row's `last` token, as `forward` + `sample_rows` give it."""
     model = nnx.merge(graphdef, params)
-    logits, kv = model(tokens, positions, kv, meta, ops)  # [batch, tokens, vocab]
+    logits, kv = model(tokens, positions, kv, meta, with_lora(ops, lora))  # [batch, tokens, vocab]
     final = jnp.take_along_axis(logits, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
     chosen, rank, top_ids, top_logprobs = prompt_logprobs(logits, jnp.maximum(next_ids, 0),
                                                           num_logprobs=MAX_LOGPROBS)
@@ -57,12 +65,13 @@ def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sa
 
 
 def multi_decode(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, decode_steps,
-                 stop_ids, min_new, sampling, history):
+                 stop_ids, min_new, sampling, history, lora=None):
     """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
     early once every row has stopped. A stopped row (and a padded one, `decode_steps` 0) runs as a
     padded row: no query, its K/V write into the null page. No row has a grammar: its mask
     depends on each sample, which the host must see (the scheduler runs such rows in single steps)."""
     model = nnx.merge(graphdef, params)
+    ops = with_lora(ops, None if lora is None else lora[:, None])  # a row's slot, for its one token
     B = tokens.shape[0]
     rows = jnp.arange(B)
     ids, num_prompt = history
@@ -101,7 +110,7 @@ def multi_decode(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
     return {**buffers, "num_valid": valid}, kv
 
 
-def verify(graphdef, ops, params, kv, tokens, positions, meta, drafts, sampling, history, bitmask):
+def verify(graphdef, ops, params, kv, tokens, positions, meta, drafts, sampling, history, bitmask, lora=None):
     """A speculative step (see `jserve.core.speculative`): each row's last known token and its
     drafts, tokens [batch, k + 1] (a row of q_lens 1 + m holds m drafts; `drafts` int32 [batch, k],
     -1 past them), computed in one call; the sampler runs at every position j as plain decoding
@@ -113,7 +122,7 @@ def verify(graphdef, ops, params, kv, tokens, positions, meta, drafts, sampling,
     for a padding row; and the new pages.
     """
     model = nnx.merge(graphdef, params)
-    logits, kv = model(tokens, positions, kv, meta, ops)  # [batch, k + 1, vocab]
+    logits, kv = model(tokens, positions, kv, meta, with_lora(ops, lora))  # [batch, k + 1, vocab]
     B, T, V = logits.shape
     j = jnp.arange(T, dtype=jnp.int32)
     flat = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), sampling)

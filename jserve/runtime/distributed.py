@@ -135,7 +135,8 @@ class StepBroadcast:
                                                page_size=runner.page_size)
             else:
                 packed = runner.pack([None] * B, B, T)
-            template = StepInputs.of(packed, *runner.sampling_inputs([], B), runner.masks.ones(B) if masked else None)
+            template = StepInputs.of(packed, *runner.sampling_inputs([], B), runner.masks.ones(B) if masked else None,
+                                     None if runner.lora is None else np.zeros_like(packed[0]))
             jax.block_until_ready(runner.device_step(broadcast(None, template)))
             steps += 1
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from jserve.core import buckets
 from jserve.core.stop import MAX_DEVICE_STOP_IDS
-from jserve.runtime import device_steps
+from jserve.runtime import device_steps, step_rows
 from jserve.runtime.steps import StepOutput, StepRecord, StepRow
 
 
@@ -106,7 +106,8 @@ class MultiTokenSteps:
             stop_ids[i, :len(ids)] = ids
             min_new[i] = r.min_new
         sampling, history = self.runner.sampling_inputs(placed, B)
-        return tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new, sampling, history
+        lora = None if self.runner.lora is None else step_rows.lora_ids(placed, B, 1)[:, 0]
+        return tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new, sampling, history, lora
 
     def execute_verify(self, rows: Sequence[StepRow]) -> StepOutput:
         """A speculative step: each decode row's token and its `draft_ids` (at most
@@ -152,7 +153,9 @@ class MultiTokenSteps:
         sampling, history = self.runner.sampling_inputs(placed, B)
         constraints = [(r.grammar_matcher, i * T, list(r.draft_ids)) for i, r in enumerate(rows)
                        if r.grammar_matcher is not None]
-        return tokens, positions, meta, drafts, sampling, history, self.runner.masks.device_drafts(B * T, constraints)
+        lora = None if self.runner.lora is None else step_rows.lora_ids(placed, B, T)
+        return (tokens, positions, meta, drafts, sampling, history, self.runner.masks.device_drafts(B * T, constraints),
+                lora)
 
     def verify_fn(self, batch: int, tokens: int):
         """The jitted verify step (`device_steps.verify`) with the backend's compiler options."""

@@ -18,13 +18,16 @@ import jax
 import numpy as np
 
 from jserve.core import buckets
+from jserve.model import lora as lora_model
 from jserve.model import model_graphdef, quant
 from jserve.model.config import ModelConfig
-from jserve.runtime import backends, device_steps, param_swap, step_rows, warmup
+from jserve.model.lora import LoraSpec
+from jserve.runtime import backends, device_steps, param_swap, scoring_step, step_rows, warmup
 from jserve.runtime.backends import Backend
 from jserve.runtime.compile_tracker import CompileTracker
 from jserve.runtime.distributed import StepBroadcast
 from jserve.runtime.lazy_buckets import BucketCompiler
+from jserve.runtime.lora_writer import LoraSlotWriter
 from jserve.runtime.multi_token_steps import MultiTokenSteps
 from jserve.runtime.overlap import Launched, OverlapLauncher
 from jserve.runtime.sampler import SamplingArrays, penalty_history
@@ -43,13 +46,13 @@ class Runner:
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
                  huge_pages: bool = True, max_decode_steps: int = 1, num_speculative_tokens: int = 0,
-                 max_verify_rows: int | None = None):
+                 max_verify_rows: int | None = None, lora: LoraSpec | None = None):
         """`backend`: a `Backend`, or its name for `backends.create` (with `native_matmuls` and
         `huge_pages`); it decides the page size (when None), the layouts and every operation.
         `params`: checkpoint weights (stacked) or a model state in the backend's layout; with a
         ('dp', 'tp') `mesh`, laid out and placed for it (`sharding.place_params`), and buckets,
         `max_num_batched_tokens` and page ids are per data-parallel group. The last three
-        arguments: `MultiTokenSteps`."""
+        arguments: `MultiTokenSteps`. `lora`: the model's LoRA slots (`LoraSlotWriter`), None: none."""
         self.config = config
         self.mesh = mesh
         self.backend = backends.create(backend, mesh=mesh, native_matmuls=native_matmuls, huge_pages=huge_pages)
@@ -65,6 +68,9 @@ class Runner:
         self.param_bytes = quant.param_bytes(params)
         self.num_params = quant.param_count(params)
         self.params = self.backend.prepare_params(config, params)
+        self.lora = None if lora is None else LoraSlotWriter(config, lora)
+        if self.lora is not None:
+            self.params = self.lora.add_slots(self.params, self._put)
         self.page_size = page_size or self.backend.default_page_size
         self.num_pages = num_pages
         self.max_model_len = max_model_len
@@ -109,7 +115,7 @@ class Runner:
     def _init_programs(self) -> None:
         """The jitted forward (per compiler options), sampler and scoring step."""
         self.ops = self.backend.ops(self.config)
-        self.graphdef = model_graphdef(self.config, self.backend.param_layout)
+        self.graphdef = model_graphdef(self.config, self.backend.param_layout, self.lora and self.lora.spec)
         self._jit_kwargs: dict = {"donate_argnames": ("kv",)}
         score_kwargs: dict = {"donate_argnames": ("kv",)}
         if self.mesh is not None:
@@ -173,7 +179,7 @@ class Runner:
         prompt: dict[int, PromptLogprobs] = {}
         for i, r in enumerate(rows):  # chunks whose prompt logprobs are wanted: a call each
             if r.prompt_targets is not None:
-                self._score(r, i, results, prompt)
+                results[i], prompt[i] = scoring_step.score_row(self, r)
         # Per group its rows; with a prefill chunk among any group's, every row of the step goes
         # into mixed calls (the ragged kernel: decode rows and chunks together), else decode calls.
         plain = [[i for i, r in enumerate(rows) if r.prompt_targets is None and r.dp_group == g]
@@ -192,32 +198,6 @@ class Runner:
         if prompt:
             out.prompt = [prompt.get(i) for i in range(len(rows))]
         return out
-
-    def _score(self, row: StepRow, i: int, results: dict, prompt: dict) -> None:
-        """Row i alone (in its group's block of a `dp`-row call), with its prompt logprobs. The
-        scoring step compiles on first use per token bucket (few requests ask for prompt
-        logprobs), counted apart (`num_score_compilations`)."""
-        if self.multiprocess:
-            raise ValueError("prompt logprobs are not available in a multi-process run")
-        T = buckets.pick(self.token_buckets, row.num_tokens)
-        B = self.dp
-        placed: list[StepRow | None] = [None] * B
-        placed[row.dp_group] = row
-        targets = np.full((B, T), -1, np.int32)
-        targets[row.dp_group, :row.num_tokens] = row.prompt_targets
-        x = self.place(self.host_inputs(placed, B, T))
-        targets = self.place(targets)
-        mask = self.masks.device(B, self.grammar_rows(placed))
-
-        def call():
-            out, plp, self.kv = self._score_step(self.params, self.kv, x.tokens, x.positions, x.meta, x.last,
-                                                 targets, x.sampling, x.history, mask)
-            return out, plp
-
-        (out, plp), seconds = self.compiles.timed(("score", B, T), lambda: [self._score_step], call, score=True)
-        self.step_log.add(StepRecord("score", (B, T), row.num_tokens, B * T, seconds, *self.cost([row])))
-        results[i] = {key: value[row.dp_group] for key, value in out.items()}
-        prompt[i] = PromptLogprobs(**{key: value[row.dp_group, :row.num_tokens] for key, value in plp.items()})
 
     def run_call(self, all_rows: Sequence[StepRow], parts, results, kind):
         """One decode or mixed call; `parts[g]` are the row indices of group g, placed in the g-th
@@ -284,16 +264,19 @@ class Runner:
         for i, slot in slot_of.items():
             placed[slot] = all_rows[i]
         if kind == "mixed":
-            packed = step_rows.pack_ragged([[all_rows[i] for i in p] for p in parts], Bg, T,
-                                           max_pages=self.max_pages, page_size=self.page_size, config=self.config)
-            inputs = StepInputs.of(packed, *self.sampling_inputs(placed, B))
+            groups = [[all_rows[i] for i in p] for p in parts]
+            packed = step_rows.pack_ragged(groups, Bg, T, max_pages=self.max_pages, page_size=self.page_size,
+                                           config=self.config)
+            lora = None if self.lora is None else step_rows.lora_ids_ragged(groups, T)
+            inputs = StepInputs.of(packed, *self.sampling_inputs(placed, B), lora=lora)
         else:
             inputs = self.host_inputs(placed, B, T)
         return PreparedCall(kind, B, T, rows, slot_of, placed, inputs)
 
     def host_inputs(self, placed: Sequence[StepRow | None], B: int, T: int) -> StepInputs:
         """A decode-shaped call's host inputs: one `StepRow` or None (padding) per batch row."""
-        return StepInputs.of(self.pack(placed, B, T), *self.sampling_inputs(placed, B))
+        lora = None if self.lora is None else step_rows.lora_ids(placed, B, T)
+        return StepInputs.of(self.pack(placed, B, T), *self.sampling_inputs(placed, B), lora=lora)
 
     def sampling_inputs(self, rows: Sequence[StepRow | None], B: int):
         """The rows' `SamplingArrays` and penalty history, padded to B rows."""
@@ -320,7 +303,8 @@ class Runner:
         tokens = self.device_tokens(x.tokens)
         if fed is not None:
             tokens = self.overlap.feed_fn(tokens, *fed)
-        logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, x.positions, x.meta, x.last)
+        logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, x.positions, x.meta, x.last,
+                                                      x.lora)
         bitmask = x.mask if x.mask is not None else self.masks.device(x.last.size, constraints)  # a row per sample
         return self.sample_fn(logits, x.sampling, x.history, bitmask)
 
@@ -409,7 +393,6 @@ class Runner:
             self.lazy.fallbacks += 1
         return shape[0] // spanned, shape[1]
 
-
     def groups_spanned(self, kind: str) -> int:
         """Data-parallel groups a call of `kind` spans (multi-step decode and verify run on one)."""
         return self.dp if kind in ("decode", "mixed") else 1
@@ -421,8 +404,15 @@ class Runner:
     # ------------------------------------------------------------------ life cycle
     def replace_params(self, new) -> None:
         """Swap in weights of the served params' tree, shapes, dtypes and shardings (no recompile,
-        the old buffers freed); ValueError naming the first mismatch."""
-        param_swap.Residency.of(self).replace_params(new)
+        the old buffers freed; LoRA slots stay); ValueError naming the first mismatch."""
+        param_swap.Residency.of(self).replace_params(new if self.lora is None else lora_model.carry_slots(
+            new, self.params))
+
+    def write_lora_slot(self, slot: int, weights: dict | None) -> None:
+        """LoRA slot `slot` holds this adapter from the next step on (`LoraSlotWriter.write`)."""
+        if self.lora is None:
+            raise ValueError("this runner has no LoRA slots (enable_lora)")
+        self.params = self.lora.write(self.params, slot, weights)
 
     def warmup(self, *, progress: bool = True, lazy: bool = False) -> None:
         """Compile every bucket now (the steps write only into the null page). With `lazy`, only

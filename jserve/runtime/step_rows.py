@@ -88,6 +88,26 @@ def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int, confi
     return tokens, positions, meta, last
 
 
+def lora_ids(rows, B: int, T: int) -> np.ndarray:
+    """int32 [B, T]: each row's LoRA slot (`StepRow.lora_slot`) over its tokens, 0 for padding."""
+    ids = np.zeros((B, T), np.int32)
+    for b, row in enumerate(rows):
+        if row is not None:
+            ids[b, :row.num_tokens] = row.lora_slot
+    return ids
+
+
+def lora_ids_ragged(groups, N: int) -> np.ndarray:
+    """int32 [groups, N]: a mixed step's tokens' LoRA slots, laid out as `pack_ragged` lays the tokens."""
+    ids = np.zeros((len(groups), N), np.int32)
+    for g, rows in enumerate(groups):
+        t = 0
+        for row in rows:
+            ids[g, t:t + row.num_tokens] = row.lora_slot
+            t += row.num_tokens
+    return ids
+
+
 def cost(config: ModelConfig, rows, *, param_bytes: int, num_params: int, kv_itemsize: int,
          kv_scale_bytes: int = 0) -> tuple[int, int]:
     """The bytes and FLOPs a step over these (real) rows needs at minimum: weights read once plus

@@ -41,6 +41,7 @@ class StepRow:
         `Runner.execute_verify` computes them with it and keeps those its samples confirm.
       banned_ids: tokens its sample may not be (its request's bad words after its output so far,
         `jserve.core.bad_words`), -inf entries beside the logit bias'.
+      lora_slot: the LoRA slot holding the request's adapter (`jserve.model.lora`); 0: none.
       seq_len: the sequence's tokens (prompt and output so far) when the step was planned; 0: the
         row's own end. A LongRoPE model rotates every token of a sequence longer than its original
         context by the long factors (`ModelConfig.long_rope`), a prompt's first chunks included:
@@ -63,6 +64,7 @@ class StepRow:
     draft_ids: Sequence[int] = ()
     seq_len: int = 0
     banned_ids: Sequence[int] = ()
+    lora_slot: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +82,8 @@ class StepRow:
                    p.has_penalties else None,
                    dp_group=dp_group, decode_steps=chunk.decode_steps, stop_ids=stop_ids, min_new=min_new,
                    prompt_targets=prompt_targets, grammar_matcher=req.grammar if chunk.emits_token else None,
-                   seq_len=req.num_tokens, banned_ids=bad_words.banned_ids(p.bad_words_token_ids, req.output_token_ids)
+                   seq_len=req.num_tokens, lora_slot=req.lora_slot,
+                   banned_ids=bad_words.banned_ids(p.bad_words_token_ids, req.output_token_ids)
                    if chunk.emits_token and p.bad_words_token_ids else ())
 
 
@@ -153,7 +156,8 @@ class StepInputs:
     """One compiled call's host inputs after the params and pages, a pytree (placed over the
     mesh and broadcast to other processes whole): the packed tokens, positions, attention
     metadata and each row's last token index (`step_rows.pack` / `pack_ragged`), the sampling
-    arrays, the penalty history, and the grammar bitmask where it travels with them."""
+    arrays, the penalty history, the grammar bitmask where it travels with them, and over a
+    model with LoRA slots each token's slot id (`step_rows.lora_ids`; None without)."""
 
     tokens: Any
     positions: Any
@@ -162,10 +166,11 @@ class StepInputs:
     sampling: Any
     history: Any
     mask: Any = None
+    lora: Any = None
 
     @classmethod
-    def of(cls, packed: tuple, sampling: Any, history: Any, mask: Any = None) -> "StepInputs":
-        return cls(*packed, sampling, history, mask)
+    def of(cls, packed: tuple, sampling: Any, history: Any, mask: Any = None, lora: Any = None) -> "StepInputs":
+        return cls(*packed, sampling, history, mask, lora)
 
 
 @dataclasses.dataclass

@@ -110,9 +110,10 @@ def compile_ahead(runner, kind: str, B: int, T: int, kv_spec) -> None:
     else:
         packed = runner.pack(placed, B * runner.dp, T)
     B *= runner.dp
-    x = runner.place(StepInputs.of(packed, *runner.sampling_inputs(placed, B)))
+    lora = None if runner.lora is None else np.zeros_like(packed[0])  # padding rows: no adapter
+    x = runner.place(StepInputs.of(packed, *runner.sampling_inputs(placed, B), lora=lora))
     tokens = runner.device_tokens(x.tokens)
-    forward = runner.step_fn(*tokens.shape).lower(runner.params, kv_spec, tokens, x.positions, x.meta, x.last)
+    forward = runner.step_fn(*tokens.shape).lower(runner.params, kv_spec, tokens, x.positions, x.meta, x.last, x.lora)
     forward.compile()
     logits = forward.out_info[0]
     if runner.mesh is not None:

@@ -212,8 +212,10 @@ class NativeCpuOps(XlaOps):
         return dataclasses.replace(self, attention=attention, fused=False)
 
     def takes_fused(self, x, cache) -> bool:
-        """Whether this step runs the fused layers: one token per row, float32 or bfloat16 pages."""
-        return self.fused and x.shape[1] == 1 and all(p.dtype in native_layer.PAGE_DTYPES for kv in cache for p in kv)
+        """Whether this step runs the fused layers: one token per row, float32 or bfloat16 pages, no
+        LoRA slots (the fused call has no place for their deltas)."""
+        return (self.fused and self.lora_ids is None and x.shape[1] == 1
+                and all(p.dtype in native_layer.PAGE_DTYPES for kv in cache for p in kv))
 
     def run_layers(self, layers, x, cos, sin, cache, meta):
         if self.takes_fused(x, cache):

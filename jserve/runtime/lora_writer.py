@@ -1,0 +1,57 @@
+"""Writing an adapter into one of the model's LoRA slots on the device (`jserve.model.lora`).
+
+A slot of every `lora_a_<t>` / `lora_b_<t>` stack is overwritten in place (the stack donated) by a
+jitted update whose slot index is traced: one small program per stack shape, compiled when the
+writer is made (it clears slot 1 then), none when adapters come and go while serving.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from jserve.model import lora, quant
+from jserve.model.config import ModelConfig
+
+
+@functools.partial(jax.jit, static_argnames="axis", donate_argnums=0)
+def _write(stack: jax.Array, index: jax.Array, value: jax.Array, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), index, axis)
+
+
+class LoraSlotWriter:
+    """Puts adapters into a model state's slots; `write` returns the state with the new arrays."""
+
+    def __init__(self, config: ModelConfig, spec: lora.LoraSpec):
+        self.config = config
+        self.spec = spec
+
+    def add_slots(self, params: dict[str, Any], put) -> dict[str, Any]:
+        """`params` (the backend's model state) with empty slots in the float weights' dtype, each
+        array placed by `put`; the writes' programs compiled (slot 1 cleared)."""
+        params = lora.add_slots(params, self.config, self.spec, quant.float_dtype(params), put)
+        return self.write(params, 1, None)
+
+    def write(self, params: dict[str, Any], slot: int, weights: dict[str, tuple[np.ndarray, np.ndarray]] | None,
+              ) -> dict[str, Any]:
+        """`params` with slot `slot` (1 .. max_loras) holding the adapter `weights` (target ->
+        (A [L, in, r], B [L, r, out]), the scaling folded into B; `lora.slot_arrays` checks and
+        pads them), or emptied (None)."""
+        if not 1 <= slot <= self.spec.max_loras:
+            raise ValueError(f"LoRA slot {slot} is not in 1 .. {self.spec.max_loras}")
+        padded = lora.slot_arrays(weights or {}, self.config, self.spec)
+        index = np.int32(slot - 1)
+        layers = params["layers"]
+        stacked = 0 not in layers
+        new_layers = dict(layers) if stacked else {i: dict(layer) for i, layer in layers.items()}
+        for t, (a, b) in padded.items():
+            for name, value, axis in ((f"lora_a_{t}", a, -2), (f"lora_b_{t}", b, -3)):
+                if stacked:  # [L, ...]: the slot axis counts from the end, the layer axis stays
+                    new_layers[name] = _write(layers[name], index, value, axis=axis)
+                    continue
+                for i in new_layers:
+                    new_layers[i][name] = _write(layers[i][name], index, value[i], axis=axis)
+        return {**params, "layers": new_layers}
