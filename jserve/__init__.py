@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "jserve.llm",
+    "LoRARequest": "jserve.core.lora_slots",
     "SamplingParams": "jserve.core.request",
     "StructuredOutputsParams": "jserve.core.request",
     "RequestOutput": "jserve.core.request",

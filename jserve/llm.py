@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
+from jserve.core.lora_slots import LoRARequest
 from jserve.core.request import RequestOutput, SamplingParams
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
@@ -140,14 +141,19 @@ class LLM:
         return params
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list; each prompt is text, token ids, or
-        `{"prompt": text}` / `{"prompt_token_ids": ids}`. Returns one RequestOutput per prompt."""
+        `{"prompt": text}` / `{"prompt_token_ids": ids}`. Returns one RequestOutput per prompt.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the LLM needs `enable_lora=True`."""
         self._require_task("generate")
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
-        return self._run([self._encode(item) for item in items], params)
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(items)
+        if len(loras) != len(items):
+            raise ValueError(f"{len(loras)} lora_requests for {len(items)} prompts")
+        return self._run([self._encode(item) for item in items], params, loras)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, dimensions: int | None = None) -> list[Any]:
         """Embed one prompt or a list (as `generate` takes them) with an embedding model (task
@@ -167,14 +173,16 @@ class LLM:
             raise ValueError(f"this model is loaded for task {served!r}, not {task!r}: load it with "
                              f"LLM(..., task={task!r})")
 
-    def _run(self, encoded: list, params: list) -> list:
-        """Add each (text, token ids) with its params and step until all are done; their outputs."""
+    def _run(self, encoded: list, params: list, loras: list | None = None) -> list:
+        """Add each (text, token ids) with its params (and LoRA adapter) and step until all are
+        done; their outputs."""
         request_ids = []
         try:
-            for (text, tokens), p in zip(encoded, params):
+            for (text, tokens), p, lora in zip(encoded, params, loras or [None] * len(params)):
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(rid, tokens, p, prompt=text)
+                extra = {} if lora is None else {"lora_request": lora}
+                self.engine.add_request(rid, tokens, p, prompt=text, **extra)
                 request_ids.append(rid)
         except ValueError:
             for rid in request_ids:

@@ -79,7 +79,7 @@ class DataParallelScheduler:
     def _route(self, request: Request) -> int:
         def key(g: int):
             s = self.schedulers[g]
-            hit = s.page_table.lookup_prefix(request.prompt_token_ids, cache_salt=request.cache_salt) \
+            hit = s.page_table.lookup_prefix(request.prompt_token_ids, cache_salt=request.prefix_salt) \
                 if s.page_table.enable_prefix_caching else 0
             return (-hit, s.num_running + s.num_waiting, g)
 

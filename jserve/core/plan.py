@@ -68,6 +68,13 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def prefix_salt(self) -> str | None:
+        """Its prefix-cache salt: `cache_salt`, and its adapter's name (an adapter's K/V is its own)."""
+        if self.lora_name is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora-{self.lora_name}"
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -19,6 +19,7 @@ import operator
 import time
 from collections.abc import Callable, Mapping
 
+from jserve.core.lora_slots import LoraSlots
 from jserve.core.page_table import PageTable
 
 # The plan's types are this module's vocabulary too (and importable from here).
@@ -70,9 +71,12 @@ class Scheduler:
     """Turns waiting and running requests into one `StepPlan` per step over a `PageTable`."""
 
     def __init__(self, config: SchedulerConfig, page_table: PageTable,
-                 clock: Callable[[], float] = time.monotonic, stop_policy: StopPolicy | None = None):
+                 clock: Callable[[], float] = time.monotonic, stop_policy: StopPolicy | None = None,
+                 lora_slots: LoraSlots | None = None):
         """`stop_policy`: the model's EOS and stop-id rules for `update` (None: only max_len and
-        grammars end a request here; the caller decides the rest)."""
+        grammars end a request here; the caller decides the rest). `lora_slots`: the model's LoRA
+        slots (shared by every data-parallel group's scheduler); a request with an adapter is
+        admitted once its adapter has a slot, and holds it while it runs."""
         if config.enable_prefix_caching != page_table.enable_prefix_caching:
             raise ValueError(f"config.enable_prefix_caching={config.enable_prefix_caching} but "
                              f"page_table.enable_prefix_caching={page_table.enable_prefix_caching}")
@@ -84,6 +88,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputes = 0  # requests recomputed as they passed `recompute_past`
         self.stop_policy = stop_policy
+        self.lora_slots = lora_slots
         self.num_grammar_errors = 0  # sampled tokens a grammar refused (a bug if ever > 0)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: list[Request] = []  # sorted by _arrival_key
@@ -127,6 +132,9 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r}: prompt_token_ids is empty")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} is {request.status.name}, not a new request")
+        if request.lora_name is not None and self.lora_slots is None:
+            raise ValueError(f"request {request.request_id!r} names LoRA adapter {request.lora_name!r}, "
+                             f"but LoRA is not enabled")
         if request.num_tokens >= self.max_len:
             pool = self.page_table.pool
             raise ValueError(
@@ -158,6 +166,7 @@ class Scheduler:
             self._running.remove(request)
             del self._admission_key[request]
             self.page_table.free(request.request_id)
+            self._release_lora(request)
         else:
             self._waiting.remove(request)
         del self._arrival_key[request]
@@ -283,9 +292,15 @@ class Scheduler:
             salt = self._cache_salt(request)
             num_cached = self.page_table.lookup_prefix(token_ids, cache_salt=salt)
             num_new = min(len(token_ids) - num_cached, budget)
+            if request.lora_name is not None:
+                slot = self.lora_slots.acquire(request.lora_name)
+                if slot is None:
+                    break  # every slot pinned: the head waits for one
+                request.lora_slot = slot
             hit = self.page_table.allocate_prompt(request.request_id, token_ids, num_new_tokens=num_new,
                                                   cache_salt=salt)
             if hit is None:
+                self._release_lora(request)
                 break  # no skipping: the head waits for pages
             assert hit == num_cached, (hit, num_cached)
             self._waiting.pop(0)
@@ -311,8 +326,14 @@ class Scheduler:
         """The request's prefix-cache salt, on its side of `recompute_past` (see the module's notes)."""
         past = self.config.recompute_past
         if past is None or request.num_tokens <= past:
-            return request.cache_salt
-        return f"{request.cache_salt or ''}\x00past-{past}"
+            return request.prefix_salt
+        return f"{request.prefix_salt or ''}\x00past-{past}"
+
+    def _release_lora(self, request: Request) -> None:
+        """The request's adapter slot is no longer pinned by it (it stopped running)."""
+        if request.lora_slot:
+            self.lora_slots.release(request.lora_name)
+            request.lora_slot = 0
 
     def _preempt(self, request: Request, *, recompute: bool = False) -> None:
         """Back to waiting, to recompute prompt + output so far: a preemption, or with `recompute`
@@ -320,6 +341,7 @@ class Scheduler:
         self._running.remove(request)
         del self._admission_key[request]
         self.page_table.free(request.request_id)
+        self._release_lora(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         if recompute:

@@ -51,6 +51,20 @@ def _device_kind() -> str:
     return f"{len(jax.devices())} x {getattr(device, 'device_kind', device.platform)}"
 
 
+def _lora_spec(config: EngineConfig, source_config, model_config, pooling):
+    """The model's LoRA slots with `enable_lora`; ValueError where they cannot be served."""
+    if not config.enable_lora:
+        return None
+    from jserve.model.lora import LoraSpec
+
+    if pooling is not None:
+        raise ValueError("LoRA adapters serve generation: give no --enable-lora with task embed")
+    if model_config != source_config:  # tp padded or replicated heads: an adapter's q/k/v would need it too
+        raise ValueError(f"LoRA on this mesh needs every tp shard to hold whole heads ({source_config.num_heads} "
+                         f"query and {source_config.num_kv_heads} KV heads): pick a tp that divides both")
+    return LoraSpec.for_model(source_config, config.max_loras, config.max_lora_rank)
+
+
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  config: EngineConfig, quantization: dict[str, Any] | None = None,
                  draft: tuple[Any, dict] | None = None, pooling: Any = None) -> LLMEngine:
@@ -93,6 +107,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         # Pad/replicate heads for tp and put every weight in its sharding (jserve.runtime.sharding).
         model_config, params = place_params(model_config, params, mesh, layout=backend.param_layout)
         num_pages -= num_pages % dp
+    lora = _lora_spec(config, source_config, model_config, pooling)
     seqs = config.max_num_seqs // dp
     batch_buckets = buckets.decode_buckets(seqs)
     runner = Runner(model_config, params, num_pages=num_pages, page_size=page_size,
@@ -100,7 +115,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
                     mesh=mesh, max_decode_steps=config.num_scheduler_steps,
                     num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-                    max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None)
+                    max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None,
+                    lora=lora)
     logger.info("engine: backend %s (%s kernel) on %s; max_num_seqs %d, max_num_batched_tokens %d; %d KV pages "
                 "of %d tokens (%d tokens, %s); decode batch buckets %s", backend.name, backend.kernel,
                 _device_kind(), config.max_num_seqs, config.max_num_batched_tokens, num_pages,

@@ -147,6 +147,13 @@ class EngineConfig:
     pooling_normalize: str = _setting("auto", "task embed: L2-normalise each vector (true / false); auto: "
                                               "the checkpoint's (a sentence-transformers Normalize module), "
                                               "else true", choices=("auto", "true", "false"))
+    enable_lora: bool = _setting(False, "serve LoRA adapters (PEFT folders or Hub ids) over the base model, "
+                                        "mixed in one batch: a request names one as its model")
+    max_loras: int = _setting(1, "LoRA adapters resident on the device at once (a step mixes any of them; "
+                                 "each costs max_loras * rank * (in + out) per token and linear)", parse=int)
+    max_lora_rank: int = _setting(16, "the largest LoRA rank served (smaller ranks are padded to it)", parse=int)
+    max_cpu_loras: int | None = _setting(None, "LoRA adapters kept read in host memory (least recently used "
+                                               "dropped; default max_loras)", parse=int)
 
     def __post_init__(self):
         if not isinstance(self.num_scheduler_steps, int) or isinstance(self.num_scheduler_steps, bool) \
@@ -193,6 +200,10 @@ class EngineConfig:
             raise ValueError(f"pooling must be one of {POOLING_TYPES} or None, got {self.pooling!r}")
         if self.pooling_normalize not in ("auto", "true", "false"):
             raise ValueError(f"pooling_normalize must be 'auto', 'true' or 'false', got {self.pooling_normalize!r}")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("quality_max_kl", "quality_min_top1"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):

@@ -20,6 +20,7 @@ import numpy as np
 
 from jserve.core import bad_words
 from jserve.core.dp_scheduler import DataParallelScheduler
+from jserve.core.lora_slots import LoRARequest
 from jserve.core.page_table import PageTable
 from jserve.core.plan import PLACEHOLDER, RequestStatus, SchedulerProtocol, StepPlan
 from jserve.core.request import Logprob, RequestOutput, SamplingParams
@@ -28,6 +29,7 @@ from jserve.core.stop import StopPolicy
 from jserve.engine import sleep as sleep_mode
 from jserve.engine import weights
 from jserve.engine.config import EngineConfig
+from jserve.engine.lora import LoraManager
 from jserve.engine.sequence import SampleGroup, SequenceState
 from jserve.engine.speculative import DraftModelProposer, SpeculativeStep, build_speculator
 from jserve.engine.step_functions import Executed, MultiStep, OverlappedStep, PlainStep, StepResult
@@ -56,6 +58,9 @@ class LLMEngine:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_policy = StopPolicy(self.eos_token_ids, runner.config.vocab_size)
+        # LoRA adapters (`jserve.engine.lora`) where the runner has slots for them
+        self.lora = None if runner.lora is None else LoraManager(runner, runner.config, config.max_cpu_loras,
+                                                                 self._lora_in_use)
         self.page_tables, self.scheduler = self._build_scheduler(draft_runner is None)
         self.page_table = self.page_tables[0]
         self._groups: dict[str, SampleGroup] = {}  # the user requests; their sequences are the scheduler's
@@ -82,7 +87,8 @@ class LLMEngine:
         tables = [PageTable(runner.pages_per_group, runner.page_size, sliding_window=window,
                             enable_prefix_caching=config.enable_prefix_caching) for _ in range(runner.dp)]
         share = dataclasses.replace(config.scheduler_config(runner.dp), recompute_past=runner.config.long_rope_after)
-        schedulers = [Scheduler(share, t, stop_policy=self.stop_policy) for t in tables]
+        slots = None if self.lora is None else self.lora.slots  # one set of slots for every group
+        schedulers = [Scheduler(share, t, stop_policy=self.stop_policy, lora_slots=slots) for t in tables]
         return tables, schedulers[0] if runner.dp == 1 else DataParallelScheduler(schedulers)
 
     def _step_function(self) -> PlainStep:
@@ -105,11 +111,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None, grammar: CompiledGrammar | None = None) -> None:
+                    cache_salt: str | None = None, grammar: CompiledGrammar | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; ValueError (naming the value) for ids outside the vocabulary or a
         prompt that leaves no room for output in the context. `grammar`: its structured-outputs
         constraint compiled already (`self.grammars.compile`, off this thread); else it is
-        compiled here when the request has one."""
+        compiled here when the request has one. `lora_request`: the LoRA adapter it runs with
+        (added first if new; the engine needs `enable_lora`)."""
         if self.sleep_level:
             raise RuntimeError(f"the engine is asleep (level {self.sleep_level}): wake_up() first")
         if params.bad_words and params.bad_words_token_ids is None:
@@ -117,6 +125,10 @@ class LLMEngine:
             sequences = bad_words.token_sequences(params.bad_words, encode)
             params = dataclasses.replace(params, bad_words_token_ids=sequences)
         ids = self._check_request(request_id, prompt_token_ids, params)
+        if lora_request is not None and self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
+                             f"(enable_lora / --enable-lora)")
+        lora_name = None if self.lora is None else self.lora.resolve(lora_request)
         # A constraint the library refuses is a ValueError (GrammarError) naming what is wrong.
         if params.structured_outputs is None:
             grammar = None
@@ -146,7 +158,7 @@ class LLMEngine:
                 salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
             group.sequences.append(SequenceState(
                 request_id if params.num_samples == 1 else f"{request_id}#{i}", list(ids), sub, arrival,
-                priority=priority,
+                priority=priority, lora_name=lora_name,
                 cache_salt=salt, grammar=grammar.matcher(closer, budget) if grammar is not None else None,
                 group=group, index=i,
                 detok=self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens),
@@ -197,11 +209,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def _lora_in_use(self, name: str) -> int:
+        """Unfinished requests (waiting or running) that run with LoRA adapter `name`."""
+        return sum(r.lora_name == name for r in (*self.scheduler.waiting, *self.scheduler.running))
+
     # ------------------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the current output of every request that changed."""
         plan = self.scheduler.schedule()
+        if self.lora is not None:
+            self.lora.write_slots()  # the adapters the plan put into slots, before it runs
         result = self.step_fn(plan)
         return self.update(result)
 
