@@ -123,8 +123,23 @@ def _collect(clear_caches: bool = False) -> None:
         jax.clear_caches()
         _GC["cleared"] += 1
     gc.collect()
+    _trim_heap()
     _GC["count"] += 1
     _GC["seconds"] += time.perf_counter() - start
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free memory back to the OS (glibc's malloc_trim): freed XLA buffers and
+    executables otherwise stay resident in the allocator's arenas, and a worker's resident memory
+    only grows (2026-12-05: a worker kept 9.2 GiB after a collection that cleared JAX's caches,
+    and the other worker died, most likely by the OOM killer, loading a model beside it; CI
+    lost a run so). Measured on an LLM closed and collected: 2.72 GiB resident, 0.43 after this."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 _NEXT_COLLECTION = [15000]  # the mappings past which the next test's teardown collects
