@@ -286,3 +286,24 @@ def test_merged_into_the_base_weights_gives_peft_logits(model, adapter_name):
     logits = _forward(config, params, ids)
     np.testing.assert_allclose(logits, ref[f"logits_{adapter_name}"], atol=1e-4, rtol=0)
     assert np.abs(logits - ref["logits_base"]).max() > 0.3  # the adapter matters
+
+
+def test_hub_id_resolves_from_the_cache_offline(tmp_path, monkeypatch):
+    """A Hub id offline: its snapshot in a Hub cache (refs/main -> snapshots/<commit>) is read, and
+    the adapter's path is that snapshot's folder; a revision not cached is a HubError naming it."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    storage = tmp_path / "cache" / "models--jserve-test--tiny-lora"
+    snapshot = storage / "snapshots" / ("c" * 40)
+    tensors = write_adapter(snapshot, ["self_attn.q_proj"])
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text("c" * 40)
+    adapter = load_adapter("jserve-test/tiny-lora", LLAMA, download_dir=tmp_path / "cache")
+    assert adapter.name == "jserve-test/tiny-lora" and adapter.path == str(snapshot)
+    x = x_for("wq")
+    np.testing.assert_allclose(ours(adapter, "wq", 0, x), peft_delta(tensors, 0, "self_attn.q_proj", x, 2.0),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(HubError, match="jserve-test/tiny-lora at revision 'v2'"):
+        load_adapter("jserve-test/tiny-lora", LLAMA, revision="v2", download_dir=tmp_path / "cache")

@@ -121,7 +121,7 @@ def _resolve(source: str | os.PathLike, revision: str | None, download_dir: str 
         raise LoraError(f"LoRA adapter {str(source)!r} is neither a folder nor a Hugging Face Hub id (org/name)")
     from jserve.model.hub import _snapshot
 
-    folder = _snapshot(hub_model, revision, download_dir, [CONFIG_FILE, WEIGHTS_FILE, "adapter_model.bin"])
+    folder = _snapshot(hub_model, revision, download_dir, [CONFIG_FILE, WEIGHTS_FILE])
     if not (folder / CONFIG_FILE).is_file():
         raise HubError(f"{hub_model.repo_id} has no {CONFIG_FILE}: it is not a PEFT adapter")
     return folder
@@ -135,7 +135,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
         if (folder / "adapter_model.bin").is_file():
             raise LoraError(f"LoRA adapter {str(folder)!r} has only adapter_model.bin, a pickle jserve does not "
                             f"load: convert it to {WEIGHTS_FILE} (PEFT save_pretrained(safe_serialization=True))")
-        raise LoraError(f"LoRA adapter folder {str(folder)!r} has no {WEIGHTS_FILE}")
+        raise LoraError(f"LoRA adapter folder {str(folder)!r} has no {WEIGHTS_FILE} (an adapter_model.bin "
+                        f"pickle is not read: convert it to safetensors)")
     try:
         cfg = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
