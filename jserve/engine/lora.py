@@ -41,10 +41,10 @@ class LoraManager:
     def get(self, name: str) -> LoRARequest | None:
         return self._known.get(name)
 
-    def add(self, request: LoRARequest) -> bool:
-        """Know the adapter (reading and checking it now); False if it was known already with the
-        same path and id. ValueError naming the problem: another adapter under its name, or one
-        that does not fit the model."""
+    def add(self, request: LoRARequest, weights: dict | None = None) -> bool:
+        """Know the adapter (reading and checking it now, unless `weights` are what `read` gave);
+        False if it was known already with the same path and id. ValueError naming the problem:
+        another adapter under its name, or one that does not fit the model."""
         old = self._known.get(request.lora_name)
         if old is not None:
             if (old.lora_path, old.lora_int_id) != (request.lora_path, request.lora_int_id):
@@ -54,7 +54,7 @@ class LoraManager:
         clash = next((r for r in self._known.values() if r.lora_int_id == request.lora_int_id), None)
         if clash is not None:
             raise ValueError(f"lora_int_id {request.lora_int_id} is taken by adapter {clash.lora_name!r}")
-        self._cache(request.lora_name, self._read(request))
+        self._cache(request.lora_name, self._read(request) if weights is None else weights)
         self._known[request.lora_name] = request
         return True
 
@@ -85,6 +85,11 @@ class LoraManager:
                 weights = self._read(self._known[name])
             self._cache(name, weights)
             self.runner.write_lora_slot(slot, weights)
+
+    def read(self, request: LoRARequest) -> dict:
+        """The adapter's slot arrays for `add`, read and checked; touches no engine state, so any
+        thread may call it (the server reads off the engine thread)."""
+        return self._read(request)
 
     def _read(self, request: LoRARequest) -> dict:
         """The adapter's slot arrays (`lora.slot_arrays`), read from its path and checked."""

@@ -39,7 +39,8 @@ async def _merge(state: "ServerState", rids: list[str], req: protocol.GenerateRe
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) from every prompt's stream as they come; closing this closes
     (so aborts) them all."""
-    gens = [state.engine.generate(rid, ids, req.params, prompt=text, priority=req.priority, cache_salt=salt)
+    lora = {} if req.lora_request is None else {"lora_request": req.lora_request}
+    gens = [state.engine.generate(rid, ids, req.params, prompt=text, priority=req.priority, cache_salt=salt, **lora)
             for rid, (text, ids) in zip(rids, req.prompts)]
     if len(gens) == 1:
         async with contextlib.aclosing(gens[0]) as gen:
@@ -158,7 +159,8 @@ class _Generation:
                 self.choices[p * n + i].prompt_token_ids = ids
         created = int(time.time())
         self.head = {"id": self.request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
-                     "created": created, "model": state.model_name}
+                     "created": created, "model": state.model_name if req.lora_request is None
+                     else req.lora_request.lora_name}
         self.tok = TokenIdNames(state.tokenizer) if req.tokens_as_ids else state.tokenizer
         self.prompt_ids_sent = False  # a chat stream's first chunk carries them (return_token_ids)
         self.scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (None first), when asked for
