@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import numpy as np
 import pytest
@@ -143,6 +144,7 @@ def test_unload_in_flight_is_refused(served):
         for _ in range(200):  # until the request runs
             if server.call(engine.stats())["lora"]["running"]:
                 break
+            time.sleep(0.01)
         status, _, body = request(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "a"}, ADMIN)
         assert long.result()[0] == 200
     assert_error(status, body, 400, contains=["in flight"])
@@ -198,3 +200,15 @@ def test_bad_lora_modules(value, error):
 def test_lora_modules_forms():
     mods = loras.parse_modules(["x=/p/x", '{"name": "y", "path": "org/y", "base_model_name": "base"}'], (NAME,))
     assert mods == [LoRARequest("x", 1, "/p/x"), LoRARequest("y", 2, "org/y", "base")]
+
+
+def test_vllm_lora_flags_without_effect_are_logged(caplog):
+    from jserve.cli import build_parser
+    from jserve.vllm_args import apply_vllm_args
+
+    args = build_parser().parse_args(["serve", "--fully-sharded-loras", "--max-lora-extra-vocab-size", "256",
+                                      "--lora-dtype", "auto"])
+    with caplog.at_level("INFO", logger="jserve"):
+        apply_vllm_args(args)
+    assert "--fully-sharded-loras: accepted, no effect" in caplog.text
+    assert "--max-lora-extra-vocab-size: accepted, no effect" in caplog.text
