@@ -132,6 +132,13 @@ def test_load_use_unload_at_run_time(served):
     status, _, body = request(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "b"}, ADMIN)
     assert status == 200 and b"removed" in body
     assert _complete(server, "b")[0] == 404
+
+    async def stale():  # a request parsed before the unload does not bring the adapter back
+        async for _ in engine.generate("stale", [5, 6], SamplingParams(max_tokens=1),
+                                       lora_request=LoRARequest("b", 2, paths["b"])):
+            pass
+    with pytest.raises(ValueError, match="'b' is not loaded"):
+        server.call(stale())
     status, _, body = request(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "b"}, ADMIN)
     assert_error(status, body, 404, 404, contains=["'b'"])
     assert server.call(engine.stats())["compilations_after_warmup"] == 0

@@ -33,6 +33,9 @@ class LoraManager:
         self._known: dict[str, LoRARequest] = {}
         self._host: collections.OrderedDict[str, dict] = collections.OrderedDict()  # name -> slot arrays
         self.requests_total: collections.Counter[str] = collections.Counter()  # requests per adapter
+        # A request may name an adapter not added yet (the offline API); the server turns this off,
+        # so that a request parsed before its adapter was unloaded cannot bring it back.
+        self.add_on_request = True
 
     def known(self) -> list[LoRARequest]:
         """The adapters added, in the order they were."""
@@ -73,6 +76,8 @@ class LoraManager:
         """The adapter name a new request runs with (added first if new); None: the base model."""
         if request is None:
             return None
+        if not self.add_on_request and request.lora_name not in self._known:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded (it was unloaded)")
         self.add(request)
         self.requests_total[request.lora_name] += 1
         return request.lora_name

@@ -103,6 +103,8 @@ class ServedLoras:
         """`engine`: the AsyncLLMEngine; its `LoraManager`, if any, holds the start-up adapters."""
         manager = getattr(engine.engine, "lora", None)
         self.enabled = manager is not None
+        if manager is not None:
+            manager.add_on_request = False  # adapters come and go through --lora-modules and the routes only
         self.adapters = {r.lora_name: r for r in manager.known()} if manager is not None else {}
         self.last_id = max((r.lora_int_id for r in self.adapters.values()), default=0)
 
