@@ -61,9 +61,11 @@ def served(smollm2_checkpoint, tmp_path_factory):
         out = llm.generate([PROMPT], greedy, lora_request=LoRARequest(name, 10 + i, paths[name]))
         texts[name] = out[0].outputs[0].text
         llm.engine.lora.remove(name)  # as new again for the server
+    with pytest.raises(ValueError, match="--lora-modules bad=/nonexistent: .*'/nonexistent'"):
+        loras.add_modules(llm.engine, [LoRARequest("bad", 7, "/nonexistent")])
     loras.add_modules(llm.engine, loras.parse_modules([f"a={paths['a']}"], (NAME,)))
     engine = AsyncLLMEngine(llm.engine)
-    state = ServerState(NAME, api_keys=("user-key",))
+    state = ServerState(NAME, api_keys=("user-key",), log_requests=True)
     state.loras.allow_updating = True
     state.attach(engine)
     server = Server(state, admin_key="admin-secret")
@@ -94,6 +96,13 @@ def test_adapter_by_model_name_base_unchanged_and_concurrent(served):
                                                          "temperature": 0, "ignore_eos": True, "stream": True}, USER)
     events = [json.loads(line[6:]) for line in stream[2].decode().splitlines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == texts["a"] and events[0]["model"] == "a"
+
+
+def test_request_log_names_the_adapter(served, caplog):
+    server, engine, paths, texts = served
+    with caplog.at_level("INFO", logger="jserve.server.generate"):
+        assert _complete(server, "a")[0] == 200
+    assert "with LoRA adapter 'a'" in caplog.text
 
 
 def test_models_lists_adapters_and_unknown_model_is_vllms_404(served):

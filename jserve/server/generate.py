@@ -118,7 +118,8 @@ async def run_generation(request: web.Request, state: "ServerState",
                          req: protocol.GenerateRequest) -> web.StreamResponse:
     gen = _Generation(request, state, req)
     if state.log_requests:
-        logger.info("request %s: %s, %d prompt(s) of %s tokens, %s", gen.header_id, request.path,
+        logger.info("request %s: %s%s, %d prompt(s) of %s tokens, %s", gen.header_id, request.path,
+                    "" if req.lora_request is None else f" with LoRA adapter {req.lora_request.lora_name!r}",
                     len(req.prompts), ", ".join(str(len(ids)) for _, ids in req.prompts if ids is not None) or "?",
                     req.params)
     gen.admit()
