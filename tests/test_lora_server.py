@@ -129,6 +129,8 @@ def test_load_use_unload_at_run_time(served):
     assert_error(status, body, 400, contains=["/nonexistent"])
     status, _, body = request(server, "POST", "/v1/load_lora_adapter", {**load, "lora_name": "a"}, ADMIN)
     assert_error(status, body, 400, contains=["already been loaded"])
+    status, _, body = request(server, "POST", "/v1/load_lora_adapter", {**load, "lora_name": NAME}, ADMIN)
+    assert_error(status, body, 400, contains=["served model's name"])
     assert _complete(server, "b")[0] == 404
     status, _, body = request(server, "POST", "/v1/load_lora_adapter", load, ADMIN)
     assert status == 200 and b"'b'" in body, body

@@ -154,7 +154,9 @@ async def load_adapter(request: web.Request) -> web.Response:
     name, path = body["lora_name"], body.get("lora_path")
     if not isinstance(path, str) or not path:
         raise bad_request(f"'lora_path' must be a non-empty string, got {path!r}", param="lora_path")
-    if name in state.model_names or name in state.loras.adapters:
+    if name in state.model_names:
+        raise bad_request(f"'{name}' is the served model's name: give the adapter another", param="lora_name")
+    if name in state.loras.adapters:
         raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     manager = engine.engine.lora
     state.loras.last_id += 1
@@ -163,8 +165,7 @@ async def load_adapter(request: web.Request) -> web.Response:
         weights = await asyncio.to_thread(manager.read, lora)
     except (ValueError, OSError) as e:
         raise bad_request(f"cannot load LoRA adapter {name!r} from {path!r}: {e}", param="lora_path") from None
-    await admin._run(engine.between_steps(lambda e: e.lora.add(lora, weights=weights)))
-    state.loras.adapters[name] = lora
+    await asyncio.shield(_change(engine, state.loras, lora, lambda e: e.lora.add(lora, weights=weights)))
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -174,10 +175,21 @@ async def unload_adapter(request: web.Request) -> web.Response:
     lora = state.loras.adapters.get(name)
     if lora is None or body.get("lora_int_id") not in (None, lora.lora_int_id):
         raise NotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name")
-    del state.loras.adapters[name]  # first: no new request names it while the engine removes it
-    try:
-        await admin._run(engine.between_steps(lambda e: e.lora.remove(name)))
-    except BaseException:
-        state.loras.adapters[name] = lora
-        raise
+    await asyncio.shield(_change(engine, state.loras, lora, lambda e: e.lora.remove(name), add=False))
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _change(engine: Any, loras: ServedLoras, lora: LoRARequest, call: Any, add: bool = True) -> None:
+    """`call` on the engine thread, and the served names to match (shielded: a client that goes
+    away does not leave the two apart). An unloaded name is gone first, so that no new request
+    names it while the engine removes it; a 400 puts it back."""
+    if not add:
+        del loras.adapters[lora.lora_name]
+    try:
+        await admin._run(engine.between_steps(call))
+    except APIError:
+        if not add:
+            loras.adapters[lora.lora_name] = lora
+        raise
+    if add:
+        loras.adapters[lora.lora_name] = lora
