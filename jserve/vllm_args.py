@@ -29,8 +29,14 @@ NO_OPS = {
     "--distributed-executor-backend": "jserve runs one process per host through jax.distributed",
     "--disable-frontend-multiprocessing": "the server and the engine share one process",
     "--uvicorn-log-level": "the HTTP server logs at --log-level",
+    "--fully-sharded-loras": "jserve lays out LoRA A / B matrices over the mesh itself",
+    "--max-lora-extra-vocab-size": "jserve reads no added vocabulary from an adapter (one that adds tokens is "
+                                   "refused when it loads)",
+    "--lora-extra-vocab-size": "jserve reads no added vocabulary from an adapter (one that adds tokens is refused "
+                               "when it loads)",
 }
-_VALUED_NO_OPS = {"--swap-space", "--distributed-executor-backend", "--uvicorn-log-level"}
+_VALUED_NO_OPS = {"--swap-space", "--distributed-executor-backend", "--uvicorn-log-level",
+                  "--max-lora-extra-vocab-size", "--lora-extra-vocab-size"}
 
 
 class _NoOp(argparse.Action):
@@ -55,6 +61,10 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                    default=argparse.SUPPRESS, help="the same as --kv-cache-bytes")
     g.add_argument("--block-size", dest="page_size", type=int, default=argparse.SUPPRESS,
                    help="the same as --page-size")
+    g.add_argument("--lora-dtype", default=None, metavar="auto",
+                   help="only auto: LoRA weights are served in the model's dtype")
+    g.add_argument("--long-lora-scaling-factors", default=None, metavar="FACTORS",
+                   help="refused: jserve has no long-context LoRA (LongLoRA) scaling")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for fields a request leaves out: 'auto' the model's "
                         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -73,6 +83,12 @@ def apply_vllm_args(args: argparse.Namespace) -> None:
     if args.pipeline_parallel_size not in (None, 1):
         raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: jserve has no pipeline "
                          "parallelism; split the model with -tp (or --mesh tp=N) instead")
+    if args.lora_dtype not in (None, "auto"):
+        raise ValueError(f"--lora-dtype {args.lora_dtype}: jserve serves LoRA weights in the model's dtype; give "
+                         "auto or leave it out")
+    if args.long_lora_scaling_factors is not None:
+        raise ValueError(f"--long-lora-scaling-factors {args.long_lora_scaling_factors}: jserve has no long-context "
+                         "LoRA (LongLoRA) scaling; leave it out")
     if args.generation_config not in (None, "auto", "vllm"):
         resolve(args.generation_config, {})  # a bad folder or file is named before the model loads
     sizes = {"dp": args.data_parallel_size, "tp": args.tensor_parallel_size}

@@ -139,7 +139,7 @@ class AsyncLLMEngine(AsyncWeightControl, EngineFacts):
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                        prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                       delta: bool = True) -> AsyncIterator[RequestOutput]:
+                       delta: bool = True, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs; the last has `finished=True`.
 
         With `delta=True` each output's completions hold only what is new since the previous
@@ -149,7 +149,7 @@ class AsyncLLMEngine(AsyncWeightControl, EngineFacts):
         A structured-outputs constraint is compiled first, off the engine thread (a GrammarError,
         a ValueError, if it cannot be). Raises ValueError for a request the engine rejects,
         EngineDeadError if the loop is not running or dies. Closing the generator early aborts
-        the request.
+        the request. `lora_request`: the LoRA adapter it runs with (`LLMEngine.add_request`).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -163,7 +163,8 @@ class AsyncLLMEngine(AsyncWeightControl, EngineFacts):
             grammar = await self.compile_constraint(params.structured_outputs)
         tracker = Tracker(params, delta)
         kwargs = dict(prompt=prompt, priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic(),
-                      **({"grammar": grammar} if grammar else {}))
+                      **({"grammar": grammar} if grammar else {}),
+                      **({"lora_request": lora_request} if lora_request is not None else {}))
         async with contextlib.aclosing(self._outputs(request_id, (ids, params), kwargs)) as outputs:
             async for item in outputs:
                 out = tracker.next(item)
@@ -385,6 +386,9 @@ class AsyncLLMEngine(AsyncWeightControl, EngineFacts):
                 stats[name] = getattr(scheduler, name)
         stats.update(num_streams=len(self._live), num_loop_iterations=self.num_loop_iterations,
                      is_running=self.is_running, errored=self.errored, **self._ledger.totals())
+        lora = getattr(self.engine, "lora", None)
+        if lora is not None:  # and the adapters waiting requests name (vLLM's lora_requests_info)
+            stats["lora"] = dict(lora.stats(), waiting=sorted({r.lora_name for r in scheduler.waiting if r.lora_name}))
         return stats
 
     def _close_loop(self) -> None:

@@ -33,6 +33,9 @@ class LoraManager:
         self._known: dict[str, LoRARequest] = {}
         self._host: collections.OrderedDict[str, dict] = collections.OrderedDict()  # name -> slot arrays
         self.requests_total: collections.Counter[str] = collections.Counter()  # requests per adapter
+        # A request may name an adapter not added yet (the offline API); the server turns this off,
+        # so that a request parsed before its adapter was unloaded cannot bring it back.
+        self.add_on_request = True
 
     def known(self) -> list[LoRARequest]:
         """The adapters added, in the order they were."""
@@ -41,10 +44,10 @@ class LoraManager:
     def get(self, name: str) -> LoRARequest | None:
         return self._known.get(name)
 
-    def add(self, request: LoRARequest) -> bool:
-        """Know the adapter (reading and checking it now); False if it was known already with the
-        same path and id. ValueError naming the problem: another adapter under its name, or one
-        that does not fit the model."""
+    def add(self, request: LoRARequest, weights: dict | None = None) -> bool:
+        """Know the adapter (reading and checking it now, unless `weights` are what `read` gave);
+        False if it was known already with the same path and id. ValueError naming the problem:
+        another adapter under its name, or one that does not fit the model."""
         old = self._known.get(request.lora_name)
         if old is not None:
             if (old.lora_path, old.lora_int_id) != (request.lora_path, request.lora_int_id):
@@ -54,7 +57,7 @@ class LoraManager:
         clash = next((r for r in self._known.values() if r.lora_int_id == request.lora_int_id), None)
         if clash is not None:
             raise ValueError(f"lora_int_id {request.lora_int_id} is taken by adapter {clash.lora_name!r}")
-        self._cache(request.lora_name, self._read(request))
+        self._cache(request.lora_name, self._read(request) if weights is None else weights)
         self._known[request.lora_name] = request
         return True
 
@@ -73,6 +76,8 @@ class LoraManager:
         """The adapter name a new request runs with (added first if new); None: the base model."""
         if request is None:
             return None
+        if not self.add_on_request and request.lora_name not in self._known:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded (it was unloaded)")
         self.add(request)
         self.requests_total[request.lora_name] += 1
         return request.lora_name
@@ -85,6 +90,11 @@ class LoraManager:
                 weights = self._read(self._known[name])
             self._cache(name, weights)
             self.runner.write_lora_slot(slot, weights)
+
+    def read(self, request: LoRARequest) -> dict:
+        """The adapter's slot arrays for `add`, read and checked; touches no engine state, so any
+        thread may call it (the server reads off the engine thread)."""
+        return self._read(request)
 
     def _read(self, request: LoRARequest) -> dict:
         """The adapter's slot arrays (`lora.slot_arrays`), read from its path and checked."""

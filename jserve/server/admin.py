@@ -21,7 +21,7 @@ from aiohttp import web
 from jserve.server.body import read_json
 from jserve.server.errors import APIError
 
-PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/update_weights")
+PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/update_weights", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 ADMIN_KEY = web.AppKey("admin_key", bytes)
 SERVER = web.AppKey("admin_server_state", object)  # the ServerState (jserve.server.app)
 

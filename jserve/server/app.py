@@ -22,7 +22,7 @@ from aiohttp import web
 
 from jserve import __version__
 from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.server import admin, embeddings, fields, protocol, readers, tokenizer_pool, watchdog
+from jserve.server import admin, embeddings, fields, loras, protocol, readers, tokenizer_pool, watchdog
 from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request, error_body
 from jserve.server.generate import DISCONNECTED, run_generation
@@ -112,6 +112,7 @@ class ServerState:
         self.log_requests = log_requests  # --enable-log-requests
         self.created = int(time.time())
         self.quantization: dict[str, Any] | None = None  # quantization_summary, once attached
+        self.loras = loras.ServedLoras()  # the LoRA adapters requests may name (`jserve.server.loras`)
         self._idle: asyncio.Event | None = None
 
     @property
@@ -139,7 +140,8 @@ class ServerState:
         self.ctx = protocol.Context(self.model_names, engine.max_model_len, engine.vocab_size, limits,
                                     allow_priority=self.scheduling_policy == "priority", tool_parser=parser,
                                     sampling_defaults=dict(sampling_defaults or {}),
-                                    reasoning_parser=self.reasoning_parser)
+                                    reasoning_parser=self.reasoning_parser, loras=self.loras)
+        self.loras.attach(engine)
         self.quantization = quantization_summary(engine.quantization)
         engine.prepare_constraints()  # llguidance's vocabulary, in the background
         self.metrics.set_quantization(self.quantization)
@@ -233,6 +235,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
     app.router.add_post("/detokenize", detokenize)
     embeddings.add_routes(app, STATE)
     admin.register(app, state, admin_key)  # /sleep, /wake_up, /is_sleeping, /update_weights behind the admin key
+    loras.register(app, state.loras, admin_key)  # /v1/load_lora_adapter, /v1/unload_lora_adapter (the same)
     app.cleanup_ctx.append(_watchdog)
     return app
 
@@ -342,7 +345,7 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": state.created, "owned_by": "jserve",
         "max_model_len": state.ctx.max_model_len, "quantization": state.quantization}
-        for name in state.model_names]})
+        for name in state.model_names] + state.loras.cards(state.model_name, state.created, state.ctx.max_model_len)})
 
 
 async def tokenize(request: web.Request) -> web.Response:

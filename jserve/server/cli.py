@@ -24,7 +24,7 @@ from typing import Any
 from jserve.model.hub import parse_hub_id
 from jserve.model.model_args import add_model_args, model_source
 from jserve.model.named import DEFAULT_MODEL, NAMED_MODELS, named_model
-from jserve.server import admin, logs
+from jserve.server import admin, logs, loras
 from jserve.server.http import Timeouts
 from jserve.server.limits import Limits
 from jserve.server.watchdog import DEFAULT_STEP_TIMEOUT
@@ -76,6 +76,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--admin-key", default=None, help="Bearer key of the management routes (/sleep, /wake_up, "
                    "/is_sleeping, /update_weights; else $JSERVE_ADMIN_KEY; none: no such routes)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders or Hub ids) requests name in `model`, added at start-up: "
+                   "name=path, or vLLM's JSON {\"name\", \"path\", \"base_model_name\"} (needs --enable-lora)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="an admin (--admin-key) loads and unloads LoRA adapters while serving: POST "
+                   "/v1/load_lora_adapter and /v1/unload_lora_adapter (or $VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable); "
                    "default: the comma-separated keys in $JSERVE_API_KEY (kept out of the process list); "
                    "none: no auth")
@@ -146,6 +152,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from jserve.text.chat_template import load_chat_template
 
     limits(args)  # bad values fail before the model loads
+    _lora_modules(args)  # as do bad --lora-modules (their files are read once the model is)
     load_chat_template(args.chat_template)  # as does a bad template
     source = model_source(args)  # a named model's missing package, a Hub model missing or gated: named now
     check_model(source.model, keep_quantized=args.quantization == "gguf", revision=source.revision,
@@ -171,6 +178,16 @@ def limits(args: argparse.Namespace) -> Limits:
         if value < lowest:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {lowest}, got {value}")
     return Limits(**given)
+
+
+def _lora_modules(args: argparse.Namespace) -> list:
+    """--lora-modules as `LoRARequest`s; ValueError for a bad one, or LoRA flags without --enable-lora."""
+    modules = getattr(args, "lora_modules", None)
+    needs = "--lora-modules" if modules else ("--allow-runtime-lora-updating" if loras.runtime_updating(
+        getattr(args, "allow_runtime_lora_updating", False)) else None)
+    if needs and not getattr(args, "enable_lora", False):
+        raise ValueError(f"{needs} needs --enable-lora")
+    return loras.parse_modules(modules, served_model_names(args))  # without an admin key: build_app
 
 
 def timeouts(args: argparse.Namespace) -> Timeouts:
@@ -257,6 +274,11 @@ def _load_in_background(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     def load() -> None:
         try:
             result = _load(args)
+            try:  # each adapter read and checked: a bad one stops the start
+                loras.add_modules(result.engine, _lora_modules(args))
+            except BaseException:
+                result.engine.runner.close()  # no background compilation left running as the process exits
+                raise
             loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_result(result))
         except BaseException as e:  # noqa: BLE001 - reported on the loop, re-raised by serve()
             loop.call_soon_threadsafe(lambda err=e: loaded.done() or loaded.set_exception(err))
@@ -297,6 +319,7 @@ async def serve(args: argparse.Namespace) -> int:
                         tokenizer_workers=args.tokenizer_workers, on_fatal=on_fatal,
                         tool_call_parser=args.tool_call_parser, log_requests=args.enable_log_requests,
                         reasoning_parser=args.reasoning_parser)
+    state.loras.allow_updating = loras.runtime_updating(getattr(args, "allow_runtime_lora_updating", False))
     app = build_app(state, max_body_bytes=args.max_body_bytes, admin_key=admin.admin_key(args.admin_key))
     runner = await _listen(app, state.timeouts, args)
     loaded = _load_in_background(args, loop)

@@ -39,7 +39,8 @@ async def _merge(state: "ServerState", rids: list[str], req: protocol.GenerateRe
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) from every prompt's stream as they come; closing this closes
     (so aborts) them all."""
-    gens = [state.engine.generate(rid, ids, req.params, prompt=text, priority=req.priority, cache_salt=salt)
+    lora = {} if req.lora_request is None else {"lora_request": req.lora_request}
+    gens = [state.engine.generate(rid, ids, req.params, prompt=text, priority=req.priority, cache_salt=salt, **lora)
             for rid, (text, ids) in zip(rids, req.prompts)]
     if len(gens) == 1:
         async with contextlib.aclosing(gens[0]) as gen:
@@ -117,7 +118,8 @@ async def run_generation(request: web.Request, state: "ServerState",
                          req: protocol.GenerateRequest) -> web.StreamResponse:
     gen = _Generation(request, state, req)
     if state.log_requests:
-        logger.info("request %s: %s, %d prompt(s) of %s tokens, %s", gen.header_id, request.path,
+        logger.info("request %s: %s%s, %d prompt(s) of %s tokens, %s", gen.header_id, request.path,
+                    "" if req.lora_request is None else f" with LoRA adapter {req.lora_request.lora_name!r}",
                     len(req.prompts), ", ".join(str(len(ids)) for _, ids in req.prompts if ids is not None) or "?",
                     req.params)
     gen.admit()
@@ -158,7 +160,8 @@ class _Generation:
                 self.choices[p * n + i].prompt_token_ids = ids
         created = int(time.time())
         self.head = {"id": self.request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
-                     "created": created, "model": state.model_name}
+                     "created": created, "model": state.model_name if req.lora_request is None
+                     else req.lora_request.lora_name}
         self.tok = TokenIdNames(state.tokenizer) if req.tokens_as_ids else state.tokenizer
         self.prompt_ids_sent = False  # a chat stream's first chunk carries them (return_token_ids)
         self.scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (None first), when asked for

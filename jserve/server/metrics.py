@@ -78,6 +78,14 @@ _STATS_GAUGES = (
     ("spec_mean_accepted_length", "spec_mean_accepted_length", "tokens a verified row gained per verify step "
                                                                "(1 + accepted drafts), mean since start"),
 )
+# LoRA gauges from `LoraManager.stats()` (a dict counts its entries): key, name after "jserve_lora_", help.
+_LORA_GAUGES = (
+    ("loaded", "adapters_loaded", "LoRA adapters requests may name (--lora-modules and loaded at run time)"),
+    ("resident", "adapters_resident", "LoRA adapters in a device slot"),
+    ("running", "adapters_running", "LoRA adapters that running requests use"),
+    ("max_loras", "max_loras", "device slots for LoRA adapters (--max-loras)"),
+    ("num_loads", "slot_loads", "LoRA adapters written into a device slot since start"),
+)
 # Gauges the server sets itself: attribute, name after "jserve_", help.
 _GAUGES = (
     ("in_flight", "num_requests_in_flight", "engine requests the server has not finished"),
@@ -113,6 +121,9 @@ class ServerMetrics:
         self.from_stats = {key: Gauge("jserve_" + name, doc, registry=r) for key, name, doc in _STATS_GAUGES}
         self.quantization = Gauge("jserve_quantization_info", "1, labelled with the weights' quantization "
                                   "(none for float weights)", ["quantization"], registry=r)
+        self.lora = {key: Gauge("jserve_lora_" + name, doc, registry=r) for key, name, doc in _LORA_GAUGES}
+        self.lora_requests = Gauge("jserve_lora_requests", "requests run with each LoRA adapter since start",
+                                   ["lora_name"], registry=r)
         self.vllm: VllmMetrics | None = None  # once `attach` knows the model
 
     def attach(self, model_name: str, max_model_len: int, cache_config: dict[str, Any]) -> None:
@@ -171,6 +182,11 @@ class ServerMetrics:
             self.tokens_per_s.set(sum(r.real_tokens for r in recent) / seconds)
             self.bytes_per_s.set(sum(r.bytes_needed for r in recent) / seconds)
             self.flops_per_s.set(sum(r.flops_needed for r in recent) / seconds)
+        for key, value in (stats.get("lora") or {}).items():
+            if key in self.lora:
+                self.lora[key].set(len(value) if isinstance(value, dict) else value)
+        for name, count in (stats.get("lora") or {}).get("requests_total", {}).items():
+            self.lora_requests.labels(lora_name=name).set(count)
         if self.vllm is not None:
             self.vllm.update(stats, records)
 

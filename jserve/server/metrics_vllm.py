@@ -114,12 +114,13 @@ class VllmMetrics:
                 "gpu_memory_utilization": cache_config["memory_fraction"]}
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", (*LABELS, *info),
               registry=registry).labels(*values, *map(str, info.values())).set(1)
-        # jserve serves no LoRA adapters; the gateway's endpoint picker still reads this family (its
-        # value is the time of the last update: the picker takes the newest).
-        self.lora = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                          ("model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"),
-                          registry=registry).labels(model_name, "0", "", "")
-        self.lora.set_to_current_time()
+        # The gateway's endpoint picker reads this family also from a server without LoRA (max_lora
+        # 0); its value is the time of the last update: the picker takes the newest.
+        self._lora = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                           ("model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                           registry=registry)
+        self._lora_labels = (model_name, "0", "", "")
+        self._lora.labels(*self._lora_labels).set_to_current_time()
         self._seen: dict[Any, float] = {}  # counter child -> the engine total it last advanced to
         self._last_record: Any = None  # the newest step record already observed
 
@@ -132,7 +133,7 @@ class VllmMetrics:
         usage = stats.get("pages_in_use", 0) / total if total else 0.0
         self.gauges["kv_cache_usage_perc"].set(usage)
         self.gauges["gpu_cache_usage_perc"].set(usage)
-        self.lora.set_to_current_time()
+        self._update_lora(stats.get("lora"))
         for key, child in self.counters.items():
             self._advance(child, stats.get(key, 0))
         finished = stats.get("finished_requests", {})
@@ -143,6 +144,16 @@ class VllmMetrics:
         for pos, count in enumerate(stats.get("spec_accepted_per_position", ())):
             self._advance(self._per_position.labels(*self._values, str(pos)), count)
         self._observe_steps(records)
+
+    def _update_lora(self, lora: dict | None) -> None:
+        """`vllm:lora_requests_info` as vLLM sets it: the adapters of running and of waiting requests,
+        comma-separated, at the scrape's time; the series of the previous names is dropped."""
+        labels = self._lora_labels if lora is None else (
+            self._lora_labels[0], str(lora["max_loras"]), ",".join(lora["waiting"]), ",".join(sorted(lora["running"])))
+        if labels != self._lora_labels:
+            self._lora.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self._lora.labels(*labels).set_to_current_time()
 
     def _advance(self, child: Any, total: float) -> None:
         last = self._seen.get(child, 0)

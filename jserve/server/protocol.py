@@ -55,6 +55,7 @@ class GenerateRequest:
     chat_template_kwargs: dict | None = None  # chat: the client's template variables (enable_thinking, ...)
     include_reasoning: bool = True  # chat: false drops the reasoning from the reply
     reasoning_parser: str | None = None  # chat: the server's --reasoning-parser
+    lora_request: Any = None  # the LoRA adapter `model` named (`jserve.server.loras`); None: the base model
     reasoning: reasoning.ReasoningParser | None = None  # what splits the thinking out, once rendered
 
     def chat_prompt(self) -> ChatPrompt:
@@ -109,6 +110,7 @@ class Context:
     # the model's sampling defaults for fields a request leaves out (`--generation-config`)
     sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     reasoning_parser: str | None = None  # what splits a chat reply's thinking out (--reasoning-parser)
+    loras: Any = None  # the server's `ServedLoras` (a model name may be an adapter's)
 
     @property
     def model_name(self) -> str:
@@ -116,12 +118,15 @@ class Context:
 
 
 
-def check_model(body: dict, ctx: Context) -> None:
+def check_model(body: dict, ctx: Context) -> Any:
+    """The LoRA adapter (`LoRARequest`) that `model` names, or None: the base model."""
     model = body.get("model")
     if model is None:
-        return  # OpenAI requires it; we serve one model, so a missing name is harmless
+        return None  # OpenAI requires it; we serve one model, so a missing name is harmless
     if not isinstance(model, str):
         raise type_error("model", "a string", model)
+    if model not in ctx.model_names and ctx.loras is not None and ctx.loras.enabled:
+        return ctx.loras.lookup(model)  # vLLM's 404 for a name neither the model's nor an adapter's
     if model not in ctx.model_names:
         served = ", ".join(f"`{m}`" for m in ctx.model_names)
         raise APIError(400, f"The model `{show(model)[1:-1]}` does not exist; this server serves {served}.",
@@ -131,7 +136,7 @@ def check_model(body: dict, ctx: Context) -> None:
 
 def _common(body: dict, ctx: Context, allowed: frozenset[str]) -> dict:
     fields.check_fields(body, allowed)
-    check_model(body, ctx)
+    lora_request = check_model(body, ctx)
     str_field(body, "user")
     stream = bool_field(body, "stream")
     options = body.get("stream_options")
@@ -148,7 +153,7 @@ def _common(body: dict, ctx: Context, allowed: frozenset[str]) -> dict:
         raise bad_request(f"cache_salt must be 1 to {ctx.limits.max_cache_salt_chars} characters, got "
                           f"{len(cache_salt)}", param="cache_salt")
     return dict(stream=stream, include_usage=include_usage, priority=priority, cache_salt=cache_salt,
-                **reply_fields.read(body, ctx, "messages" in allowed, include_usage))
+                lora_request=lora_request, **reply_fields.read(body, ctx, "messages" in allowed, include_usage))
 
 
 def check_prompts(req: GenerateRequest, ctx: Context) -> None:
