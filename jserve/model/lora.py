@@ -20,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.model.config import LAYER_MATMULS, ModelConfig
+from jserve.model.config import ModelConfig
+from jserve.model.lora_adapters import LORA_TARGETS, target_shapes
 
-LORA_TARGETS = LAYER_MATMULS  # wq wk wv wo w_gate w_up w_down
+__all__ = ["LORA_TARGETS", "LoraSpec", "add_slots", "apply", "carry_slots", "slot_arrays", "slot_shapes",
+           "strip_slots", "target_shapes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +50,6 @@ class LoraSpec:
         """The slots for `config`: every dense linear, or the attention's of a MoE model."""
         targets = LORA_TARGETS[:4] if config.moe else LORA_TARGETS
         return cls(max_loras, max_rank, targets)
-
-
-def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each target linear of a layer."""
-    D, F = config.hidden_size, config.intermediate_size
-    qd, kvd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"wq": (D, qd), "wk": (D, kvd), "wv": (D, kvd), "wo": (qd, D),
-            "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
 
 
 def slot_shapes(config: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
