@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from jserve.core.request import RequestOutput, SamplingParams
+from jserve.engine.async_loras import AsyncLoraControl
 from jserve.engine.async_weights import AsyncWeightControl
 from jserve.engine.engine_facts import EngineFacts
 from jserve.engine.handover import Command, latest, post
@@ -53,7 +54,7 @@ class _Live:
     seen_first_output: bool = False
 
 
-class AsyncLLMEngine(AsyncWeightControl, EngineFacts):
+class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
     """Runs an `LLMEngine` on a daemon thread and streams each request's outputs to asyncio.
 
     Args:
@@ -386,9 +387,8 @@ class AsyncLLMEngine(AsyncWeightControl, EngineFacts):
                 stats[name] = getattr(scheduler, name)
         stats.update(num_streams=len(self._live), num_loop_iterations=self.num_loop_iterations,
                      is_running=self.is_running, errored=self.errored, **self._ledger.totals())
-        lora = getattr(self.engine, "lora", None)
-        if lora is not None:  # and the adapters waiting requests name (vLLM's lora_requests_info)
-            stats["lora"] = dict(lora.stats(), waiting=sorted({r.lora_name for r in scheduler.waiting if r.lora_name}))
+        if self.lora_stats() is not None:
+            stats["lora"] = self.lora_stats()
         return stats
 
     def _close_loop(self) -> None:

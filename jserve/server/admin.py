@@ -43,7 +43,7 @@ def register(app: web.Application, state, key: str | None) -> None:
     app.router.add_post("/update_weights", update_weights)
 
 
-def _engine(request: web.Request):
+def admin_engine(request: web.Request):
     """The engine, once the admin key is checked; 503 while the model loads."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
@@ -57,7 +57,7 @@ def _engine(request: web.Request):
     return engine
 
 
-async def _run(coro) -> None:
+async def as_400(coro) -> None:
     try:
         return await coro
     except ValueError as e:
@@ -65,30 +65,30 @@ async def _run(coro) -> None:
 
 
 async def sleep(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    engine = admin_engine(request)
     raw = request.query.get("level", "1")
     if raw not in ("1", "2"):
         raise APIError(400, f"level must be 1 or 2, got {raw!r}", param="level")
-    await _run(engine.sleep(int(raw), policy=request.query.get("policy")))
+    await as_400(engine.sleep(int(raw), policy=request.query.get("policy")))
     return web.json_response({"is_sleeping": True, "level": int(raw)})
 
 
 async def wake_up(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    engine = admin_engine(request)
     tags = request.query.getall("tags", None)
-    await _run(engine.wake_up(tags))
+    await as_400(engine.wake_up(tags))
     return web.json_response({"is_sleeping": engine.is_sleeping})
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
-    return web.json_response(_engine(request).sleep_state())
+    return web.json_response(admin_engine(request).sleep_state())
 
 
 async def update_weights(request: web.Request) -> web.Response:
     """Read the checkpoint on a thread (off the event loop and the engine thread), then swap."""
     from jserve.engine.weights import load_weights
 
-    engine = _engine(request)
+    engine = admin_engine(request)
     body = await read_json(request, request.app[SERVER].timeouts.body)
     path = body.get("path")
     if not isinstance(path, str) or not path:
@@ -101,6 +101,6 @@ async def update_weights(request: web.Request) -> web.Response:
         weights = await asyncio.to_thread(load_weights, path, dtype)
     except (ValueError, OSError) as e:
         raise APIError(400, f"cannot read weights from {path!r}: {e}", param="path") from None
-    timings = await _run(engine.update_weights(weights, policy=body.get("policy")))
+    timings = await as_400(engine.update_weights(weights, policy=body.get("policy")))
     return web.json_response({"updated": True, **{k: round(v, 4) for k, v in timings.items()}})
 

@@ -277,7 +277,7 @@ def _load_in_background(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
             try:  # each adapter read and checked: a bad one stops the start
                 loras.add_modules(result.engine, _lora_modules(args))
             except BaseException:
-                result.engine.runner.close()  # no background compilation left running as the process exits
+                result.close()  # no background compilation left running as the process exits
                 raise
             loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_result(result))
         except BaseException as e:  # noqa: BLE001 - reported on the loop, re-raised by serve()

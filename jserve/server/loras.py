@@ -101,11 +101,9 @@ class ServedLoras:
 
     def attach(self, engine: Any) -> None:
         """`engine`: the AsyncLLMEngine; its `LoraManager`, if any, holds the start-up adapters."""
-        manager = getattr(engine.engine, "lora", None)
-        self.enabled = manager is not None
-        if manager is not None:
-            manager.add_on_request = False  # adapters come and go through --lora-modules and the routes only
-        self.adapters = {r.lora_name: r for r in manager.known()} if manager is not None else {}
+        self.enabled = engine.lora_enabled
+        engine.only_added_loras()  # adapters come and go through --lora-modules and the routes only
+        self.adapters = {r.lora_name: r for r in engine.lora_adapters()}
         self.last_id = max((r.lora_int_id for r in self.adapters.values()), default=0)
 
     def lookup(self, model: str) -> LoRARequest:
@@ -135,7 +133,7 @@ def register(app: web.Application, loras: ServedLoras, key: str | None) -> None:
 
 async def _body(request: web.Request, allowed: frozenset[str]) -> tuple[Any, Any, dict]:
     """The engine, the server state and the body, once the admin key is checked."""
-    engine = admin._engine(request)
+    engine = admin.admin_engine(request)
     state = request.app[admin.SERVER]
     body = await read_json(request, state.timeouts.body)
     fields.check_fields(body, allowed)
@@ -158,14 +156,13 @@ async def load_adapter(request: web.Request) -> web.Response:
         raise bad_request(f"'{name}' is the served model's name: give the adapter another", param="lora_name")
     if name in state.loras.adapters:
         raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-    manager = engine.engine.lora
     state.loras.last_id += 1
     lora = LoRARequest(name, state.loras.last_id, path)
     try:  # off the event loop and the engine thread: a Hub id downloads, a folder is read and checked
-        weights = await asyncio.to_thread(manager.read, lora)
+        weights = await asyncio.to_thread(engine.read_lora, lora)
     except (ValueError, OSError) as e:
         raise bad_request(f"cannot load LoRA adapter {name!r} from {path!r}: {e}", param="lora_path") from None
-    await asyncio.shield(_change(engine, state.loras, lora, lambda e: e.lora.add(lora, weights=weights)))
+    await asyncio.shield(_change(state.loras, lora, engine.add_lora(lora, weights)))
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -175,18 +172,18 @@ async def unload_adapter(request: web.Request) -> web.Response:
     lora = state.loras.adapters.get(name)
     if lora is None or body.get("lora_int_id") not in (None, lora.lora_int_id):
         raise NotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name")
-    await asyncio.shield(_change(engine, state.loras, lora, lambda e: e.lora.remove(name), add=False))
+    await asyncio.shield(_change(state.loras, lora, engine.remove_lora(name), add=False))
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-async def _change(engine: Any, loras: ServedLoras, lora: LoRARequest, call: Any, add: bool = True) -> None:
-    """`call` on the engine thread, and the served names to match (shielded: a client that goes
+async def _change(loras: ServedLoras, lora: LoRARequest, call: Any, add: bool = True) -> None:
+    """`call` (the engine's change, between its steps), and the served names to match (shielded: a client that goes
     away does not leave the two apart). An unloaded name is gone first, so that no new request
     names it while the engine removes it; a 400 puts it back."""
     if not add:
         del loras.adapters[lora.lora_name]
     try:
-        await admin._run(engine.between_steps(call))
+        await admin.as_400(call)
     except APIError:
         if not add:
             loras.adapters[lora.lora_name] = lora
