@@ -84,7 +84,9 @@ def _mixed_requests():
     {"num_pages": 14, "enable_prefix_caching": False},  # a small pool: preemptions
     {"max_loras": 2},  # fewer slots than adapters: requests wait for one, slots are reloaded
     {"async_scheduling": True},
-], ids=["mixed", "chunked", "preempted", "two-slots", "async"])
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                            "disable_by_batch_size": 8}},
+], ids=["mixed", "chunked", "preempted", "two-slots", "async", "ngram"])
 def test_a_mixed_batch_gives_each_request_its_adapter(settings):
     requests = _mixed_requests()
     alone = engine_for("llama3")
@@ -95,6 +97,30 @@ def test_a_mixed_batch_gives_each_request_its_adapter(settings):
         assert engine.scheduler.num_preemptions > 0
     if settings.get("max_loras") == 2:
         assert engine.lora.slots.num_loads > 3
+    assert engine.runner.num_compilations_after_warmup == 0
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_base_weights_keep_their_kernels_beside_the_adapters(quantization):
+    """Over int8 / int4 base weights (the native backend's quantized panels): every adapter changes
+    the output, and a mixed batch gives each request what it gets alone."""
+    requests = _mixed_requests()
+    alone = engine_for("llama3", quantization=quantization, quality_gate="off")
+    assert alone.runner.backend.describe()["native_matmuls"]
+    want = {rid: run(alone, [(rid, p, n)])[rid] for rid, p, n in requests}
+    assert len({tuple(want[f"r{i}"]) for i in range(4)}) == 4  # the base model and three adapters differ
+    engine = engine_for("llama3", quantization=quantization, quality_gate="off")
+    assert run(engine, requests) == want
+
+
+def test_a_dp2_tp2_mesh_gives_the_single_device_tokens():
+    """Eight requests of the base model and three adapters over two data-parallel groups of two
+    tensor-parallel devices (fake CPU devices), as one device gives them alone."""
+    requests = _mixed_requests()
+    alone = engine_for("llama3")
+    want = {rid: run(alone, [(rid, p, n)])[rid] for rid, p, n in requests}
+    engine = engine_for("llama3", mesh="dp=2,tp=2", backend="xla")
+    assert run(engine, requests) == want
     assert engine.runner.num_compilations_after_warmup == 0
 
 
