@@ -8,12 +8,12 @@ import concurrent.futures
 import json
 import time
 
-import numpy as np
 import pytest
 
 from jserve.core.lora_slots import LoRARequest
 from jserve.core.request import SamplingParams
 from jserve.engine.async_engine import AsyncLLMEngine
+from jserve.model.lora_adapters import write_random_adapter
 from jserve.server import ServerState, build_app, loras
 from test_server import Server, assert_error, request
 
@@ -24,24 +24,8 @@ PROMPT = "The capital of France is"
 
 
 def write_peft_adapter(folder, config, rank: int, seed: int, scale: float = 0.2) -> str:
-    """A PEFT LoRA adapter (q_proj and v_proj of every layer) for `config`, as PEFT saves one."""
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
-        "bias": "none", "use_rslora": False, "task_type": "CAUSAL_LM"}))
-    rng = np.random.default_rng(seed)
-    hidden = config.hidden_size
-    outs = {"q_proj": config.num_heads * config.head_dim, "v_proj": config.num_kv_heads * config.head_dim}
-    tensors = {}
-    for i in range(config.num_layers):
-        for module, out in outs.items():
-            key = f"base_model.model.model.layers.{i}.self_attn.{module}"
-            tensors[f"{key}.lora_A.weight"] = rng.normal(0, scale, (rank, hidden)).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = rng.normal(0, scale, (out, rank)).astype(np.float32)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    return str(folder)
+    """A PEFT LoRA adapter on q_proj and v_proj of every layer, big enough to change greedy text."""
+    return write_random_adapter(folder, config, rank, seed, modules=("q_proj", "v_proj"), scale=scale)
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +214,27 @@ def test_vllm_lora_flags_without_effect_are_logged(caplog):
         apply_vllm_args(args)
     assert "--fully-sharded-loras: accepted, no effect" in caplog.text
     assert "--max-lora-extra-vocab-size: accepted, no effect" in caplog.text
+
+
+def test_the_readme_example_works_as_written(served):
+    """The README's LoRA block: its curl line against this server with an adapter loaded as "sql"
+    (its `jserve serve` line is this server; the API key added)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    server, _, paths, texts = served
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "--enable-lora" in b)
+    (command,) = re.findall(r"^curl .*?(?<!\\)$", block.replace("\\\n", " "), re.M)
+    status, _, body = request(server, "POST", "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": paths["a"]},
+                              ADMIN)
+    assert status == 200, body
+    try:
+        command = command.replace("localhost:8000", f"127.0.0.1:{server.port}") + " -H 'Authorization: Bearer user-key'"
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+        assert answer["model"] == "sql" and answer["choices"][0]["text"], answer
+    finally:
+        request(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "sql"}, ADMIN)

@@ -299,8 +299,10 @@ def test_a_client_that_stops_reading_is_aborted(server):
 
 def test_readme_curl_examples_work_as_written(server):
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
-    # (the embeddings block runs against an embedding server: test_embeddings_server.py)
-    commands = [b for b in blocks if "curl" in b and "localhost:8000/v1" in b and "--task embed" not in b]
+    # (the embeddings block runs against an embedding server: test_embeddings_server.py; the LoRA
+    # block against one with adapters: test_lora_server.py)
+    commands = [b for b in blocks if "curl" in b and "localhost:8000/v1" in b and "--task embed" not in b
+                and "--enable-lora" not in b]
     assert commands, "the README shows no curl example"
     for command in commands:
         done = subprocess.run(["bash", "-c", command.replace("localhost:8000", f"127.0.0.1:{server.port}")],

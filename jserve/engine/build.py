@@ -59,6 +59,11 @@ def _lora_spec(config: EngineConfig, source_config, model_config, pooling):
 
     if pooling is not None:
         raise ValueError("LoRA adapters serve generation: give no --enable-lora with task embed")
+    import jax
+
+    if jax.process_count() > 1:  # process 0 writes the slots; the others would never see an adapter
+        raise ValueError("LoRA adapters are served by one process for now: give no --enable-lora with "
+                         "--distributed")
     if model_config != source_config:  # tp padded or replicated heads: an adapter's q/k/v would need it too
         raise ValueError(f"LoRA on this mesh needs every tp shard to hold whole heads ({source_config.num_heads} "
                          f"query and {source_config.num_kv_heads} KV heads): pick a tp that divides both")

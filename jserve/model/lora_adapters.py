@@ -25,7 +25,7 @@ import numpy as np
 from jserve.model.config import LAYER_MATMULS, ModelConfig
 from jserve.model.hub import HubError, parse_hub_id
 
-__all__ = ["LORA_TARGETS", "LoraAdapter", "LoraError", "load_adapter", "target_shapes"]
+__all__ = ["LORA_TARGETS", "LoraAdapter", "LoraError", "load_adapter", "target_shapes", "write_random_adapter"]
 
 LORA_TARGETS = LAYER_MATMULS
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -223,3 +223,31 @@ def _pattern(patterns: Mapping[str, Any] | None, module: str, default: Any) -> A
 def _default_name(source: str | os.PathLike) -> str:
     path = Path(source)
     return path.name if path.exists() else str(source)
+
+
+def write_random_adapter(folder: str | os.PathLike, config: ModelConfig, rank: int, seed: int = 0, *,
+                         modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"), scale: float = 0.05) -> str:
+    """A PEFT LoRA adapter of random A and B ~ N(0, scale) on `modules` of every layer of a model
+    of `config` (alpha = 2 * rank), saved as PEFT saves one: for benchmarks and tests, as
+    `--load-format dummy` is for a model. Returns the folder."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_FILE).write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules), "bias": "none",
+        "use_rslora": False, "task_type": "CAUSAL_LM"}))
+    rng = np.random.default_rng(seed)
+    paths = {path.rsplit(".", 1)[-1]: (path, targets[0]) for path, targets in _MODULES.items() if len(targets) == 1}
+    shapes = target_shapes(config)
+    tensors = {}
+    for i in range(config.num_layers):
+        for module in modules:
+            path, target = paths[module]
+            n_in, n_out = shapes[target]
+            key = f"base_model.model.model.layers.{i}.{path}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, scale, (rank, n_in)).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, scale, (n_out, rank)).astype(np.float32)
+    save_file(tensors, str(folder / WEIGHTS_FILE))
+    return str(folder)
