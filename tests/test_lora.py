@@ -139,6 +139,8 @@ def test_slot_arrays_refuse_what_does_not_fit():
     with pytest.raises(ValueError, match="wq matrices"):
         lora.slot_arrays(bad, config, spec)
     with pytest.raises(ValueError, match="w_up"):
-        lora.slot_arrays(random_adapter(config, 4, 0), config, lora.LoraSpec(1, 4, targets=("wq",)))
+        lora.slot_arrays(random_adapter(config, 4, 0), config, lora.LoraSpec(1, 4, targets=lora.LORA_TARGETS[:4]))
+    with pytest.raises(ValueError, match="read one input"):
+        lora.LoraSpec(1, 4, targets=("wq",))
     with pytest.raises(ValueError, match="max_loras"):
         lora.LoraSpec(max_loras=0)

@@ -1,11 +1,13 @@
 """LoRA adapters inside the model: fixed-shape slots per layer and target, selected per token.
 
-Every target linear of a layer (`LORA_TARGETS`) gets two slot stacks in the params, beside its base
-weight: `lora_a_<target>` [in, max_loras, rank] and `lora_b_<target>` [max_loras, rank, out]
+Every target linear of a layer (`LORA_TARGETS`) gets slot stacks in the params, beside its base
+weight: `lora_b_<target>` [max_loras, rank, out], and an A stack per group of targets that read the
+same input (`GROUPS`: q/k/v, o, gate/up, down), `lora_a_<group>` [in, targets, max_loras, rank]
 (a stacked layout adds the leading layer axis). Slot s (1 .. max_loras) holds one adapter, its
 scaling folded into B and its rank padded with zeros; id 0 is the base model. A step gives each
-token its slot id, and a target's output gains `mask(x @ A_all) @ B_all`: one matmul into every
-slot's rank columns at once, the columns of other slots zeroed, one matmul out. The compiled
+token its slot id, and each target's output gains `mask(x @ A_all) @ B_all`: one matmul into every
+slot's rank columns of the group's targets at once, the columns of other slots zeroed, one matmul
+out per target; a step whose tokens all run the base model skips both (`lax.cond`). The compiled
 shapes never depend on which adapters a step mixes, and any backend's base linear (packed,
 quantized) is untouched. The cost per token is max_loras * rank * (in + out) multiply-adds per
 target, whatever the mix.
@@ -23,8 +25,15 @@ import numpy as np
 from jserve.model.config import ModelConfig
 from jserve.model.lora_adapters import LORA_TARGETS, target_shapes
 
-__all__ = ["LORA_TARGETS", "LoraSpec", "add_slots", "apply", "carry_slots", "slot_arrays", "slot_shapes",
+__all__ = ["GROUPS", "LORA_TARGETS", "LoraSpec", "add_slots", "apply", "carry_slots", "slot_arrays", "slot_shapes",
            "strip_slots", "target_shapes"]
+
+# The targets `DecoderLayer._linear` computes from one input, in its call order: one A stack each.
+GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+
+
+def group_name(targets: tuple[str, ...]) -> str:
+    return "lora_a_" + "_".join(targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +53,13 @@ class LoraSpec:
         unknown = set(self.targets) - set(LORA_TARGETS)
         if unknown:
             raise ValueError(f"unknown LoRA targets {sorted(unknown)}; known: {LORA_TARGETS}")
+        split = [g for g in GROUPS if set(g) & set(self.targets) and not set(g) <= set(self.targets)]
+        if split:
+            raise ValueError(f"LoRA targets {split[0]} read one input and take slots together; got {self.targets}")
+
+    @property
+    def groups(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(g for g in GROUPS if g[0] in self.targets)
 
     @classmethod
     def for_model(cls, config: ModelConfig, max_loras: int, max_rank: int) -> "LoraSpec":
@@ -53,13 +69,14 @@ class LoraSpec:
 
 
 def slot_shapes(config: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
-    """One layer's slot stacks by param name: `lora_a_<t>` [in, S, r], `lora_b_<t>` [S, r, out]."""
+    """One layer's slot stacks by param name: `lora_a_<group>` [in, G, S, r] (G the group's
+    targets), `lora_b_<t>` [S, r, out]."""
     shapes = target_shapes(config)
     out = {}
-    for t in spec.targets:
-        n_in, n_out = shapes[t]
-        out[f"lora_a_{t}"] = (n_in, spec.max_loras, spec.max_rank)
-        out[f"lora_b_{t}"] = (spec.max_loras, spec.max_rank, n_out)
+    for group in spec.groups:
+        out[group_name(group)] = (shapes[group[0]][0], len(group), spec.max_loras, spec.max_rank)
+        for t in group:
+            out[f"lora_b_{t}"] = (spec.max_loras, spec.max_rank, shapes[t][1])
     return out
 
 
@@ -88,23 +105,26 @@ def strip_slots(tree: dict[str, Any]) -> dict[str, Any]:
 
 def apply(layer: Any, targets: tuple[str, ...], x: jax.Array, outs: tuple[jax.Array, ...],
           ids: jax.Array) -> tuple[jax.Array, ...]:
-    """`outs` (the base linears `targets` of `layer` over x [B, T, in]) plus each token's adapter
-    delta; `ids` int32 [B, T], the tokens' slots (0: none). A target without slots stays as it is."""
-    select = None  # [B, T, S]: 1 where the token's slot is s + 1
-    result = []
-    for t, out in zip(targets, outs):
-        a_var = getattr(layer, f"lora_a_{t}", None)
-        if a_var is None:
-            result.append(out)
-            continue
-        a, b = a_var[...], getattr(layer, f"lora_b_{t}")[...]
-        n_in, S, r = a.shape
-        if select is None:
-            select = (ids[..., None] == jnp.arange(1, S + 1, dtype=ids.dtype)).astype(x.dtype)
-        xa = (x @ a.reshape(n_in, S * r)).reshape(*x.shape[:-1], S, r) * select[..., None]
-        delta = xa.reshape(*x.shape[:-1], S * r) @ b.reshape(S * r, -1)
-        result.append(out + delta.astype(out.dtype))
-    return tuple(result)
+    """`outs` (the base linears `targets` of `layer` over x [B, T, in], one of `GROUPS`) plus each
+    token's adapter delta; `ids` int32 [B, T], the tokens' slots (0: none). A group without slots
+    stays as it is."""
+    a_var = getattr(layer, group_name(targets), None)
+    if a_var is None:
+        return outs
+
+    def deltas(outs):
+        a = a_var[...]
+        n_in, G, S, r = a.shape
+        select = (ids[..., None] == jnp.arange(1, S + 1, dtype=ids.dtype)).astype(x.dtype)  # [B, T, S]
+        xa = (x @ a.reshape(n_in, G * S * r)).reshape(*x.shape[:-1], G, S, r) * select[..., None, :, None]
+        result = []
+        for g, (t, out) in enumerate(zip(targets, outs)):
+            b = getattr(layer, f"lora_b_{t}")[...]
+            delta = xa[..., g, :, :].reshape(*x.shape[:-1], S * r) @ b.reshape(S * r, -1)
+            result.append(out + delta.astype(out.dtype))
+        return tuple(result)
+
+    return jax.lax.cond(jnp.any(ids > 0), deltas, lambda outs: tuple(outs), tuple(outs))
 
 
 def slot_arrays(weights: dict[str, tuple[np.ndarray, np.ndarray]], config: ModelConfig,

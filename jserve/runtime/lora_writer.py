@@ -17,9 +17,11 @@ from jserve.model import lora, quant
 from jserve.model.config import ModelConfig
 
 
-@functools.partial(jax.jit, static_argnames="axis", donate_argnums=0)
-def _write(stack: jax.Array, index: jax.Array, value: jax.Array, axis: int) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), index, axis)
+@functools.partial(jax.jit, static_argnames="at", donate_argnums=0)
+def _write(stack: jax.Array, index: jax.Array, value: jax.Array, at: tuple) -> jax.Array:
+    """`stack` with `value` at `at` (a static index whose None is the traced slot `index`)."""
+    where = tuple(index if i is None else i for i in at)
+    return stack.at[where].set(value.astype(stack.dtype))
 
 
 class LoraSlotWriter:
@@ -47,11 +49,15 @@ class LoraSlotWriter:
         layers = params["layers"]
         stacked = 0 not in layers
         new_layers = dict(layers) if stacked else {i: dict(layer) for i, layer in layers.items()}
-        for t, (a, b) in padded.items():
-            for name, value, axis in ((f"lora_a_{t}", a, -2), (f"lora_b_{t}", b, -3)):
-                if stacked:  # [L, ...]: the slot axis counts from the end, the layer axis stays
-                    new_layers[name] = _write(layers[name], index, value, axis=axis)
-                    continue
-                for i in new_layers:
-                    new_layers[i][name] = _write(layers[i][name], index, value[i], axis=axis)
+        for group in self.spec.groups:
+            for g, t in enumerate(group):
+                a, b = padded[t]
+                # A [.., in, G, S, r] at (g, slot); B [.., S, r, out] at the slot (stacked: after the layer axis)
+                writes = ((lora.group_name(group), a, (slice(None), g, None)), (f"lora_b_{t}", b, (None,)))
+                for name, value, at in writes:
+                    if stacked:
+                        new_layers[name] = _write(new_layers[name], index, value, at=(slice(None), *at))
+                        continue
+                    for i in new_layers:
+                        new_layers[i][name] = _write(new_layers[i][name], index, value[i], at=at)
         return {**params, "layers": new_layers}
