@@ -154,6 +154,9 @@ class EngineConfig:
     max_lora_rank: int = _setting(16, "the largest LoRA rank served (smaller ranks are padded to it)", parse=int)
     max_cpu_loras: int | None = _setting(None, "LoRA adapters kept read in host memory (least recently used "
                                                "dropped; default max_loras)", parse=int)
+    batch_invariant: bool = _setting(False, "a request's tokens and logprobs bitwise the same whatever it is "
+                                            "batched with, chunked or cached (vLLM's VLLM_BATCH_INVARIANT): "
+                                            "the native CPU backend's one code path per token, no fused decode")
 
     def __post_init__(self):
         if not isinstance(self.num_scheduler_steps, int) or isinstance(self.num_scheduler_steps, bool) \
@@ -200,6 +203,9 @@ class EngineConfig:
             raise ValueError(f"pooling must be one of {POOLING_TYPES} or None, got {self.pooling!r}")
         if self.pooling_normalize not in ("auto", "true", "false"):
             raise ValueError(f"pooling_normalize must be 'auto', 'true' or 'false', got {self.pooling_normalize!r}")
+        if self.batch_invariant and self.enable_lora:
+            raise ValueError("batch_invariant and enable_lora do not combine yet: the LoRA deltas run on XLA's "
+                             "dots, whose reduction order follows the step's shape")
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -21,6 +21,7 @@ from flax import nnx
 from jserve.model import lora as lora_slots
 from jserve.model import moe, quant
 from jserve.model.config import LAYER_MATMULS, ModelConfig
+from jserve.model.norms import rms_norm, soft_cap
 from jserve.model.rotary import apply_rotary, model_rotary_tables
 
 
@@ -58,6 +59,7 @@ class ModelOps(Protocol):
 
     attention: Attention
     lora_ids: Any  # int32 [batch, tokens]: each token's LoRA slot (`jserve.model.lora`); None: no adapters
+    batch_invariant: bool  # norms by `norms.fixed_order_sum` (`EngineConfig.batch_invariant`)
 
     def linear(self, x: jax.Array, w: Any, out_features: Any) -> Any:
         """x [..., in] @ w for a layer weight as the params hold it; given a tuple of weights (and
@@ -83,21 +85,6 @@ class ModelOps(Protocol):
     def with_attention(self, attention: Attention) -> "ModelOps":
         """The same operations with another attention (and cache), e.g. a contiguous one."""
         ...
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm computed in float32 and cast back, as Hugging Face does: `weight * x` after the
-    cast (Llama), or with `offset` (Gemma: 1) `x * (offset + weight)` in float32 before it."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if offset:
-        return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * x32.astype(x.dtype)
-
-
-def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
-    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping); x itself without a cap."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float | None = 0.02) -> nnx.Param:
@@ -176,7 +163,7 @@ class DecoderLayer(nnx.Module):
         spec = AttentionSpec(c.attention_scale, c.sliding_window if sliding else None, c.attn_logit_softcap)
         out, cache = self._attention(x, cos, sin, cache, layer, meta, ops, spec)
         x = x + out
-        return x + self._mlp(self._norm(x, self.mlp_norm), ops), cache
+        return x + self._mlp(self._norm(x, self.mlp_norm, ops), ops), cache
 
     def _is_sliding(self, layer: Any) -> bool:
         """Whether layer `layer` is a sliding-window one, by the config."""
@@ -186,9 +173,9 @@ class DecoderLayer(nnx.Module):
                              "(sliding=...) when its index is traced")
         return c.layer_is_sliding(layer if isinstance(layer, int) else 0)
 
-    def _norm(self, h: jax.Array, weight: nnx.Param) -> jax.Array:
+    def _norm(self, h: jax.Array, weight: nnx.Param, ops: ModelOps) -> jax.Array:
         c = self.config
-        return rms_norm(h, weight[...], c.rms_norm_eps, c.norm_offset)
+        return rms_norm(h, weight[...], c.rms_norm_eps, c.norm_offset, ops.batch_invariant)
 
     def _linear(self, ops: ModelOps, x: jax.Array, names: tuple[str, ...], widths: tuple[int, ...]):
         """The products of x and the named weights (`ops.linear`; one weight alone, several as one
@@ -203,7 +190,7 @@ class DecoderLayer(nnx.Module):
         c = self.config
         B, T, _ = x.shape
         qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        h = self._norm(x, self.attn_norm)
+        h = self._norm(x, self.attn_norm, ops)
         q, k, v = self._linear(ops, h, ("wq", "wk", "wv"), (qd, kvd, kvd))
         if c.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
@@ -211,16 +198,16 @@ class DecoderLayer(nnx.Module):
         k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = self._norm(q, self.q_norm)
-            k = self._norm(k, self.k_norm)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            q = self._norm(q, self.q_norm, ops)
+            k = self._norm(k, self.k_norm, ops)
+        q = apply_rotary(q, cos, sin, ops.batch_invariant)
+        k = apply_rotary(k, cos, sin, ops.batch_invariant)
         attn, cache = ops.attention(layer, q, k, v, cache, meta, spec)
         (out,) = self._linear(ops, attn.reshape(B, T, qd), ("wo",), (c.hidden_size,))
         if c.o_bias:
             out = out + self.bo[...]
         if c.post_norms:
-            out = self._norm(out, self.attn_post_norm)
+            out = self._norm(out, self.attn_post_norm, ops)
         return out, cache
 
     def _mlp(self, h: jax.Array, ops: ModelOps) -> jax.Array:
@@ -239,7 +226,7 @@ class DecoderLayer(nnx.Module):
             if c.mlp_bias:
                 down = down + self.b_down[...]
         if c.post_norms:
-            down = self._norm(down, self.mlp_post_norm)
+            down = self._norm(down, self.mlp_post_norm, ops)
         return down
 
 
@@ -321,6 +308,7 @@ class XlaOps:
     grouped_matmul: str = "ragged_dot"
     mesh: Any = None
     lora_ids: Any = None  # `ModelOps.lora_ids`: set inside a step (`jserve.runtime.device_steps`)
+    batch_invariant: bool = False  # `ModelOps.batch_invariant`
 
     def linear(self, x, w, out_features):
         return xla_linear(x, w, out_features)
@@ -402,7 +390,7 @@ class LlamaModel(nnx.Module):
         x, cache = ops.run_layers(self.layers, x, cos, sin, cache, meta)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None], axis=1)
-        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_offset)
+        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_offset, ops.batch_invariant)
         if hidden:
             return x.astype(jnp.float32), cache
         n = x.shape[1]

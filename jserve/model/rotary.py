@@ -45,14 +45,19 @@ def model_rotary_tables(config: ModelConfig, positions: jax.Array, local: bool =
                          config.rope_scaling.attention_factor)
 
 
-def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, invariant: bool = False) -> jax.Array:
     """Rotate-half rotary embedding. x [batch, tokens, heads, head_dim]; cos, sin from rotary_tables,
     [..., rope_dim]: with rope_dim < head_dim (partial rotary) the first rope_dim dims rotate, among
-    themselves, and the others pass unchanged."""
+    themselves, and the others pass unchanged. `invariant` (batch-invariant mode): the two products
+    rounded before their sum, as XLA:CPU contracts `a * b + c` into one FMA in some fusions and not
+    in others, and its fusions follow the step's shape."""
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     dim = cos.shape[-1]
     if dim < x.shape[-1]:
-        return jnp.concatenate([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], axis=-1)
+        return jnp.concatenate([apply_rotary(x[..., :dim], cos, sin, invariant), x[..., dim:]], axis=-1)
     half = dim // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    if invariant:
+        a, b = jax.lax.optimization_barrier((x * cos, rotated * sin))
+        return a + b
     return x * cos + rotated * sin

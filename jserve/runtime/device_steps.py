@@ -37,13 +37,14 @@ def forward(graphdef, ops, params, kv, tokens, positions, meta, last, lora=None)
     return logits.reshape(-1, logits.shape[-1]), kv
 
 
-def sample_rows(logits, sampling, history, bitmask, feed_rows: int = 0):
+def sample_rows(logits, sampling, history, bitmask, feed_rows: int = 0, invariant: bool = False):
     """The sampler over a step's logits [batch, vocab] and its rows' grammar bitmask: compiled
     once per batch size, apart from `forward` (whose shapes also vary with the tokens per row),
     which more than halves the compilation time of a warm-up. With `feed_rows`, also "feed": the
     sampled tokens in a vector of that many entries (one shape for every batch), from which the
-    next call's tokens may come (`jserve.runtime.overlap`)."""
-    out = sample(logits, sampling, penalties=history, bitmask=bitmask, num_logprobs=MAX_LOGPROBS)
+    next call's tokens may come (`jserve.runtime.overlap`). `invariant`: batch-invariant mode
+    (`ModelOps.batch_invariant`)."""
+    out = sample(logits, sampling, penalties=history, bitmask=bitmask, num_logprobs=MAX_LOGPROBS, invariant=invariant)
     if feed_rows:
         tokens = out["tokens"]
         out["feed"] = jnp.zeros((feed_rows,), tokens.dtype).at[:tokens.shape[0]].set(tokens)
@@ -59,9 +60,9 @@ def score(graphdef, ops, params, kv, tokens, positions, meta, last, next_ids, sa
     logits, kv = model(tokens, positions, kv, meta, with_lora(ops, lora))  # [batch, tokens, vocab]
     final = jnp.take_along_axis(logits, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
     chosen, rank, top_ids, top_logprobs = prompt_logprobs(logits, jnp.maximum(next_ids, 0),
-                                                          num_logprobs=MAX_LOGPROBS)
+                                                          num_logprobs=MAX_LOGPROBS, invariant=ops.batch_invariant)
     prompt = {"logprob": chosen, "rank": rank, "top_ids": top_ids, "top_logprobs": top_logprobs}
-    return sample_rows(final, sampling, history, bitmask), prompt, kv
+    return sample_rows(final, sampling, history, bitmask, invariant=ops.batch_invariant), prompt, kv
 
 
 def multi_decode(graphdef, ops, page_size, vocab_size, max_steps, params, kv, tokens, start, pages, decode_steps,
@@ -79,7 +80,8 @@ def multi_decode(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
     zeros = jnp.zeros((B, 1), jnp.int32)
 
     def sample_step(logits, j, ids):
-        return sample(logits, sampling.at_step(j), penalties=(ids, num_prompt), num_logprobs=MAX_LOGPROBS)
+        return sample(logits, sampling.at_step(j), penalties=(ids, num_prompt), num_logprobs=MAX_LOGPROBS,
+                      invariant=ops.batch_invariant)
 
     shapes = jax.eval_shape(sample_step, jax.ShapeDtypeStruct((B, vocab_size), jnp.float32), 0, ids)
     buffers = jax.tree.map(lambda x: jnp.zeros((max_steps,) + x.shape, x.dtype), shapes)
@@ -137,7 +139,8 @@ def verify(graphdef, ops, params, kv, tokens, positions, meta, drafts, sampling,
         before = jnp.concatenate([jnp.zeros_like(drafted[:, :1]), jnp.cumsum(drafted, axis=1)], axis=1)
         return (seen[:, None] + before).reshape(B * T, vocab), jnp.repeat(in_prompt, T, axis=0)
 
-    out = sample(logits.reshape(B * T, V), flat, penalties=penalties, bitmask=bitmask, num_logprobs=MAX_LOGPROBS)
+    out = sample(logits.reshape(B * T, V), flat, penalties=penalties, bitmask=bitmask, num_logprobs=MAX_LOGPROBS,
+                 invariant=ops.batch_invariant)
     out = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(B, T, *x.shape[1:]), 0, 1), out)
     num_drafts = meta.q_lens - 1  # -1 for a padding row
     match = (drafts == out["tokens"][:T - 1].T) & (j[None, :T - 1] < num_drafts[:, None])

@@ -67,6 +67,7 @@ class PagedAttention:
     mesh: Any = None  # a ('dp', 'tp') jax.sharding.Mesh: run per device on its heads and pages
     kv_layout: str = "per_layer"
     num_layers: int = 1  # for the folded layout
+    batch_invariant: bool = False  # the kernel's batch-invariant mode (`ops.paged_attention`'s `_attend`)
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -116,6 +117,8 @@ class PagedAttention:
                       soft_cap=spec.soft_cap)
         if scales:
             kw.update(k_scales=scales[0], v_scales=scales[1])
+        if self.batch_invariant:
+            kw.update(batch_invariant=True)
         if isinstance(meta, RaggedMeta):  # one group's block of tokens (per device on a mesh)
             if B != 1:
                 raise ValueError(f"a mixed step runs one data-parallel group's tokens per device, got {B} groups "

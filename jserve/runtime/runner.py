@@ -131,7 +131,8 @@ class Runner:
         # The most rows a decode or mixed call samples: its samples, padded to this, feed the next
         # call's tokens on the device when steps overlap (`launch`, jserve.runtime.overlap).
         self.feed_rows = self.batch_buckets[-1] * self.dp
-        self.sample_fn = jax.jit(functools.partial(device_steps.sample_rows, feed_rows=self.feed_rows))
+        self.sample_fn = jax.jit(functools.partial(device_steps.sample_rows, feed_rows=self.feed_rows,
+                                                   invariant=self.ops.batch_invariant))
         self._score_step = jax.jit(functools.partial(device_steps.score, self.graphdef, self.ops), **score_kwargs)
 
     # ------------------------------------------------------------------ what others read

@@ -16,6 +16,7 @@ else is in the batch. Logprobs are those of the model's raw distribution (as vLL
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.core.request import GREEDY, MAX_LOGIT_ENTRIES, SamplingParams
+from jserve.model import norms
 
 
 @jax.tree_util.register_dataclass
@@ -182,11 +184,11 @@ def apply_logit_entries(logits: jax.Array, ids: jax.Array, values: jax.Array,
 
 
 def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                     min_p: jax.Array) -> jax.Array:
+                     min_p: jax.Array, invariant: bool = False) -> jax.Array:
     """Mask tokens outside top-k / top-p / min-p with -inf (rows of [batch, vocab])."""
     vocab = logits.shape[-1]
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    probs = norms.softmax(sorted_logits, invariant)
     # top-k: the k-th largest logit is the threshold.
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
@@ -204,7 +206,7 @@ def _filtered_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
 
 def sample(logits: jax.Array, sampling: SamplingArrays,
            penalties: tuple[jax.Array, jax.Array] | None = None, bitmask: jax.Array | None = None, *,
-           num_logprobs: int = 0):
+           num_logprobs: int = 0, invariant: bool = False):
     """Sample one token per row.
 
     Args:
@@ -218,6 +220,7 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
         and cost nothing (the log-softmax and top-k over the vocabulary are most of this
         function's time).
       num_logprobs: static; how many top logprobs to return per row (0: none).
+      invariant: static; batch-invariant mode: the softmaxes' sums in a fixed order (`jserve.model.norms`).
     Returns:
       dict with `tokens` int32 [batch], `logprob` float32 [batch] (of the chosen token),
       `rank` int32 [batch], and when num_logprobs > 0 `top_ids` int32 [batch, k] and
@@ -225,20 +228,22 @@ def sample(logits: jax.Array, sampling: SamplingArrays,
     """
     logits = logits.astype(jnp.float32)
     greedy = sampling.temperature <= 0.0
-    tokens = _processed_pick(logits, sampling, greedy, penalties, bitmask)
-    return {"tokens": tokens, **_logprobs_if_wanted(logits, tokens, sampling.logprobs, num_logprobs)}
+    tokens = _processed_pick(logits, sampling, greedy, penalties, bitmask, invariant)
+    return {"tokens": tokens, **_logprobs_if_wanted(logits, tokens, sampling.logprobs, num_logprobs, invariant)}
 
 
-def _draw(logits: jax.Array, best: jax.Array, sampling: SamplingArrays, greedy: jax.Array) -> jax.Array:
+def _draw(logits: jax.Array, best: jax.Array, sampling: SamplingArrays, greedy: jax.Array,
+          invariant: bool) -> jax.Array:
     """A token per row drawn at its temperature after top-k / top-p / min-p, with its own key;
     `best` where the row is greedy."""
     top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
     scaled = logits / jnp.where(greedy, 1.0, sampling.temperature)[:, None]
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
-    filtered = jax.lax.cond(needs_filter, _filtered_logits, lambda l, *_: l, scaled, top_k, top_p, min_p)
+    filtered = jax.lax.cond(needs_filter, functools.partial(_filtered_logits, invariant=invariant),
+                            lambda l, *_: l, scaled, top_k, top_p, min_p)
     # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
     # (those draws cost more than the whole model step on a CPU; docs/performance.md).
-    probs = jax.nn.softmax(filtered, axis=-1)
+    probs = norms.softmax(filtered, invariant)
     cdf = jnp.cumsum(probs, axis=-1)
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(sampling.seed, sampling.step)
     u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
@@ -246,16 +251,16 @@ def _draw(logits: jax.Array, best: jax.Array, sampling: SamplingArrays, greedy: 
     return jnp.where(greedy, best, sampled)
 
 
-def _pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Array) -> jax.Array:
+def _pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Array, invariant: bool) -> jax.Array:
     """Each row's token from its logits: the argmax, and `_draw` only in a step with a row that
     is not greedy."""
     best = argmax(logits)
-    return jax.lax.cond(jnp.all(greedy), lambda l, b: b, lambda l, b: _draw(l, b, sampling, greedy),
+    return jax.lax.cond(jnp.all(greedy), lambda l, b: b, lambda l, b: _draw(l, b, sampling, greedy, invariant),
                         logits, best)
 
 
 def _processed_pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Array,
-                    penalties, bitmask: jax.Array | None) -> jax.Array:
+                    penalties, bitmask: jax.Array | None, invariant: bool) -> jax.Array:
     """int32 [batch]: `_pick` after the grammar mask, the logit entries and the penalties, in that
     order (`sample`'s arguments).
 
@@ -278,7 +283,7 @@ def _processed_pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Arr
                                              | (sampling.frequency_penalty != 0.0))))
     if bitmask is not None:
         stages.append((lambda l: apply_bitmask(l, bitmask), jnp.any(bitmask != -1)))
-    branches = [lambda l: _pick(l, sampling, greedy)]
+    branches = [lambda l: _pick(l, sampling, greedy, invariant)]
     index = jnp.int32(0)
     for stage, needed in stages:
         index += needed.astype(jnp.int32) * len(branches)
@@ -286,10 +291,10 @@ def _processed_pick(logits: jax.Array, sampling: SamplingArrays, greedy: jax.Arr
     return jax.lax.switch(index, branches, logits).astype(jnp.int32)
 
 
-def _logprob_outputs(raw: jax.Array, tokens: jax.Array, num_logprobs: int) -> dict[str, jax.Array]:
+def _logprob_outputs(raw: jax.Array, tokens: jax.Array, num_logprobs: int, invariant: bool) -> dict[str, jax.Array]:
     """`sample`'s logprob outputs for the chosen `tokens`, of the model's own distribution `raw`
     (as vLLM reports them)."""
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    logprobs = norms.log_softmax(raw, invariant)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     out = {"logprob": chosen, "rank": (jnp.sum(logprobs > chosen[:, None], axis=-1) + 1).astype(jnp.int32)}
     if num_logprobs:
@@ -299,26 +304,27 @@ def _logprob_outputs(raw: jax.Array, tokens: jax.Array, num_logprobs: int) -> di
 
 
 def _logprobs_if_wanted(raw: jax.Array, tokens: jax.Array, wanted: jax.Array,
-                        num_logprobs: int) -> dict[str, jax.Array]:
+                        num_logprobs: int, invariant: bool) -> dict[str, jax.Array]:
     """`_logprob_outputs` where a row wants logprobs (`wanted` != 0), else zeros of their shapes."""
     def outputs(raw):
-        return _logprob_outputs(raw, tokens, num_logprobs)
+        return _logprob_outputs(raw, tokens, num_logprobs, invariant)
 
     skipped = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(outputs, raw))
     return jax.lax.cond(jnp.any(wanted != 0), outputs, lambda raw: skipped, raw)
 
 
-def prompt_logprobs(logits: jax.Array, next_tokens: jax.Array, *, num_logprobs: int):
+def prompt_logprobs(logits: jax.Array, next_tokens: jax.Array, *, num_logprobs: int, invariant: bool = False):
     """Logprobs of each prompt token given its prefix.
 
     Args:
       logits: float32 [batch, tokens, vocab], the logits at each prompt position.
       next_tokens: int32 [batch, tokens], the token that follows each position.
+      invariant: static; batch-invariant mode (`sample`).
     Returns:
       (`logprob` [batch, tokens], `rank` [batch, tokens], `top_ids` [batch, tokens, k],
       `top_logprobs` [batch, tokens, k]); k = max(num_logprobs, 1).
     """
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logprobs = norms.log_softmax(logits.astype(jnp.float32), invariant)
     chosen = jnp.take_along_axis(logprobs, next_tokens[..., None], axis=-1)[..., 0]
     rank = (jnp.sum(logprobs > chosen[..., None], axis=-1) + 1).astype(jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logprobs, max(num_logprobs, 1))

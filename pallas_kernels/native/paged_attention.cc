@@ -198,7 +198,7 @@ template <typename T>
 void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, const float* q,
                 const T* k_pages, const T* v_pages, const int32_t* q_start, const int32_t* q_lens,
                 const int32_t* page_indices, float* out, float sm_scale, float soft_cap,
-                int32_t window, const float* k_scales, const float* v_scales) {
+                int32_t window, const float* k_scales, const float* v_scales, bool aligned) {
   const int64_t D = s.head_dim, G = s.groups, P = s.page_size;
   const int64_t first_row = ((b * s.kv_heads + k) * s.tokens + t0) * G;
   const float* qb = q + first_row * D;
@@ -211,7 +211,11 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
   const int64_t first_pos = q_start[b] + t0, last_pos = q_start[b] + real_end - 1;
   // Never read past the page table or the pool (see AttendOne).
   const int64_t end = std::min<int64_t>(last_pos + 1, s.max_pages * P);
-  const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  // Batch-invariant: key blocks at multiples of kKeyBlock, whatever the tile's first token, so
+  // that a token's online softmax rescales at the same keys in any tile (the masks drop the
+  // keys before its window).
+  if (aligned) begin = begin / kKeyBlock * kKeyBlock;
 
   // Per-thread scratch: Qt [D][kTileRows], acc [R][D], St [kKeyBlock][kTileRows], the running
   // max / sum / rescale per row, and widened K/V rows for bf16 pages.
@@ -302,7 +306,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
                ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
                ffi::Buffer<ffi::S32> page_indices, ffi::Result<ffi::Buffer<ffi::F32>> out,
-               int32_t groups, float sm_scale, float soft_cap, int32_t window) {
+               int32_t groups, float sm_scale, float soft_cap, int32_t window, bool invariant) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || page_indices.dimensions().size() != 2) {
@@ -337,7 +341,10 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
   const int32_t* ql = q_lens.typed_data();
   const int32_t* pi = page_indices.typed_data();
   float* op = out->typed_data();
-  if (s.tokens > 1 && s.head_dim % 8 == 0) {
+  // Batch-invariant (`invariant`): every token through the same code, whatever the call's rows
+  // and tokens: the tiles (aligned key blocks) for decode too, never a decode row's keys split
+  // into parts; AttendOne (per token) for head sizes the tiles do not take.
+  if ((s.tokens > 1 || invariant) && s.head_dim % 8 == 0) {
     // Prefill: tasks are (row, KV head, tile of tile_tokens tokens).
     const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / s.groups);
     const int64_t tiles = (s.tokens + tile_tokens - 1) / tile_tokens;
@@ -345,12 +352,12 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_p
       const int64_t tile = i % tiles, bk = i / tiles;
       const int64_t t0 = tile * tile_tokens, t1 = std::min(s.tokens, t0 + tile_tokens);
       AttendTile<T>(s, bk / s.kv_heads, bk % s.kv_heads, t0, t1, qp, kp, vp, qs, ql, pi, op,
-                    sm_scale, soft_cap, window, ksc, vsc);
+                    sm_scale, soft_cap, window, ksc, vsc, invariant);
     };
     ParallelFor(pool, s.batch * s.kv_heads * tiles, tile_task);
     return ffi::Error::Success();
   }
-  if (s.tokens == 1 && s.head_dim % 8 == 0) {
+  if (s.tokens == 1 && s.head_dim % 8 == 0 && !invariant) {
     DecodeWork<T> work(s, qp, kp, vp, qs, ql, pi, op, sm_scale, soft_cap, window, pool.num_threads(),
                        ksc, vsc);
     ParallelFor(pool, work.tasks(), [&work](int64_t i) { work.Task(i); });
@@ -377,24 +384,28 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> q_start,
                           ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_indices,
                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t groups, float sm_scale,
-                          float soft_cap, int32_t sliding_window) {
+                          float soft_cap, int32_t sliding_window, int32_t batch_invariant) {
   if (k_pages.element_type() != v_pages.element_type()) {
     return ffi::Error::InvalidArgument("paged attention: k_pages and v_pages dtypes differ");
   }
   switch (k_pages.element_type()) {
     case ffi::F32:
       return Run<float>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens, page_indices,
-                        out, groups, sm_scale, soft_cap, sliding_window);
+                        out, groups, sm_scale, soft_cap, sliding_window,
+                        batch_invariant != 0);
     case ffi::BF16:
       return Run<uint16_t>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens,
-                           page_indices, out, groups, sm_scale, soft_cap, sliding_window);
+                           page_indices, out, groups, sm_scale, soft_cap, sliding_window,
+                        batch_invariant != 0);
 #if JSERVE_NATIVE_QUANT
     case ffi::S8:
       return Run<int8_t>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens,
-                         page_indices, out, groups, sm_scale, soft_cap, sliding_window);
+                         page_indices, out, groups, sm_scale, soft_cap, sliding_window,
+                        batch_invariant != 0);
     case ffi::F8E4M3FN:
       return Run<Fp8>(pool, q, k_pages, v_pages, k_scales, v_scales, q_start, q_lens, page_indices,
-                      out, groups, sm_scale, soft_cap, sliding_window);
+                      out, groups, sm_scale, soft_cap, sliding_window,
+                        batch_invariant != 0);
 #else
     case ffi::S8:
     case ffi::F8E4M3FN:
@@ -429,4 +440,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttention,
                                   .Attr<int32_t>("groups")
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("sliding_window"));
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<int32_t>("batch_invariant"));

@@ -48,11 +48,13 @@ def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                          q_start: jax.Array, q_lens: jax.Array, page_indices: jax.Array, *,
                          groups: int, sm_scale: float, soft_cap: float | None,
                          sliding_window: int | None, k_scales: jax.Array | None = None,
-                         v_scales: jax.Array | None = None) -> jax.Array:
+                         v_scales: jax.Array | None = None, batch_invariant: bool = False) -> jax.Array:
     """Attention of packed query rows [batch, num_kv_heads, tokens * groups, head_dim]; f32 out.
 
     Same contract as `cpu.paged_attention_rows` (decode is the one-token case); int8 and
     float8_e4m3fn pages take their float32 scales [num_kv_heads, num_pages, page_size].
+    `batch_invariant`: each token's output bitwise the same whatever the call's other rows and
+    tokens (one code path for decode and prefill, key blocks at fixed positions, no split keys).
     """
     if not available():
         raise RuntimeError(f"native CPU attention kernel unavailable: {unavailable_reason()}")
@@ -63,4 +65,5 @@ def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                             vmap_method="sequential")
     return call(q_rows.astype(jnp.float32), k_pages, v_pages, k_scales, v_scales, q_start, q_lens, page_indices,
                 groups=np.int32(groups), sm_scale=np.float32(sm_scale),
-                soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int32(sliding_window or 0))
+                soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int32(sliding_window or 0),
+                batch_invariant=np.int32(batch_invariant))

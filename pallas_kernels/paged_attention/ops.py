@@ -23,7 +23,7 @@ from pallas_kernels.paged_attention.common import QUANT_DTYPES, pack_rows, unpac
 BACKENDS = ("cpu", "cpu_pallas", "tpu", "gpu", "reference")
 # Keys per compute block: 128 fills a TPU lane row, and on CPU no block size measured better.
 _DEFAULT_BLOCK_KEYS = 128
-_STATIC = ("backend", "sm_scale", "soft_cap", "sliding_window", "pages_per_block")
+_STATIC = ("backend", "sm_scale", "soft_cap", "sliding_window", "pages_per_block", "batch_invariant")
 
 
 def _check(name: str, x, ndim: int, dtypes=None) -> None:
@@ -105,7 +105,7 @@ def _validate(q, k_pages, v_pages, page_indices, per_row: dict, *, backend, sm_s
 
 
 def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_scale, soft_cap,
-            sliding_window, pages_per_block, k_scales=None, v_scales=None):
+            sliding_window, pages_per_block, k_scales=None, v_scales=None, batch_invariant=False):
     """q [batch, tokens, num_q_heads, head_dim] -> same shape, in q's dtype.
 
     Backends: "cpu" (the native kernel, `pallas_kernels.native.paged_attention`, decode
@@ -115,10 +115,16 @@ def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_s
     bfloat16/float16 K/V or int8/float8_e4m3fn codes with scales, head_dim a multiple of 64 and
     page_size a multiple of 8; anything else runs the reference's XLA path, which gathers every slot
     of the page table) and "reference".
+    `batch_invariant`: each token's output independent of the call's other rows and tokens; the
+    native kernel's mode (`native.paged_attention_rows`), a ValueError for the other kernels.
     """
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     groups = q.shape[2] // num_kv_heads
     scales = {} if k_scales is None else dict(k_scales=k_scales, v_scales=v_scales)
+    native_kernel = backend == "cpu" and native.supports(groups, q.shape[3], k_pages.dtype) and native.available()
+    if batch_invariant and not native_kernel:
+        raise ValueError(f"batch_invariant attention runs on the native CPU kernel only, not on {backend!r} "
+                         f"(groups {groups}, head_dim {q.shape[3]}, pages {k_pages.dtype})")
     if backend == "gpu" and gpu.supports(k_pages.dtype, head_dim, page_size):
         # Keys per pipeline stage: a multiple of 64 (wgmma), at least 64, at most what fits
         # in shared memory.
@@ -135,10 +141,11 @@ def _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, *, backend, sm_s
         return reference.paged_prefill_attention_reference(
             q, k_pages, v_pages, q_start, q_lens, page_indices,
             sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **scales)
-    if backend == "cpu" and native.supports(groups, q.shape[3], k_pages.dtype) and native.available():
+    if native_kernel:
         out = native.paged_attention_rows(pack_rows(q, num_kv_heads), k_pages, v_pages, q_start,
                                           q_lens, page_indices, groups=groups, sm_scale=sm_scale,
-                                          soft_cap=soft_cap, sliding_window=sliding_window, **scales)
+                                          soft_cap=soft_cap, sliding_window=sliding_window,
+                                          batch_invariant=batch_invariant, **scales)
         return unpack_rows(out, q.shape[1]).astype(q.dtype)
     if pages_per_block is None:
         pages_per_block = max(1, _DEFAULT_BLOCK_KEYS // page_size)
@@ -165,6 +172,7 @@ def paged_attention(
     pages_per_block: int | None = None,
     k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
     v_scales: jax.Array | None = None,
+    batch_invariant: bool = False,  # the native kernel's batch-invariant mode (`_attend`)
 ) -> jax.Array:
     """Decode attention over a paged KV cache (grouped-query: any query-per-KV-head ratio).
 
@@ -189,7 +197,8 @@ def paged_attention(
     q_lens = (lengths > 0).astype(jnp.int32)
     out = _attend(q[:, None], k_pages, v_pages, q_start, q_lens, page_indices, backend=backend,
                   sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                  pages_per_block=pages_per_block, k_scales=k_scales, v_scales=v_scales)
+                  pages_per_block=pages_per_block, k_scales=k_scales, v_scales=v_scales,
+                  batch_invariant=batch_invariant)
     return out[:, 0]
 
 
@@ -209,6 +218,7 @@ def paged_prefill_attention(
     pages_per_block: int | None = None,
     k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
     v_scales: jax.Array | None = None,
+    batch_invariant: bool = False,  # the native kernel's batch-invariant mode (`_attend`)
 ) -> jax.Array:
     """Causal attention of a chunk of new tokens per row over the row's pages.
 
@@ -228,4 +238,5 @@ def paged_prefill_attention(
               k_scales=k_scales, v_scales=v_scales)
     return _attend(q, k_pages, v_pages, q_start, q_lens, page_indices, backend=backend,
                    sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                   pages_per_block=pages_per_block, k_scales=k_scales, v_scales=v_scales)
+                   pages_per_block=pages_per_block, k_scales=k_scales, v_scales=v_scales,
+                   batch_invariant=batch_invariant)

@@ -169,7 +169,7 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
                      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "sm_scale", "soft_cap", "sliding_window"))
+@functools.partial(jax.jit, static_argnames=("backend", "sm_scale", "soft_cap", "sliding_window", "batch_invariant"))
 def ragged_paged_attention(
     q: jax.Array,             # [num_tokens, num_q_heads, head_dim]: every row's new tokens
     k_pages: jax.Array,       # [num_kv_heads, num_pages, page_size, head_dim]
@@ -185,6 +185,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     k_scales: jax.Array | None = None,  # f32 [num_kv_heads, num_pages, page_size]: quantized pages
     v_scales: jax.Array | None = None,
+    batch_invariant: bool = False,  # the native kernel's batch-invariant mode ("cpu" only)
 ) -> jax.Array:
     """Causal attention of a ragged batch of rows (decode rows and prefill chunks alike) over
     their pages; see the module docstring for the contract.
@@ -220,7 +221,10 @@ def ragged_paged_attention(
                                                      **kw)
     if backend == "gpu" and ragged_gpu.supports(k_pages.dtype, head_dim, page_size):
         return ragged_paged_attention_gpu(*args, **kw)
+    if batch_invariant and backend != "cpu":
+        raise ValueError(f"batch_invariant ragged attention runs on the native CPU kernel ('cpu') only, "
+                         f"not {backend!r}")
     if backend == "cpu":
-        cpu = functools.partial(paged_prefill_attention, backend="cpu")
+        cpu = functools.partial(paged_prefill_attention, backend="cpu", batch_invariant=batch_invariant)
         return _per_item(cpu, *args, max(1, 64 // groups), **kw)
     return ragged_reference(*args, **kw)  # "reference", and "gpu" for what its kernel does not take

@@ -29,6 +29,8 @@ class Backend(abc.ABC):
       kernel: the paged-attention kernel (`pallas_kernels.paged_attention.BACKENDS`).
       mesh: a ('dp', 'tp') `jax.sharding.Mesh`, or None for one device.
       huge_pages: back CPU weights and KV pages with transparent huge pages where the OS allows.
+      batch_invariant: every token's outputs bitwise the same whatever else its step holds
+        (`EngineConfig.batch_invariant`); a backend that cannot says so with a ValueError.
     """
 
     name: str  # what `--backend` calls it (`backends.NAMES`)
@@ -36,10 +38,11 @@ class Backend(abc.ABC):
     kv_layout: str  # "per_layer" or "folded" (`jserve.runtime.kv_cache.KV_LAYOUTS`)
     default_page_size: int  # tokens per KV page when the user gives none
 
-    def __init__(self, kernel: str, *, mesh: Any = None, huge_pages: bool = True):
+    def __init__(self, kernel: str, *, mesh: Any = None, huge_pages: bool = True, batch_invariant: bool = False):
         self.kernel = kernel
         self.mesh = mesh
         self.huge_pages = huge_pages
+        self.batch_invariant = batch_invariant
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kernel={self.kernel!r})"

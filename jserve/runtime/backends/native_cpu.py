@@ -66,8 +66,11 @@ class NativeCpuBackend(Backend):
     default_page_size = 64  # scattered pages read faster in larger chunks (docs/performance.md)
 
     def __init__(self, kernel: str = "cpu", *, mesh: Any = None, huge_pages: bool = True,
-                 native_matmuls: bool = True):
-        super().__init__(kernel, mesh=mesh, huge_pages=huge_pages)
+                 native_matmuls: bool = True, batch_invariant: bool = False):
+        super().__init__(kernel, mesh=mesh, huge_pages=huge_pages, batch_invariant=batch_invariant)
+        if batch_invariant and (mesh is not None or not native_matmuls):
+            raise ValueError("batch_invariant needs the native matmuls, which run without a mesh (XLA's dots "
+                             "pick their reduction order by the step's shape)")
         # Built now, not while tracing a step.
         self.native_attention = native_attention.available()
         self.want_native_matmuls = native_matmuls and mesh is None and native_matmul.available()
@@ -114,15 +117,34 @@ class NativeCpuBackend(Backend):
         elif native_matmul.can_pack_quantized(params.get("lm_head")):
             params = {**params, "lm_head": native_matmul.pack_quantized(params["lm_head"])}
             self.native_head = True
+        elif self.batch_invariant and params["lm_head"].dtype in native_matmul.WEIGHT_DTYPES:
+            params = {**params, "lm_head": native_matmul.pack(params["lm_head"])}  # XLA's dot is not invariant
+            self.native_head = True
         return params
 
     def ops(self, config: ModelConfig) -> "NativeCpuOps":
         attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout)
         fused = (self.native_matmuls and self.uniform_layers and self.native_attention
                  and fused_layers_supported(config))
+        if self.batch_invariant:
+            self._check_invariant(config)
+            # The fused layers compute norms, rotary and activations in C++, the unfused ones in XLA: a
+            # token would round differently in a decode step than in a mixed one.
+            attention, fused = dataclasses.replace(attention, batch_invariant=True), False
         # MoE layers (never fused): only the selected experts' weights read ("gather"), as XLA:CPU
         # has no grouped matmul (jserve.model.moe).
-        return NativeCpuOps(attention, config=config, fused=fused, grouped_matmul="gather", mesh=self.mesh)
+        return NativeCpuOps(attention, config=config, fused=fused, grouped_matmul="gather", mesh=self.mesh,
+                            batch_invariant=self.batch_invariant)
+
+    def _check_invariant(self, config: ModelConfig) -> None:
+        """A ValueError naming what keeps this model off batch-invariant mode: every matmul and the
+        head on the native kernel (row by row, one order over K), the native attention."""
+        needs = (("the native matmuls (weights of a kind they do not pack)", self.native_matmuls),
+                 ("the native head", self.native_head), ("the native attention kernel", self.native_attention),
+                 ("dense MLPs (mixture-of-experts layers run XLA's grouped matmul)", not config.moe))
+        missing = [what for what, ok in needs if not ok]
+        if missing:
+            raise ValueError(f"batch_invariant needs {', '.join(missing)}")
 
     def compiler_options(self, rows: int, tokens: int) -> dict[str, str] | None:
         if self.native_matmuls:
@@ -204,7 +226,7 @@ class NativeCpuOps(XlaOps):
             return native_matmul.matmul_packed(x, table, self.config.vocab_size)
         if quant.is_quantized(table):
             return quant.xla_quantized_linear(x, table, jnp.float32)
-        if tied and table.ndim == 3:
+        if table.ndim == 3:  # packed: a tied embedding (E^T), or lm_head in batch-invariant mode
             return native_matmul.matmul_packed(x, table, self.config.vocab_size)
         return super().head(x, table, tied)
 

@@ -46,10 +46,14 @@ class XlaBackend(Backend):
     default_page_size = 16  # vLLM's
 
     def __init__(self, kernel: str | None = None, *, mesh: Any = None, huge_pages: bool = True,
-                 scan: bool = True):
+                 scan: bool = True, batch_invariant: bool = False):
         kernel = kernel or platform_kernel()
         if kernel not in KERNELS:
             raise ValueError(f"the XLA backend's attention kernel must be one of {KERNELS}, got {kernel!r}")
+        if batch_invariant:
+            raise ValueError("batch_invariant: the XLA backends do not have a batch-invariant mode yet (XLA's dots "
+                             "and the TPU / GPU attention kernels pick their reduction order by the step's shape); "
+                             "it runs on the native CPU backend (--backend native)")
         super().__init__(kernel, mesh=mesh, huge_pages=huge_pages)
         self.name = "xla-reference" if kernel == "reference" else "xla"
         self.scan = scan
