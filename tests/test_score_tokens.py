@@ -127,3 +127,20 @@ def test_the_default_model_matches_its_plain_forward(smollm2_llm):
     shifted, other = _wrong_references(llm.config, params, {k: v * 1.01 for k, v in params.items()}, seqs, served)
     assert shifted > 0.1 and other > 10 * 1e-3, (shifted, other)
     assert llm.stats()["pages_in_use"] == 0
+
+
+def test_eval_cli_reports_serving_vs_forward(checkpoints, tmp_path, capsys):  # noqa: F811
+    import json
+
+    from jserve.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("0123 4567 89 3141 5926 " * 12)  # digits and spaces: ids inside the tiny vocabulary
+    out = tmp_path / "report.json"
+    assert main(["eval", "--model", str(checkpoints[0]), "--serving-vs-forward", "--text", str(text), "--ctx", "48",
+                 "--max-chunks", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())["serving_vs_forward"]
+    assert report["sequences"] == 2 and report["tokens"] == 2 * 47 and report["max_abs_diff"] < TOL, report
+    assert "max_abs_diff" in capsys.readouterr().out
+    assert main(["eval", "--model", str(checkpoints[0]), "--serving-vs-forward", "--quantization", "int8"]) == 2
+    assert "no --reference, --quantization or --save" in capsys.readouterr().err

@@ -97,3 +97,28 @@ def serving_vs_forward(llm: Any, params: dict[str, Any], token_ids: Sequence[Seq
     reference = forward_logprobs(llm.config, params, token_ids, at=[s.top_ids for s in served])
     return {"model": str(llm.path), "dtype": str(llm.dtype), "backend": llm.runner.backend.name,
             **compare(served, reference)}
+
+
+def checkpoint_report(model: Any, text: str, *, ctx: int, chunks: int, dtype: str | None = None,
+                      backend: str | None = None, log=print) -> dict[str, Any]:
+    """`jserve eval --serving-vs-forward`: a checkpoint served by `LLM` against its plain forward
+    on the first `chunks` chunks of `ctx` tokens of `text`."""
+    from jserve.llm import LLM
+    from jserve.model.checkpoint import load_checkpoint
+
+    llm = LLM(model, dtype=dtype, backend=backend, max_model_len=ctx + 1)
+    try:
+        tokens = llm.tokenizer.encode(text)
+        seqs = [tokens[s:s + ctx] for s in range(0, len(tokens), ctx)][:chunks]
+        log(f"scoring {len(seqs)} chunks of up to {ctx} tokens on the serving path and the plain forward")
+        _, params, _ = load_checkpoint(llm.path, dtype=llm.dtype)
+        return {**serving_vs_forward(llm, params, seqs), "ctx": ctx}
+    finally:
+        llm.close()
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as aligned `name  value` lines."""
+    width = max(map(len, report))
+    return "\n".join(f"{name:<{width}}  {value:.3g}" if isinstance(value, float) else f"{name:<{width}}  {value}"
+                     for name, value in report.items())
