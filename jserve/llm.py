@@ -165,6 +165,18 @@ class LLM:
         items = _as_prompt_list(prompts)
         return self._run([self._encode(item) for item in items], [PoolingParams(dimensions)] * len(items))
 
+    def token_logprobs(self, token_ids: Sequence[Sequence[int]], *, top_k: int = 0) -> list[Any]:
+        """Score token sequences on the serving path (the engine's prompt-logprob steps): one
+        `jserve.engine.scoring.TokenLogprobs` per sequence, its `logprobs` float32 [len - 1], each
+        token's logprob given its prefix (and with `top_k`, the k likeliest next tokens). Named
+        apart from vLLM's `LLM.score` (a cross-encoder's text-pair scores, as /v1/score)."""
+        from jserve.engine import scoring
+
+        self._require_task("generate")
+        seqs = scoring.check_sequences(token_ids, self.config.vocab_size, self.max_model_len)
+        outs = self._run([(None, s) for s in seqs], [scoring.scoring_params(top_k)] * len(seqs))
+        return [scoring.from_output(o, top_k) for o in outs]
+
     def _require_task(self, task: str) -> None:
         if self._closed:
             raise RuntimeError("this LLM is closed (LLM.close): load the model again to use it")

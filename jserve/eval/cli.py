@@ -4,6 +4,8 @@
     jserve eval --model R --quantization int4 [--group-size 32]     # Q is R quantized at load
     jserve eval --model M --dtype bfloat16 --reference M             # bfloat16 against the float32 checkpoint
     jserve eval --write-text PATH                                    # the default text, for llama-perplexity -f
+    jserve eval --model M --serving-vs-forward [--max-chunks 4]      # the engine's token logprobs against the
+                                                                     # model's plain forward (max-abs-diff, KL)
 
 `--save` stores the report where the quality gate reads it: with `--quantization`, in the float
 checkpoint's quality/<label>.json (for `LLM(quantization=...)`); for a quantized checkpoint, in its
@@ -44,6 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "logits per chunk and model at a 49k vocabulary)")
     p.add_argument("--backend", "--attention-backend", dest="backend", default=None,
                    help="execution backend, as serve's --backend (default: the platform's)")
+    p.add_argument("--serving-vs-forward", action="store_true", help="compare the serving path's token logprobs "
+                   "(LLM.token_logprobs) with the model's plain dense forward on the text's first chunks "
+                   "(--max-chunks, default 4): max-abs-diff and KL over the top 20 tokens")
     p.add_argument("--no-greedy", action="store_true", help="skip greedy agreement on the golden prompts")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
@@ -62,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {len(text.text)} characters ({text.source}, sha256 {text.sha256}) to {args.write_text}",
               file=sys.stderr)
         return 0
+    if args.serving_vs_forward:
+        return _serving_vs_forward(args, text.text)
     from jserve.eval.evaluate import evaluate
     from jserve.eval.models import load_model, parse_quantization, quantized
     from jserve.model.checkpoint import read_quantization
@@ -99,6 +106,23 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         _save(candidate.path, spec, report, log)
     print(report.dumps() if args.json else report.table())
+    return 0
+
+
+def _serving_vs_forward(args: argparse.Namespace, text: str) -> int:
+    import json
+
+    from jserve.eval import serving_vs_forward as svf
+
+    if args.reference or args.quantization or args.save:
+        raise ValueError("--serving-vs-forward compares one model with itself: no --reference, --quantization "
+                         "or --save")
+    report = svf.checkpoint_report(args.model, text, ctx=args.ctx, chunks=args.max_chunks or 4, dtype=args.dtype,
+                                   backend=args.backend, log=lambda msg: print(f"[eval] {msg}", file=sys.stderr))
+    dumped = json.dumps({"serving_vs_forward": report}, indent=2)
+    if args.out:
+        Path(args.out).write_text(dumped + "\n")
+    print(dumped if args.json else svf.table(report))
     return 0
 
 
