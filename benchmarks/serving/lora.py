@@ -4,7 +4,8 @@ linears, `lora_adapters.write_random_adapter`), both up at once, three variants 
 order rotated each round) for --rounds rounds after one unmeasured: the plain server, the LoRA server's base model, and
 the LoRA server with every request naming one of the 4 adapters in turn (`jserve bench
 --lora-modules a b c d --lora-assignment round-robin`). Medians of output tok/s, TTFT and TPOT
-p50, each against the plain server's; `uptime` before and after.
+p50, each against the plain server's (of the medians, and the median of each round's ratio);
+`uptime` before and after.
 
     python -m benchmarks.serving.lora [--rounds 2] [--num-requests 32] [--max-tokens 64] --out lora_serving.json
 """
@@ -81,8 +82,12 @@ def main(argv=None) -> int:
     after = _uptime()
     medians = [{"variant": name, **{k: statistics.median(row[k] for row in rows if row["variant"] == name)
                                     for k in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms")}} for name in names]
+    plain_by_round = {row["round"]: row["output_tok_s"] for row in rows if row["variant"] == names[0]}
     for m in medians:
         m["vs_plain"] = m["output_tok_s"] / medians[0]["output_tok_s"]
+        # Within each round too: a load that drifts over the run moves the medians, less these.
+        m["vs_plain_in_round"] = statistics.median(row["output_tok_s"] / plain_by_round[row["round"]]
+                                                   for row in rows if row["variant"] == m["variant"])
     print(table(medians, title=f"medians of {args.rounds} rounds, c={args.concurrency}"))
     print(f"uptime before: {before}\nuptime after:  {after}")
     write_json(args.out, {"config": vars(args), "started": started, "uptime_before": before, "uptime_after": after,
