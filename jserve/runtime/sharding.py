@@ -36,9 +36,7 @@ PARTITION_RULES: dict[str, tuple] = {
     "b_gate": ("tp",), "b_up": ("tp",), "b_down": (),
     "w_router": (), "we_gate": ("ep", None, "tp"), "we_up": ("ep", None, "tp"), "we_down": ("ep", "tp", None),
     "ws_gate": (None, "tp"), "ws_up": (None, "tp"), "ws_down": ("tp", None), "ws_router": (),
-    # LoRA slots (jserve.model.lora): A [in, G, S, r] per group of targets, B [S, r, out] per target.
-    "lora_a_wq_wk_wv": (), "lora_a_w_gate_w_up": (), "lora_a_wo": ("tp", None, None, None),
-    "lora_a_w_down": ("tp", None, None, None),
+    "lora_a_wq_wk_wv": (), "lora_a_w_gate_w_up": (), "lora_a_wo": ("tp",), "lora_a_w_down": ("tp",),
     "lora_b_wq": (None, None, "tp"), "lora_b_wk": (None, None, "tp"), "lora_b_wv": (None, None, "tp"),
     "lora_b_w_gate": (None, None, "tp"), "lora_b_w_up": (None, None, "tp"), "lora_b_wo": (), "lora_b_w_down": (),
 }
@@ -311,16 +309,8 @@ def _spec(name: str, shape: tuple[int, ...], tp: int, *, stacked: bool, ep: int 
         ws_down                [shared_ffn, hidden]  ("tp", None)
         ws_router              [hidden, 1]           ()
 
-    LoRA slots (jserve.model.lora), split as their base linear is, so a delta's output is sharded as
-    the base output it is added to:
-
-        lora_a_wq_wk_wv,       [hidden, targets,     ()                   replicated: every device
-        lora_a_w_gate_w_up      slots, rank]                              projects the whole input
-        lora_b_<column target> [slots, rank, out]    (None, None, "tp")   column parallel, as wq .. w_up
-        lora_a_wo, lora_a_     [in, 1, slots, rank]  ("tp", None, None,   row parallel, as wo / w_down:
-        w_down                                        None)                one all-reduce of x @ A
-        lora_b_wo, lora_b_w_   [slots, rank, hidden] ()                   replicated
-        down
+    LoRA slots (jserve.model.lora) split as their base linear: B [slots, rank, out] of q/k/v/gate/up
+    on out, A [in, targets, slots, rank] of o/down on in (x @ A all-reduced), the rest replicated.
 
     Everything else (attention, the KV pages, the activations) is replicated over `ep`: each device
     of an ep group routes all its dp group's tokens, computes the pairs routed to its own experts
