@@ -29,7 +29,8 @@ NO_OPS = {
     "--distributed-executor-backend": "jserve runs one process per host through jax.distributed",
     "--disable-frontend-multiprocessing": "the server and the engine share one process",
     "--uvicorn-log-level": "the HTTP server logs at --log-level",
-    "--fully-sharded-loras": "jserve replicates the LoRA slots over the mesh (not yet sharded like the base linears)",
+    "--fully-sharded-loras": "jserve shards the LoRA slots as vLLM does without it (B of column-parallel targets, "
+                             "A of row-parallel ones, like their base linears)",
     "--max-lora-extra-vocab-size": "jserve reads no added vocabulary from an adapter (one that adds tokens is "
                                    "refused when it loads)",
     "--lora-extra-vocab-size": "jserve reads no added vocabulary from an adapter (one that adds tokens is refused "

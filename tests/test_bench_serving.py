@@ -400,3 +400,37 @@ class _FakeServer:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+@pytest.mark.parametrize("assignment", ["round-robin", "random"])
+def test_lora_modules_name_each_requests_model(assignment, tmp_path):
+    """--lora-modules: each request's body names one adapter (in turn, or at random with --seed), no
+    GET /v1/models is needed, and the run's JSON counts the requests per model."""
+    argv = ["--workload", "short-short", "--scale", "0.125", "--num-requests", "12", "--concurrency", "3",
+            "--lora-modules", "a", "b", "c", "--lora-assignment", assignment, "--seed", "5",
+            "--output-dir", str(tmp_path), "--no-plots"]
+    result, seen = run(argv, model=None)
+    specs = workloads.build_workload("short-short", 12, "completions", 0.125, 5)
+    index = {s.prompt: i for i, s in enumerate(specs)}
+    assert len(index) == 12 and len(seen) == 12 and all(s["path"] == "/v1/completions" for s in seen)
+    sent = {index[s["body"]["prompt"]]: s["body"]["model"] for s in seen}
+    if assignment == "round-robin":
+        want = [("a", "b", "c")[i % 3] for i in range(12)]
+    else:
+        want = bench.client.request_models(bench.parse_args(argv), 12)
+        assert want == bench.client.request_models(bench.parse_args(argv), 12)  # seeded
+        assert want != bench.client.request_models(bench.parse_args([*argv, "--seed", "6"]), 12)
+        assert set(want) <= {"a", "b", "c"} and len(set(want)) > 1
+    assert [sent[i] for i in range(12)] == want
+    (run0,) = result["runs"]
+    assert [r["model"] for r in run0["requests"]] == want
+    counts = {m: {"requests": want.count(m), "failed": 0} for m in sorted(set(want))}
+    assert run0["models"] == counts
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["runs"][0]["models"] == counts and saved["config"]["lora_modules"] == ["a", "b", "c"]
+
+
+def test_without_lora_modules_every_request_names_the_model():
+    result, seen = run(["--workload", "short-short", "--scale", "0.125", "--num-requests", "3", "--concurrency", "3"])
+    assert [s["body"]["model"] for s in seen] == ["fake"] * 3
+    assert result["runs"][0]["models"] == {"fake": {"requests": 3, "failed": 0}}

@@ -144,3 +144,53 @@ def test_slot_arrays_refuse_what_does_not_fit():
         lora.LoraSpec(1, 4, targets=("wq",))
     with pytest.raises(ValueError, match="max_loras"):
         lora.LoraSpec(max_loras=0)
+
+
+# The slot stacks' PartitionSpecs on a tp mesh (one layer's dims; stacked params lead with the layer axis).
+_COLUMN, _ROW = (None, None, "tp"), ("tp", None, None, None)
+SLOT_SPECS = {"lora_a_wq_wk_wv": (None,) * 4, "lora_a_w_gate_w_up": (None,) * 4, "lora_a_wo": _ROW,
+              "lora_a_w_down": _ROW, **{f"lora_b_{t}": _COLUMN for t in ("wq", "wk", "wv", "w_gate", "w_up")},
+              "lora_b_wo": (None,) * 3, "lora_b_w_down": (None,) * 3}
+
+
+def _slots(runner):
+    """name -> (array, its layer-less PartitionSpec as a full tuple) of layer 0's (or the stacked) slots."""
+    layers = runner.params["layers"]
+    stacked = 0 not in layers
+    out = {}
+    for name, x in (layers if stacked else layers[0]).items():
+        if name.startswith("lora_"):
+            spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+            out[name] = (x, spec[1:] if stacked else spec)
+    return out
+
+
+def test_slots_on_a_tp_mesh_are_sharded_like_their_base_linears():
+    """tp=2 (fake CPU devices): B of the column-parallel targets split on its out dim, A of the
+    row-parallel ones on its in dim (their partial sums reduced like the base linear's), the rest
+    replicated; writing a slot keeps the shardings, and each slot's tokens and logprobs are the
+    single device's."""
+    from jserve.runtime.sharding import make_mesh
+
+    config, params = _load()
+    spec = lora.LoraSpec(max_loras=2, max_rank=8)
+    runner = _runner(config, params, "xla", spec, mesh=make_mesh("tp=2"))
+    slots = _slots(runner)
+    assert {name: s for name, (_, s) in slots.items()} == SLOT_SPECS
+    b_wq, a_wo = slots["lora_b_wq"][0], slots["lora_a_wo"][0]
+    assert b_wq.addressable_shards[0].data.shape[-1] == b_wq.shape[-1] // 2
+    assert a_wo.addressable_shards[0].data.shape[-4] == a_wo.shape[-4] // 2
+    before = {name: x.sharding for name, (x, _) in slots.items()}
+    adapters = {1: random_adapter(config, 8, 1), 2: random_adapter(config, 4, 2, targets=("wo", "w_down"))}
+    single = _runner(config, params, "xla", spec)
+    for slot, adapter in adapters.items():
+        runner.write_lora_slot(slot, adapter)
+        single.write_lora_slot(slot, adapter)
+    assert {name: x.sharding for name, (x, _) in _slots(runner).items()} == before
+    prompt = [5, 17, 99, 3, 42, 7, 61, 200, 11, 8]
+    results = {slot: decode_greedy(runner, prompt, slot) for slot in (0, 1, 2)}
+    assert len({tuple(r[0]) for r in results.values()}) == 3  # both adapters change the tokens
+    for slot, got in results.items():
+        want = decode_greedy(single, prompt, slot)
+        assert got[0] == want[0], slot
+        np.testing.assert_allclose(got[1], want[1], atol=2e-4)

@@ -70,8 +70,10 @@ def run_ab(args: argparse.Namespace, serve: Callable[..., Any] = ServerProcess) 
                 with turn as server:
                     load = argparse.Namespace(**{**vars(args), "base_url": server.url, "output_dir": None,
                                                  "quiet": True, "func": None})
-                    metrics = asyncio.run(run_benchmark(load))["runs"][0]["metrics"]
-                rows.append({"round": r, "server": side, **figures(metrics), "metrics": metrics})
+                    run = asyncio.run(run_benchmark(load))["runs"][0]
+                    metrics = run["metrics"]
+                rows.append({"round": r, "server": side, **figures(metrics), "models": run["models"],
+                             "metrics": metrics})
                 if not args.quiet:
                     print(f"round {r} {side}: {metrics['output_throughput']:.1f} output tok/s", flush=True)
     median = {s: {k: statistics.median(v) if (v := [row[k] for row in rows if row["server"] == s
@@ -82,7 +84,7 @@ def run_ab(args: argparse.Namespace, serve: Callable[..., Any] = ServerProcess) 
     result = {"a": args.a, "b": args.b, "rounds": args.rounds, "workload": args.workload, "rows": rows,
               "median": median, "b_over_a": ratio}
     if not args.quiet:
-        shown = [{k: v for k, v in row.items() if k != "metrics"} for row in rows]
+        shown = [{k: v for k, v in row.items() if k not in ("metrics", "models")} for row in rows]
         shown += [{"round": "median", "server": s, **median[s]} for s in flags]
         shown.append({"round": "B/A", "server": "", **ratio})
         print(table(shown, ["round", "server", *FIGURES, "failed"], title=f"A: {args.a!r}  B: {args.b!r}"))

@@ -18,6 +18,7 @@ EPILOG = """\
 examples:
   jserve bench --base-url http://127.0.0.1:8000 --workload mix --num-requests 64 --concurrency 16
   jserve bench --workload shared-prefix --endpoint chat --sweep-rate 1,2,4 --output-dir out/
+  jserve bench --lora-modules a b c d --lora-assignment round-robin --concurrency 16   # adapters in turn
   jserve bench --workload requests.jsonl   # {"prompt", "max_tokens"} or {"input_len", "output_len"} per line
   jserve bench ab --a "--max-num-seqs 8" --b "--max-num-seqs 16" --rounds 3 --workload mix --concurrency 16
 

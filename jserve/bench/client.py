@@ -29,6 +29,7 @@ class RequestRecord:
     kind: str
     max_tokens: int
     input_len_est: int
+    model: str = ""
     start: float = 0.0
     ok: bool = False
     error: str | None = None
@@ -189,13 +190,26 @@ async def fetch_model(args: argparse.Namespace) -> str:
     return data[0]["id"]
 
 
+def request_models(args: argparse.Namespace, n: int) -> list[str]:
+    """The model each of `n` requests names: `args.model`, or with `args.lora_modules` one of those,
+    in turn (`lora_assignment` "round-robin") or at random, seeded by `args.seed`."""
+    names = getattr(args, "lora_modules", None)
+    if not names:
+        return [args.model] * n
+    if getattr(args, "lora_assignment", "random") == "round-robin":
+        return [names[i % len(names)] for i in range(n)]
+    rng = random.Random(args.seed + 2)
+    return [rng.choice(names) for _ in range(n)]
+
+
 async def run_load(specs: list[RequestSpec], args: argparse.Namespace, concurrency: int | None,
                    rate: float | None) -> tuple[list[RequestRecord], float]:
     """Send all ``specs`` at ``concurrency`` (max in flight) and/or Poisson ``rate`` (req/s)."""
     url = endpoint_url(args.base_url, args.endpoint)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     extra = json.loads(args.extra_body) if args.extra_body else None
-    records = [RequestRecord(i, s.kind, s.max_tokens, s.input_len) for i, s in enumerate(specs)]
+    models = request_models(args, len(specs))
+    records = [RequestRecord(i, s.kind, s.max_tokens, s.input_len, m) for i, (s, m) in enumerate(zip(specs, models))]
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(args.seed + 1)
     arrivals, t = [], 0.0
@@ -213,7 +227,7 @@ async def run_load(specs: list[RequestSpec], args: argparse.Namespace, concurren
             delay = arrivals[i] - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = request_body(specs[i], args.model, extra)
+            body = request_body(specs[i], models[i], extra)
             if sem is None:
                 await send_request(session, url, body, records[i], t0, args.request_timeout, headers)
             else:

@@ -30,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
     p.add_argument("--model", default=None,
                    help="model name sent in each request (default: the first of GET /v1/models)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="adapter names the server serves (vLLM's benchmark_serving option): each request's model "
+                        "is one of them, picked by --lora-assignment, instead of --model")
+    p.add_argument("--lora-assignment", choices=("random", "round-robin"), default="random",
+                   help="how each request's adapter is picked: at random with --seed (vLLM's way; default), or "
+                        "in turn by request index")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--workload", default="mix",
@@ -82,6 +88,16 @@ def plan_runs(args: argparse.Namespace) -> tuple[list[dict], str | None]:
     return [{"concurrency": conc, "request_rate": args.request_rate}], None
 
 
+def model_counts(records: list) -> dict[str, dict[str, int]]:
+    """Each model the run's requests named: its requests and how many of them failed."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        entry = out.setdefault(r.model, {"requests": 0, "failed": 0})
+        entry["requests"] += 1
+        entry["failed"] += not r.ok
+    return out
+
+
 def _label(load: dict) -> str:
     parts = []
     if load["request_rate"] is not None:
@@ -94,7 +110,7 @@ def _label(load: dict) -> str:
 async def run_benchmark(args: argparse.Namespace) -> dict:
     """Run every planned load and return (and write, with --output-dir) the results."""
     specs = build_workload(args.workload, args.num_requests, args.endpoint, args.scale, args.seed)
-    if args.model is None:
+    if args.model is None and not args.lora_modules:
         args.model = await fetch_model(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     scrape = not getattr(args, "no_server_metrics", False)
@@ -119,7 +135,11 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             print(format_table(label, metrics), flush=True)
             if metrics["server_metrics"]:
                 print(server_metrics.format_agreement(metrics["server_metrics"]), flush=True)
-        runs.append({"label": label, "load": load, "metrics": metrics, "requests": [asdict(r) for r in records]})
+            if getattr(args, "lora_modules", None):
+                print("requests per model: " + ", ".join(f"{name} {c['requests']}" for name, c in
+                                                         model_counts(records).items()), flush=True)
+        runs.append({"label": label, "load": load, "metrics": metrics, "models": model_counts(records),
+                     "requests": [asdict(r) for r in records]})
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
     result = {"config": config, "sweep": sweep_key, "warmup": warmup, "runs": runs}
     if args.output_dir:

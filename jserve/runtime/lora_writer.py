@@ -1,7 +1,7 @@
 """Writing an adapter into one of the model's LoRA slots on the device (`jserve.model.lora`).
 
-A slot of every `lora_a_<t>` / `lora_b_<t>` stack is overwritten in place (the stack donated) by a
-jitted update whose slot index is traced: one small program per stack shape, compiled when the
+A slot of every `lora_a_<t>` / `lora_b_<t>` stack is overwritten in place (the stack donated, its
+sharding kept) by a jitted update whose slot index is traced: one small program per stack shape, compiled when the
 writer is made (it clears slot 1 then), none when adapters come and go while serving.
 """
 
@@ -17,11 +17,20 @@ from jserve.model import lora, quant
 from jserve.model.config import ModelConfig
 
 
-@functools.partial(jax.jit, static_argnames="at", donate_argnums=0)
-def _write(stack: jax.Array, index: jax.Array, value: jax.Array, at: tuple) -> jax.Array:
+def _set(stack: jax.Array, index: jax.Array, value: jax.Array, at: tuple) -> jax.Array:
     """`stack` with `value` at `at` (a static index whose None is the traced slot `index`)."""
     where = tuple(index if i is None else i for i in at)
     return stack.at[where].set(value.astype(stack.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _writer(sharding: Any):
+    """`_set` jitted to return the stack where it was (its sharding on a mesh), donated."""
+    return jax.jit(_set, static_argnames="at", donate_argnums=0, out_shardings=sharding)
+
+
+def _write(stack: jax.Array, index: Any, value: np.ndarray, at: tuple) -> jax.Array:
+    return _writer(stack.sharding)(stack, index, value, at=at)
 
 
 class LoraSlotWriter:
@@ -31,11 +40,25 @@ class LoraSlotWriter:
         self.config = config
         self.spec = spec
 
-    def add_slots(self, params: dict[str, Any], put) -> dict[str, Any]:
+    def add_slots(self, params: dict[str, Any], put, mesh: Any = None) -> dict[str, Any]:
         """`params` (the backend's model state) with empty slots in the float weights' dtype, each
-        array placed by `put`; the writes' programs compiled (slot 1 cleared)."""
-        params = lora.add_slots(params, self.config, self.spec, quant.float_dtype(params), put)
-        return self.write(params, 1, None)
+        array placed by `put`, or over `mesh` sharded like its base linear (`sharding.PARTITION_RULES`);
+        the writes' programs compiled (slot 1 cleared)."""
+        dtype = quant.float_dtype(params)
+        if mesh is None:
+            return self.write(lora.add_slots(params, self.config, self.spec, dtype, put), 1, None)
+        from jserve.runtime.sharding import param_sharding
+
+        params = lora.add_slots(params, self.config, self.spec, dtype)
+        layers = params["layers"]
+        stacked = 0 not in layers
+
+        def place(layer: dict) -> dict:
+            return {k: jax.device_put(v, param_sharding(mesh, k, v.shape, stacked=stacked))
+                    if k.startswith("lora_") else v for k, v in layer.items()}
+
+        layers = place(layers) if stacked else {i: place(layer) for i, layer in layers.items()}
+        return self.write({**params, "layers": layers}, 1, None)
 
     def write(self, params: dict[str, Any], slot: int, weights: dict[str, tuple[np.ndarray, np.ndarray]] | None,
               ) -> dict[str, Any]:

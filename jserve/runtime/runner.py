@@ -69,9 +69,8 @@ class Runner:
         self.num_params = quant.param_count(params)
         self.params = self.backend.prepare_params(config, params)
         self.lora = None if lora is None else LoraSlotWriter(config, lora)
-        if self.lora is not None:  # replicated over a mesh: every row may use any slot
-            self.params = self.lora.add_slots(self.params, self._put if mesh is None else functools.partial(
-                jax.device_put, device=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+        if self.lora is not None:  # over a mesh: sharded like their base linears
+            self.params = self.lora.add_slots(self.params, self._put, mesh)
         self.page_size = page_size or self.backend.default_page_size
         self.num_pages = num_pages
         self.max_model_len = max_model_len

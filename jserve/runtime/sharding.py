@@ -36,6 +36,9 @@ PARTITION_RULES: dict[str, tuple] = {
     "b_gate": ("tp",), "b_up": ("tp",), "b_down": (),
     "w_router": (), "we_gate": ("ep", None, "tp"), "we_up": ("ep", None, "tp"), "we_down": ("ep", "tp", None),
     "ws_gate": (None, "tp"), "ws_up": (None, "tp"), "ws_down": ("tp", None), "ws_router": (),
+    "lora_a_wq_wk_wv": (), "lora_a_w_gate_w_up": (), "lora_a_wo": ("tp",), "lora_a_w_down": ("tp",),
+    "lora_b_wq": (None, None, "tp"), "lora_b_wk": (None, None, "tp"), "lora_b_wv": (None, None, "tp"),
+    "lora_b_w_gate": (None, None, "tp"), "lora_b_w_up": (None, None, "tp"), "lora_b_wo": (), "lora_b_w_down": (),
 }
 KV_PAGES_SPEC = ("tp", "dp", None, None)
 
@@ -305,6 +308,9 @@ def _spec(name: str, shape: tuple[int, ...], tp: int, *, stacked: bool, ep: int 
         ws_gate, ws_up         [hidden, shared_ffn]  (None, "tp")         the shared expert: as w_gate / w_up
         ws_down                [shared_ffn, hidden]  ("tp", None)
         ws_router              [hidden, 1]           ()
+
+    LoRA slots (jserve.model.lora) split as their base linear: B [slots, rank, out] of q/k/v/gate/up
+    on out, A [in, targets, slots, rank] of o/down on in (x @ A all-reduced), the rest replicated.
 
     Everything else (attention, the KV pages, the activations) is replicated over `ep`: each device
     of an ep group routes all its dp group's tokens, computes the pairs routed to its own experts
