@@ -45,6 +45,20 @@ def test_logprobs_are_normalised_and_include_the_chosen_token(smollm2_llm):
         assert token in entry
 
 
+def test_prompt_logprobs_are_complete_for_a_reused_request_id(smollm2_llm):
+    """A prompt-logprobs prefill never hits the prefix cache, not even the pages of an earlier
+    request that had the same id (an offline caller may reuse ids)."""
+    engine, params = smollm2_llm.engine, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    ids = smollm2_llm.tokenizer.encode(PROMPT * 20)
+    outs = []
+    for _ in range(2):
+        engine.add_request("same-id", ids, params)
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+    assert [len(o.prompt_logprobs) for o in outs] == [len(ids)] * 2
+    assert outs[0].prompt_logprobs[1:] == outs[1].prompt_logprobs[1:]
+
+
 def test_greedy_logprob_is_rank_one(smollm2_llm):
     comp = smollm2_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=1))[0].outputs[0]
     for token, entry in zip(comp.token_ids, comp.logprobs):

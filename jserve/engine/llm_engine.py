@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import time
+import uuid
 from typing import Any, Sequence
 
 import numpy as np
@@ -154,8 +155,9 @@ class LLMEngine:
                                       logprobs=0 if ranked and params.logprobs is None else params.logprobs)
             salt = cache_salt
             if i == 0 and params.prompt_logprobs is not None:
-                # Its prefill computes every prompt position (no prefix-cache hit skips any).
-                salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
+                # Its prefill computes every prompt position: a salt no other prefill has (not the
+                # request id, which a caller may reuse) keeps prefix-cache hits from skipping any.
+                salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{uuid.uuid4().hex}"
             group.sequences.append(SequenceState(
                 request_id if params.num_samples == 1 else f"{request_id}#{i}", list(ids), sub, arrival,
                 priority=priority, lora_name=lora_name,
