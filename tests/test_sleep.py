@@ -99,3 +99,29 @@ def test_prefix_cache_is_dropped_by_an_update(checkpoints):  # noqa: F811
     fresh.close()
     llm.close()
     assert np.isfinite(hits)
+
+
+@pytest.mark.parametrize("backend", ["native", "xla"])
+def test_the_callers_arrays_outlive_the_engines_updates_and_sleep(checkpoints, backend):  # noqa: F811
+    """Arrays given without donation stay the caller's: the engine serves copies of the ones it
+    could have shared, and frees only those (the next update, sleep at either level)."""
+    import jax.numpy as jnp
+
+    from jserve import LLM
+
+    base, perturbed_dir, perturbed = checkpoints
+    llm = LLM(str(base), backend=backend, **SETTINGS)
+    mine = {k: jnp.asarray(v, jnp.float32) for k, v in perturbed.items()}  # on the serving device, served dtype
+    llm.update_weights(mine)
+    got = _tokens(llm)
+    llm.update_weights({k: jnp.asarray(v, jnp.float32) for k, v in perturbed.items()})
+    llm.sleep(level=1)
+    llm.wake_up()
+    llm.sleep(level=2)
+    assert not [k for k, x in mine.items() if x.is_deleted()]
+    for k, v in perturbed.items():
+        np.testing.assert_array_equal(np.asarray(mine[k]), np.asarray(v, np.float32), err_msg=k)
+    llm.update_weights(mine)
+    llm.wake_up(["kv_cache"])
+    assert _tokens(llm) == got
+    llm.close()

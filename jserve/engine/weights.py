@@ -167,6 +167,18 @@ def _moved(x: Any, sharding: Any, donate: bool) -> Any:
     return out
 
 
+def _buffers(x: jax.Array) -> set[int]:
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+def _unshared(new: Any, source: Any) -> Any:
+    """`new` with a copy of every array that shares device buffers with one of `source`'s: the
+    caller keeps those, and the engine frees its own (the next update, sleep) without touching them."""
+    theirs = set().union(*(_buffers(x) for x in jax.tree.leaves(source) if isinstance(x, jax.Array)))
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False)
+                        if isinstance(x, jax.Array) and _buffers(x) & theirs else x, new)
+
+
 def update_weights(engine: "LLMEngine", params: Mapping[str, Any], *, donate: bool = False) -> dict[str, Any]:
     """Convert, check and swap in new weights (the caller has applied the in-flight policy);
     drops the prefix cache. Returns the update's timings."""
@@ -174,6 +186,8 @@ def update_weights(engine: "LLMEngine", params: Mapping[str, Any], *, donate: bo
     flat = checkpoint_layout(engine.source_config, params)
     check_source(engine.source_config, flat)
     new = serving_params(engine, flat, donate=donate)
+    if not donate:
+        new = _unshared(new, params)
     prepared = time.perf_counter()
     engine.runner.replace_params(jax.block_until_ready(new))
     engine.reset_prefix_cache()
