@@ -140,6 +140,17 @@ def test_the_invariant_model_is_the_model(llm, alone):
     np.testing.assert_allclose(alone["greedy"][2], want, atol=2e-4)
 
 
+def test_scored_sequences_are_bitwise_the_same_in_any_batch(llm, alone):
+    """`LLM.token_logprobs` (the trainer's side of an RL loop) in invariant mode: the same bits
+    alone, among other sequences, and as a generating request's prompt logprobs."""
+    rng = np.random.default_rng(5)
+    others = [[int(t) for t in rng.integers(100, 40000, n)] for n in (30, 90, 7)]
+    single = llm.token_logprobs([TARGET])[0].logprobs
+    batch = llm.token_logprobs([others[0], TARGET, *others[1:]])[1].logprobs
+    np.testing.assert_array_equal(single, batch)
+    np.testing.assert_array_equal(single, np.float32(alone["greedy"][2]))
+
+
 others_strategy = st.lists(
     st.tuples(st.one_of(st.integers(1, 120), st.sampled_from([128, 140])),  # 128 / 140: the target's prefix
               st.integers(1, 16)),
