@@ -144,3 +144,43 @@ def test_engine_hit_past_the_window_gives_the_uncached_tokens(backend):
     stats = engine.stats()
     assert stats["prefix_cache_hit_tokens"] == 24 and stats["pages_in_use"] == 0
     assert finish(engine) == {}
+
+
+def test_engine_preempted_requests_recompute_through_hits_past_the_window():
+    """Four prompts of 26 tokens sharing their first 24, chunks of 8, in 8 usable pages of 4: they
+    preempt each other, and admissions hit past pages already evicted; each request's tokens
+    stay an uncached engine's."""
+    config, params = load_arch("mistral")
+    rng = np.random.default_rng(2)
+    common = [int(t) for t in rng.integers(3, config.vocab_size, 24)]
+    prompts = [common + [int(t) for t in rng.integers(3, config.vocab_size, 2)] for _ in range(4)]
+    settings_ = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, num_pages=9,
+                     backend="cpu", warmup=False)
+    plain = build_engine(config, params, IdTokenizer(), [], EngineConfig(**settings_))
+    expected = [_run(plain, f"x{i}", p) for i, p in enumerate(prompts)]
+    engine = build_engine(config, params, IdTokenizer(), [], EngineConfig(**settings_, enable_prefix_caching=True))
+    pt, past_evicted = engine.page_table, []
+    admit = pt.allocate_prompt
+
+    def allocate_prompt(request_id, token_ids, **kw):  # counts hits whose early pages were evicted
+        hit = admit(request_id, token_ids, **kw)
+        seq = pt._seqs.get(request_id)
+        if hit and any(pt.pool.cached_page(h) is None for h in seq.page_hashes[:seq.num_released]):
+            past_evicted.append(hit)
+        return hit
+
+    pt.allocate_prompt = allocate_prompt
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        engine.page_table.check_invariants()
+    assert [list(outs[str(i)].outputs[0].token_ids) for i in range(4)] == expected
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] >= 3 * 24
+    # A re-admitted request (prompt + output: more than 26 tokens) hit past its evicted pages.
+    assert any(hit > 24 for hit in past_evicted), past_evicted
+    assert stats["pages_in_use"] == 0
