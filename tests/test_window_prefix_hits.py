@@ -116,13 +116,7 @@ def test_the_hit_is_the_longest_whose_window_is_cached(window, page_size, prompt
 
 def _run(engine, rid, prompt) -> list[int]:
     engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-        engine.page_table.check_invariants()
-    return list(outs[rid].outputs[0].token_ids)
+    return list(finish(engine, engine.page_table.check_invariants)[rid].outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -172,12 +166,7 @@ def test_engine_preempted_requests_recompute_through_hits_past_the_window():
     pt.allocate_prompt = allocate_prompt
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-        engine.page_table.check_invariants()
+    outs = finish(engine, pt.check_invariants)
     assert [list(outs[str(i)].outputs[0].token_ids) for i in range(4)] == expected
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] >= 3 * 24
