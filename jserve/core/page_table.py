@@ -320,6 +320,13 @@ class PageTable:
         reach = seq.num_computed - self.sliding_window + 1  # keys below it are read by no later query
         return min(len(seq.page_ids), max(0, reach // self.page_size))
 
+    def window_pages(self, max_chunk: int) -> int | None:
+        """The most pages a request holds at once while computing chunks of at most `max_chunk`
+        tokens, pages behind the window given back (None: no window, it keeps every page)."""
+        if self.sliding_window is None:
+            return None
+        return _cdiv(self.sliding_window - 1 + max_chunk, self.page_size) + 1
+
     def _release_behind_window(self, seq: _Sequence) -> None:
         dead = self._behind_window(seq)
         if dead > seq.num_released:
