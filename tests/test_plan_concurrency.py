@@ -23,7 +23,7 @@ def _config(arch: str) -> ModelConfig:
 
 def test_gemma3_hybrid_pages():
     """4 layers, 3 sliding (window 8); context 64 in pages of 4: 16 pages; a sliding layer keeps
-    cdiv(min(8 - 1 + 16, 64), 4) + 1 = 7. 100 pages hold 400 layer-pages, a sequence takes
+    cdiv(8 - 1 + 16, 4) + 1 = 7. 100 pages hold 400 layer-pages, a sequence takes
     16 + 3 * 7 = 37 of them: 10 sequences, against 100 // 16 = 6 with every page."""
     c = concurrency(_config("gemma3"), context=64, page_size=4, num_pages=101, max_num_batched_tokens=16)
     assert (c.full_pages, c.window_pages, c.sliding_layers) == (16, 7, 3)

@@ -61,7 +61,7 @@ def concurrency(config: ModelConfig, *, context: int, page_size: int, num_pages:
     sliding = sum(config.layer_is_sliding(i) for i in range(config.num_layers)) if window else 0
     win = full
     if window:
-        win = min(full, _cdiv(min(window - 1 + max_num_batched_tokens, context), page_size) + 1)
+        win = min(full, _cdiv(window - 1 + max_num_batched_tokens, page_size) + 1)  # PageTable.window_pages
     # A hit of L tokens needs the pages of keys L - window + 1 .. L - 1 (PageTable's window rule).
     shared = config.shared_window
     hit = min(full, max(1, _cdiv(shared - 1, page_size))) if shared else full
