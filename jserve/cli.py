@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from jserve.engine.config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
 from jserve.model.model_args import add_model_args, model_source
-from jserve.plan_command import run_plan
+from jserve.plan_command import add_offload_arg, run_plan
 from jserve.runtime.distributed import add_multihost_args
 from jserve.server import logs
 from jserve.vllm_args import apply_vllm_args
@@ -275,6 +275,7 @@ def _add_plan(sub: Any) -> None:
                    help="the same as --kv-cache-dtype")
     p.add_argument("--kv-budget", dest="kv_cache_bytes", type=parse_bytes, default=argparse.SUPPRESS,
                    help="the same as --kv-cache-bytes")
+    add_offload_arg(p)
     p.set_defaults(func=run_plan)
 
 

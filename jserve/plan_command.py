@@ -55,7 +55,7 @@ def run_plan(args: argparse.Namespace) -> int:
                        memory_fraction=settings.memory_fraction, kv_budget_bytes=settings.kv_cache_bytes,
                        max_num_batched_tokens=settings.max_num_batched_tokens, weight_bytes=weights.weight_bytes)
     rows = _model_rows(config, settings, weight_dtype, weights.per_device) + _memory_rows(
-        plan, settings, weights, kv_dtype)
+        plan, settings, weights, kv_dtype) + _concurrency_rows(config, plan, settings, weights, kv_dtype, args)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -129,3 +129,45 @@ def _memory_rows(plan, settings, weights: _Weights, kv_dtype: str) -> list[tuple
         (f"sequences of {plan.context} tokens" + (f" (all {dp} dp groups)" if mesh else ""),
          f"{plan.max_sequences * dp}"),
     ]
+
+
+def add_offload_arg(parser: argparse.ArgumentParser) -> None:
+    """`--kv-offload-bytes` for the plan alone where this build has no host KV tier setting
+    (where it has one, `add_engine_args` made the flag)."""
+    from jserve.engine.config import EngineConfig, parse_bytes
+
+    if "kv_offload_bytes" not in EngineConfig.__dataclass_fields__:
+        parser.add_argument("--kv-offload-bytes", dest="kv_offload_bytes", type=parse_bytes, default=None,
+                            help="count a host KV tier of this many bytes (in all) in the plan, e.g. 8GiB")
+
+
+def _concurrency_rows(config, plan, settings, weights: _Weights, kv_dtype: str,
+                      args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Sequences that fit by page-keeping rule (`jserve.runtime.kv_concurrency`), over all dp groups."""
+    from jserve.engine.config import EngineConfig
+    from jserve.runtime.kv_cache import dtype_bytes, scale_bytes
+    from jserve.runtime.kv_concurrency import concurrency
+
+    dp, context = weights.dp, plan.context
+    offload = getattr(args, "kv_offload_bytes", None) or 0
+    host_page = config.kv_bytes_per_token(dtype_bytes(kv_dtype), scale_bytes(kv_dtype)) * plan.page_size
+    c = concurrency(config, context=context, page_size=plan.page_size, num_pages=plan.num_pages,
+                    max_num_batched_tokens=settings.max_num_batched_tokens, host_bytes=offload // dp,
+                    host_page_bytes=host_page)
+    rows = []
+    if c.shared_window:
+        rows.append((f"sequences of {context} tokens, pages behind the window ({c.window}) given back",
+                     f"{c.window_rule * dp} ({c.window_pages} pages each, {c.full_pages} with every page)"))
+        rows.append((f"cached prefixes of {context} tokens kept hittable",
+                     f"{c.prefixes_kept() * dp} (a hit needs its last {c.hit_pages} pages; "
+                     f"{c.prefixes_kept(window_rule=False) * dp} if it needed every page)"))
+    elif c.sliding_layers:
+        rows.append((f"sequences of {context} tokens, hybrid pages ({c.sliding_layers} of {c.num_layers} "
+                     f"layers keep a window of {c.window})",
+                     f"{c.window_rule * dp} (needs a hybrid allocator, not built: now {c.every_page * dp})"))
+    if offload:
+        built = "kv_offload_bytes" in EngineConfig.__dataclass_fields__
+        rows.append((f"cached prefixes of {context} tokens kept, host tier of {human(offload)}",
+                     f"{c.prefixes_kept(host=True) * dp} ({c.host_pages * dp} host pages of {human(host_page)}; "
+                     f"running sequences unchanged{'' if built else '; the tier itself is another change'})"))
+    return rows

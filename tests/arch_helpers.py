@@ -35,13 +35,16 @@ def load_arch(arch: str):
     return config, {k: jnp.asarray(v) for k, v in params.items()}
 
 
-def finish(engine) -> dict:
-    """Step `engine` until every request is done; request id -> its final output."""
+def finish(engine, after_step=None) -> dict:
+    """Step `engine` until every request is done (calling `after_step()` after each step, if
+    given); request id -> its final output."""
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = out
+        if after_step is not None:
+            after_step()
     return outs
 
 

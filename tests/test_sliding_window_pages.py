@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from arch_helpers import IdTokenizer, load_arch
+from arch_helpers import IdTokenizer, finish, load_arch
 from conftest import DATA
 from jserve.core.request import SamplingParams
 from jserve.engine.build import build_engine
@@ -58,3 +58,31 @@ def test_greedy_decode_gives_pages_back_and_matches_transformers(backend, prefix
     metrics.update_engine(stats)
     line = f"jserve_kv_pages_released_behind_window {float(stats['pages_released_behind_window'])}"
     assert line in metrics.render().decode().splitlines()
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_request_longer_than_the_pool_runs_behind_the_window(prefix_caching):
+    """7 usable pages of 4 (28 tokens) and chunks of 8: a request holds at most
+    cdiv(8 - 1 + 8, 4) + 1 = 5 pages, so a 40-token prompt is admitted and its greedy tokens are a
+    large pool's; a pool under 5 pages still refuses it."""
+    config, params = load_arch("mistral")
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, config.vocab_size, 40)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for num_pages in (32, 8):
+        engine = build_engine(config, params, IdTokenizer(), [], EngineConfig(
+            max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, page_size=4, num_pages=num_pages,
+            backend="cpu", warmup=False, enable_prefix_caching=prefix_caching))
+        assert engine.scheduler.max_len == 64
+        for i in range(2):
+            engine.add_request(f"{num_pages}-{i}", prompt, greedy)
+        done = finish(engine, engine.page_table.check_invariants)
+        outs.append([list(done[f"{num_pages}-{i}"].outputs[0].token_ids) for i in range(2)])
+        assert engine.stats()["pages_in_use"] == 0
+    assert outs[0] == outs[1] and len(outs[0][0]) == 8
+    small = build_engine(config, params, IdTokenizer(), [], EngineConfig(
+        max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, page_size=4, num_pages=5, backend="cpu",
+        warmup=False))
+    assert small.scheduler.max_len == 17
+    with pytest.raises(ValueError, match="leaves no room for output"):
+        small.add_request("x", prompt, greedy)

@@ -87,8 +87,10 @@ class PageTable:
     later query of it reads that page (a query at q reads keys k > q - window), so `mark_computed`
     gives the page back and puts the null page in its place in the request's list; the attention
     masks that place out by position. The list keeps its length (slot `i` is still page
-    `i // page_size`). With prefix caching a full page given back stays cached until evicted. A
-    model whose layers differ (Gemma's full and sliding layers share each page) keeps every page.
+    `i // page_size`). With prefix caching a full page given back stays cached until evicted, and a
+    hit needs only the pages inside the last window of the cached prefix (earlier ones may be
+    evicted: they are the null page in its list, as if given back). A model whose layers
+    differ (Gemma's full and sliding layers share each page) keeps every page.
 
     A request always computes at least its last prompt token, and writes never touch a cached page:
     so a prompt of `m` full pages, all cached, reuses `m - 1` of them and recomputes the last page
@@ -147,6 +149,8 @@ class PageTable:
 
     def _cached_prefix(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], list[int]]:
         hashes, pages = [], []
+        if self.enable_prefix_caching and self.sliding_window is not None:
+            return self._cached_window_prefix(token_ids, cache_salt)
         if self.enable_prefix_caching:
             for page_hash in iter_page_hashes(token_ids[:-1], self.page_size, cache_salt):
                 page = self.pool.cached_page(page_hash)
@@ -155,6 +159,24 @@ class PageTable:
                 hashes.append(page_hash)
                 pages.append(page)
         return hashes, pages
+
+    def _cached_window_prefix(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], list[int]]:
+        """The longest hit whose last window of pages is cached (vLLM's sliding-window rule): the
+        queries after a hit of L tokens read keys > L - window only, so earlier pages, evicted or
+        not, are the null page in the hit's list (as if given back behind the window)."""
+        hashes = list(iter_page_hashes(token_ids[:-1], self.page_size, cache_salt))
+        need = max(1, _cdiv(self.sliding_window - 1, self.page_size))  # pages holding keys L-window+1..L-1
+        run = end = 0
+        for i in range(len(hashes) - 1, -1, -1):  # longest first: scan back for `need` cached pages in a row
+            run = run + 1 if self.pool.cached_page(hashes[i]) is not None else 0
+            if run >= need:
+                end = i + run
+                break
+        else:
+            end = run  # fewer than a window's pages, all from the first: the hit needs each of them
+        dead = max(0, (end * self.page_size - self.sliding_window + 1) // self.page_size)
+        pages = [NULL_PAGE] * dead + [self.pool.cached_page(h) for h in hashes[dead:end]]
+        return hashes[:end], pages
 
     def _plan_prompt(self, token_ids: Iterable[int], num_new_tokens: int | None,
                      cache_salt: str | None) -> _PromptPlan:
@@ -171,7 +193,7 @@ class PageTable:
                              f"{len(token_ids)} prompt tokens, {num_cached} cached")
         num_fresh = _cdiv(num_cached + num_new_tokens, self.page_size) - len(pages)
         # Cached idle pages taken now can no longer be evicted to make room for the fresh ones.
-        num_idle = sum(self.pool.refcount(page) == 0 for page in pages)
+        num_idle = sum(page != NULL_PAGE and self.pool.refcount(page) == 0 for page in pages)
         fits = num_fresh + num_idle <= self.pool.num_available_pages
         return _PromptPlan(token_ids, hashes, pages, num_new_tokens, num_fresh, fits)
 
@@ -198,7 +220,8 @@ class PageTable:
         plan = self._plan_prompt(token_ids, num_new_tokens, cache_salt)
         if not plan.fits:
             return None
-        for page in plan.cached_pages:
+        num_null = plan.cached_pages.count(NULL_PAGE)  # leading: behind the window of a hit past it
+        for page in plan.cached_pages[num_null:]:
             self.pool.share(page)
         fresh = self.pool.allocate(plan.num_fresh_pages)
         assert fresh is not None, "plan said the pages fit"
@@ -206,7 +229,7 @@ class PageTable:
         self._seqs[request_id] = _Sequence(
             token_ids=plan.token_ids, cache_salt=cache_salt, page_ids=plan.cached_pages + fresh,
             num_computed=num_cached, num_allocated=num_cached + plan.num_new_tokens,
-            page_hashes=plan.cached_hashes)
+            page_hashes=plan.cached_hashes, num_released=num_null)
         if self.sliding_window is not None:  # a cached prefix longer than the window
             self._release_behind_window(self._seqs[request_id])
         if self.enable_prefix_caching:
@@ -296,6 +319,13 @@ class PageTable:
         is read by none once that key is <= num_computed - sliding_window."""
         reach = seq.num_computed - self.sliding_window + 1  # keys below it are read by no later query
         return min(len(seq.page_ids), max(0, reach // self.page_size))
+
+    def window_pages(self, max_chunk: int) -> int | None:
+        """The most pages a request holds at once while computing chunks of at most `max_chunk`
+        tokens, pages behind the window given back (None: no window, it keeps every page)."""
+        if self.sliding_window is None:
+            return None
+        return _cdiv(self.sliding_window - 1 + max_chunk, self.page_size) + 1
 
     def _release_behind_window(self, seq: _Sequence) -> None:
         dead = self._behind_window(seq)

@@ -84,6 +84,9 @@ class Scheduler:
         self.page_table = page_table
         self.clock = clock
         pool_tokens = (page_table.pool.num_pages - 1) * page_table.page_size
+        held = page_table.window_pages(config.max_num_batched_tokens)
+        if held is not None and held <= page_table.pool.num_pages - 1:
+            pool_tokens = config.max_model_len  # pages behind the window go back: any length fits alone
         self.max_len = min(config.max_model_len, pool_tokens + 1)
         self.num_preemptions = 0
         self.num_recomputes = 0  # requests recomputed as they passed `recompute_past`
