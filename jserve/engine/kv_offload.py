@@ -75,4 +75,13 @@ class KVOffload:
             "kv_reload_seconds": back_s,
             "kv_offload_bytes_per_second": totals["offload_bytes"] / out_s if out_s else 0.0,
             "kv_reload_bytes_per_second": totals["reload_bytes"] / back_s if back_s else 0.0,
+            "kv_reload_prefill_seconds_saved": self._prefill_seconds_per_token() * sum(
+                t.num_host_hit_tokens for t in self.tables),
         }
+
+    def _prefill_seconds_per_token(self) -> float:
+        """A mixed call's seconds per token computed, over the recent calls: what a reloaded
+        token would have cost to recompute (an estimate beside `kv_reload_seconds`)."""
+        mixed = [r for r in self.runner.step_log.records if r.kind == "mixed"]
+        tokens = sum(r.real_tokens for r in mixed)
+        return sum(r.seconds for r in mixed) / tokens if tokens else 0.0
