@@ -60,6 +60,18 @@ def test_host_tier_same_tokens_and_hits(tiny, backend):  # noqa: F811
     on.page_table.check_invariants()
 
 
+def test_host_tier_per_dp_group(tiny):  # noqa: F811
+    """On a dp=2 mesh each group has its own host tier (pages at group-local ids, slots apart)."""
+    system, users = chat_turns(num_chats=4, turns=3, seed=1)
+    kw = dict(num_pages=40, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
+              backend="xla-reference", mesh="dp=2")
+    expected = run_chats(make_engine(tiny, **kw), system, users)
+    on = make_engine(tiny, kv_offload_bytes=1 << 20, **kw)
+    assert run_chats(on, system, users) == expected
+    hits = [t.num_host_hit_tokens for t in on.page_tables]
+    assert len(hits) == 2 and sum(hits) > 0 and on.stats()["pages_in_use"] == 0
+
+
 def test_host_tier_refusals(tiny):  # noqa: F811
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(kv_offload_bytes=1 << 20, enable_prefix_caching=False)
