@@ -78,9 +78,10 @@ class EngineConfig:
     kv_cache_bytes: int | None = _setting(None, "explicit KV budget per device, e.g. 1GiB (default on a "
                                                 "CPU: 512 MiB)", parse=parse_bytes)
     kv_offload_bytes: int | None = _setting(
-        None, "a host-memory KV tier of this many bytes per device, e.g. 8GiB: prefix-cache pages are copied "
-              "there as they go idle, and a prefix hit the device no longer holds reloads them instead of "
-              "recomputing (needs prefix caching; not with a draft model or several processes)",
+        None, "a host-memory KV tier of this many bytes (in all, split between dp groups), e.g. 8GiB: "
+              "prefix-cache pages are copied there as they go idle, and a prefix hit the device no longer "
+              "holds reloads them instead of recomputing (needs prefix caching; not with a draft model or "
+              "several processes). No disk tier (vLLM's --kv-offload-dir has no jserve equivalent yet)",
         parse=parse_bytes)
     memory_fraction: float = _setting(0.9, "of accelerator memory for the engine, when neither "
                                            "--num-pages nor --kv-cache-bytes is given", parse=float)
