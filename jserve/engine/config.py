@@ -81,7 +81,7 @@ class EngineConfig:
         None, "a host-memory KV tier of this many bytes (in all, split between dp groups), e.g. 8GiB: "
               "prefix-cache pages are copied there as they go idle, and a prefix hit the device no longer "
               "holds reloads them instead of recomputing (needs prefix caching; not with a draft model or "
-              "several processes). No disk tier (vLLM's --kv-offload-dir has no jserve equivalent yet)",
+              "several processes). No disk tier behind it (--kv-offload-dir) yet",
         parse=parse_bytes)
     memory_fraction: float = _setting(0.9, "of accelerator memory for the engine, when neither "
                                            "--num-pages nor --kv-cache-bytes is given", parse=float)
