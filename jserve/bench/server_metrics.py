@@ -26,7 +26,7 @@ _SPEC = (SPEC_PROPOSED, SPEC_ACCEPTED, SPEC_VERIFY_ROWS, "jserve_spec_verify_ste
 COMPUTED = "jserve_computed_tokens"
 # Prefix-cache hits by tier: the device's cache, the host KV tier (--kv-offload-bytes).
 _HITS = ("jserve_prefix_cache_hit_tokens_device", "jserve_prefix_cache_hit_tokens_host",
-         "jserve_kv_reload_seconds", "jserve_kv_reload_prefill_seconds_saved")
+         "jserve_kv_reload_seconds", "jserve_kv_reload_host_seconds", "jserve_kv_reload_prefill_seconds_saved")
 _KEEP = (f"{TTFT}_sum", f"{TTFT}_count", PROMPT_TOKENS, GENERATION_TOKENS, COMPILATIONS,
          "jserve_num_preemptions", "jserve_num_steps", "jserve_padded_token_fraction", *_SPEC, COMPUTED, *_HITS)
 

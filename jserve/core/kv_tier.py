@@ -152,6 +152,8 @@ class TieredPageTable(PageTable):
         """(device hit pages, host slots of the pages after them held by the host tier)."""
         num_device = super().lookup_prefix(token_ids, cache_salt=cache_salt) // self.page_size
         slots = []
+        if not self.host.num_ready:
+            return num_device, slots
         for i, page_hash in enumerate(iter_page_hashes(token_ids[:-1], self.page_size, cache_salt)):
             if i < num_device:
                 continue

@@ -72,7 +72,8 @@ class KVOffload:
             "kv_offload_bytes_offloaded": totals["offload_bytes"],
             "kv_offload_bytes_reloaded": totals["reload_bytes"],
             "kv_offload_seconds": out_s,
-            "kv_reload_seconds": back_s,
+            "kv_reload_seconds": back_s,  # started to seen done (polled once a step: an upper bound)
+            "kv_reload_host_seconds": totals["reload_host_seconds"],  # the host's part: staging, dispatch
             "kv_offload_bytes_per_second": totals["offload_bytes"] / out_s if out_s else 0.0,
             "kv_reload_bytes_per_second": totals["reload_bytes"] / back_s if back_s else 0.0,
             "kv_reload_prefill_seconds_saved": self._prefill_seconds_per_token() * sum(

@@ -96,6 +96,7 @@ class KVTransfer:
                     for h in self.host]
             rows = self._rows([e[0] for e in chunk], [e[2] for e in chunk])
             self.runner.kv, marker = self._dispatch("kv_reload", self._scatter, self.runner.kv, data, rows)
+            self.totals["reload_host_seconds"] += time.perf_counter() - t0
             self._back.append(_Copy(chunk, marker, t0, len(chunk) * self.page_bytes))
 
     def poll(self, wait: bool = False) -> list[tuple[int, int, int]]:
@@ -116,6 +117,8 @@ class KVTransfer:
         return done
 
     def _count(self, way: str, copy: _Copy) -> None:
+        """A completed copy's bytes and time: from its start until `poll` saw it done (an upper
+        bound, as polls come once a step)."""
         self.totals[f"{way}_bytes"] += copy.bytes
         self.totals[f"{way}_seconds"] += time.perf_counter() - copy.started
 

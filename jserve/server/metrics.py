@@ -79,7 +79,10 @@ _STATS_GAUGES = (
     ("kv_offload_bytes_per_second", "kv_offload_bytes_per_second", "host KV tier: bytes copied out / their copy "
                                                                    "time (dispatch to completion seen)"),
     ("kv_reload_bytes_per_second", "kv_reload_bytes_per_second", "host KV tier: bytes copied back / their time"),
-    ("kv_reload_seconds", "kv_reload_seconds", "host KV tier: time the reloads took, total"),
+    ("kv_reload_seconds", "kv_reload_seconds", "host KV tier: time the reloads took, total (until seen done, "
+                                               "polled once a step: an upper bound)"),
+    ("kv_reload_host_seconds", "kv_reload_host_seconds", "host KV tier: the host's part of the reloads (staging "
+                                                         "the slots, dispatching the copies), total"),
     ("kv_reload_prefill_seconds_saved", "kv_reload_prefill_seconds_saved", "host KV tier: the prefill time the "
                                                                            "reloaded tokens would have taken (est.)"),
     ("spec_proposed_tokens", "spec_proposed_tokens", "draft tokens verified since start"),
