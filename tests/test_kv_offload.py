@@ -61,6 +61,18 @@ def test_host_tier_same_tokens_and_hits(tiny, backend, kv_dtype):  # noqa: F811
     on.page_table.check_invariants()
 
 
+@pytest.mark.parametrize("extra", [dict(async_scheduling=True), dict(num_scheduler_steps=4),
+                                   dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})])
+def test_host_tier_with_other_step_functions(tiny, extra):  # noqa: F811
+    """Reloads before a launched step (async scheduling), a multi-step decode, a verify step."""
+    system, users = chat_turns()
+    kw = dict(num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, backend="cpu")
+    expected = run_chats(make_engine(tiny, **kw), system, users)
+    on = make_engine(tiny, kv_offload_bytes=1 << 20, **kw, **extra)
+    assert run_chats(on, system, users) == expected
+    assert on.stats()["kv_offload_host_hit_tokens"] > 0 and on.stats()["pages_in_use"] == 0
+
+
 def test_host_tier_per_dp_group(tiny):  # noqa: F811
     """On a dp=2 mesh each group has its own host tier (pages at group-local ids, slots apart)."""
     system, users = chat_turns(num_chats=4, turns=3, seed=1)
