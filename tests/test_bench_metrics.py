@@ -176,3 +176,21 @@ def test_compare_without_speculative_gauges():
                 "spec_mean_accepted_length"):
         assert a[key] is None
     assert "speculative" not in server_metrics.format_agreement(a)
+
+
+def test_compare_prefill_tokens_and_hits_by_tier():
+    """Prompt tokens computed = computed tokens less one per decode (generated - requests), and
+    the prefix-cache hits by tier, over the run."""
+    def text(steps, computed, device, host):
+        return (_metrics_text(steps, None) + f"# TYPE jserve_generation_tokens counter\n"
+                f"jserve_generation_tokens_total {10 * steps}\n"
+                f"# TYPE jserve_computed_tokens gauge\njserve_computed_tokens {computed}\n"
+                f"# TYPE jserve_prefix_cache_hit_tokens_device gauge\njserve_prefix_cache_hit_tokens_device {device}\n"
+                f"# TYPE jserve_prefix_cache_hit_tokens_host gauge\njserve_prefix_cache_hit_tokens_host {host}\n")
+    before, after = (server_metrics.parse_metrics(text(*x)) for x in ((2.0, 50.0, 8.0, 0.0), (4.0, 450.0, 40.0, 16.0)))
+    a = server_metrics.compare(before, after, _CLIENT)
+    assert (a["generation_tokens"]["server"], a["requests"]["server"]) == (20.0, 2.0)
+    assert a["prefill_tokens_computed"] == 400.0 - (20.0 - 2.0)
+    assert (a["prefix_cache_hit_tokens_device"], a["prefix_cache_hit_tokens_host"]) == (32.0, 16.0)
+    assert server_metrics.compare(*(server_metrics.parse_metrics(_metrics_text(s, None)) for s in (2.0, 4.0)),
+                                  _CLIENT)["prefill_tokens_computed"] is None

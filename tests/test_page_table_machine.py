@@ -65,6 +65,10 @@ class PageTableMachine(RuleBasedStateMachine):
         else:
             assert result == num_cached
             self.salts[rid] = salt
+            self.admitted()
+
+    def admitted(self):
+        """After an admission, before any step (a host tier's reloads land here)."""
 
     @precondition(lambda self: self.salts)
     @rule(data=st.data())
@@ -109,6 +113,7 @@ class PageTableMachine(RuleBasedStateMachine):
         self.pt.check_invariants()
         if self.pt.allocate_prompt(rid, tokens, cache_salt=salt) is not None:
             self.salts[rid] = salt
+            self.admitted()
 
     @precondition(lambda self: self.salts)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=3))

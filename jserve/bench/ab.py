@@ -21,7 +21,7 @@ from jserve.bench.server import ServerProcess
 # The figures compared: name -> the path into `compute_metrics`' dict.
 FIGURES = {"output_tok_s": ("output_throughput",), "total_tok_s": ("total_token_throughput",),
            "ttft_p50_ms": ("ttft_ms", "median"), "tpot_p50_ms": ("tpot_ms", "median"),
-           "e2e_p50_ms": ("e2e_ms", "median")}
+           "e2e_p50_ms": ("e2e_ms", "median"), "prefill_computed": ("server_metrics", "prefill_tokens_computed")}
 
 
 def figures(metrics: dict) -> dict[str, Any]:

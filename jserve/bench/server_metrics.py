@@ -23,8 +23,12 @@ SPEC_PROPOSED = "jserve_spec_proposed_tokens"
 SPEC_ACCEPTED = "jserve_spec_accepted_tokens"
 SPEC_VERIFY_ROWS = "jserve_spec_verify_rows"
 _SPEC = (SPEC_PROPOSED, SPEC_ACCEPTED, SPEC_VERIFY_ROWS, "jserve_spec_verify_steps", "jserve_spec_turned_down_steps")
+COMPUTED = "jserve_computed_tokens"
+# Prefix-cache hits by tier: the device's cache, the host KV tier (--kv-offload-bytes).
+_HITS = ("jserve_prefix_cache_hit_tokens_device", "jserve_prefix_cache_hit_tokens_host",
+         "jserve_kv_reload_seconds", "jserve_kv_reload_host_seconds", "jserve_kv_reload_prefill_seconds_saved")
 _KEEP = (f"{TTFT}_sum", f"{TTFT}_count", PROMPT_TOKENS, GENERATION_TOKENS, COMPILATIONS,
-         "jserve_num_preemptions", "jserve_num_steps", "jserve_padded_token_fraction", *_SPEC)
+         "jserve_num_preemptions", "jserve_num_steps", "jserve_padded_token_fraction", *_SPEC, COMPUTED, *_HITS)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -104,7 +108,10 @@ def compare(before: dict[str, float] | None, after: dict[str, float] | None, met
         "compilations_during_run": delta(COMPILATIONS),
         "steps_during_run": delta("jserve_num_steps"),
         "preemptions_during_run": delta("jserve_num_preemptions"),
-        **{key.removeprefix("jserve_"): delta(key) for key in _SPEC},
+        **{key.removeprefix("jserve_"): delta(key) for key in (*_SPEC, *_HITS)},
+        # The prompts' tokens computed (not served by a cache): all computed less one per decode.
+        "prefill_tokens_computed": (delta(COMPUTED) - (generated - n) if None not in (delta(COMPUTED), generated, n)
+                                    else None),
         "spec_acceptance_rate": accepted / proposed if proposed and accepted is not None else None,
         "spec_mean_accepted_length": 1 + accepted / rows if rows and accepted is not None else None,
     }

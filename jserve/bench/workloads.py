@@ -1,6 +1,6 @@
 """Workloads of the serving benchmark: the four length patterns, their mix, a shared-system-prompt
-chat workload (prefix caching), an input-copying workload (speculative decoding) and a JSONL
-replay, all deterministic in a seed.
+chat workload (prefix caching), a multi-turn chat workload (a growing history: the host KV tier),
+an input-copying workload (speculative decoding) and a JSONL replay, all deterministic in a seed.
 
 Prompts are random words from a fixed vocabulary (``copy``: English sentences), so input lengths
 are approximate (one word is roughly one token); the server's ``usage.prompt_tokens`` gives the
@@ -36,7 +36,8 @@ WORKLOADS = {
     "long-short": (LONG_IN, SHORT_OUT),
     "long-long": (LONG_IN, LONG_OUT),
 }
-NAMED_WORKLOADS = (*WORKLOADS, "mix", "shared-prefix", "copy")
+NAMED_WORKLOADS = (*WORKLOADS, "mix", "shared-prefix", "multi-turn", "copy")
+MULTI_TURN_CHATS = 8  # the multi-turn workload's conversations, their turns sent turn by turn
 
 # The copy workload: a passage of these sentences (a seeded selection) that the request asks to be
 # repeated ("copy") or returned with its typos fixed ("edit"), so the output repeats the prompt.
@@ -113,6 +114,27 @@ def _spec(endpoint: str, prompt: str, max_tokens: int, input_len: int, kind: str
     return RequestSpec(full, None, max_tokens, input_len, kind)
 
 
+def _multi_turn(rng: random.Random, n: int, endpoint: str, scale: float) -> list[RequestSpec]:
+    """Chats over one shared system prompt, each turn's prompt its whole history (earlier user
+    messages and answers, written here: a later turn's prefix is the turn before's prompt) and a
+    new message; all chats' turn 1, then their turn 2, ..."""
+    chats = min(MULTI_TURN_CHATS, n)
+    system = "You are a helpful assistant. " + _words(rng, _scaled(LONG_IN, scale))
+    user_len, answer_len, out_len = (_scaled(x, scale) for x in (SHORT_IN, 2 * SHORT_IN, SHORT_OUT))
+    history: list[list[dict]] = [[{"role": "system", "content": system}] for _ in range(chats)]
+    specs = []
+    for i in range(n):
+        messages = history[i % chats]
+        messages.append({"role": "user", "content": _words(rng, user_len)})
+        words = sum(len(m["content"].split()) for m in messages)
+        if endpoint == "chat":
+            specs.append(RequestSpec(None, [dict(m) for m in messages], out_len, words, "multi-turn"))
+        else:
+            specs.append(RequestSpec("\n\n".join(m["content"] for m in messages), None, out_len, words, "multi-turn"))
+        messages.append({"role": "assistant", "content": _words(rng, answer_len)})
+    return specs
+
+
 def _passage(rng: random.Random, n_tokens: int) -> str:
     """Sentences in a seeded order (a new order after each pass) until about ``n_tokens`` tokens."""
     out: list[str] = []
@@ -168,6 +190,8 @@ def build_workload(workload: str, num_requests: int | None, endpoint: str, scale
         system = "You are a helpful assistant. " + _words(rng, sys_len)
         return [_spec(endpoint, _words(rng, q_len), out_len, sys_len + q_len, "shared-prefix", system=system)
                 for _ in range(n)]
+    if workload == "multi-turn":
+        return _multi_turn(rng, num_requests or 64, endpoint, scale)
     if workload == "copy":
         order = [("copy", "edit")[i % 2] for i in range(num_requests or 64)]
         rng.shuffle(order)

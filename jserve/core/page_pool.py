@@ -14,7 +14,7 @@ share a page.
 
 import collections
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 NULL_PAGE = 0
 
@@ -53,6 +53,7 @@ class PagePool:
         self._page_by_hash: dict[bytes, int] = {}
         self._hash_by_page: dict[int, bytes] = {}
         self.num_evicted_pages = 0
+        self.on_cached: Callable[[int], None] | None = None  # told of each page that goes idle cached
 
     @property
     def num_free_pages(self) -> int:
@@ -107,6 +108,8 @@ class PagePool:
             if self._refcounts[page] == 0:
                 if page in self._hash_by_page:
                     self._cached[page] = None
+                    if self.on_cached is not None:
+                        self.on_cached(page)
                 else:
                     self._free.append(page)
 

@@ -366,9 +366,10 @@ class PageTable:
         # Last page first: a prefix's tail is evicted before its head, which every reuse needs.
         self.pool.release(reversed(seq.page_ids[seq.num_released:]))
 
-    def check_invariants(self) -> None:
-        """Asserts the bookkeeping is consistent (tests call it after every operation)."""
-        owners = collections.Counter()
+    def check_invariants(self, pinned: collections.Counter | None = None) -> None:
+        """Asserts the bookkeeping is consistent (tests call it after every operation); `pinned`:
+        owners of pages beside the requests (a host tier's copies in flight)."""
+        owners = collections.Counter(pinned)
         for request_id, seq in self._seqs.items():
             assert 0 <= seq.num_computed <= seq.num_allocated <= len(seq.token_ids), request_id
             # Pages past the slots are lookahead pages (multi-step decode): never indexed.

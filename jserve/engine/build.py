@@ -122,6 +122,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                     num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                     max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None,
                     lora=lora)
+    if config.kv_offload_bytes is not None and pooling is None:
+        runner.kv_transfer = _kv_transfer(runner, config.kv_offload_bytes)
     logger.info("engine: backend %s (%s kernel) on %s; max_num_seqs %d, max_num_batched_tokens %d; %d KV pages "
                 "of %d tokens (%d tokens, %s); decode batch buckets %s", backend.name, backend.kernel,
                 _device_kind(), config.max_num_seqs, config.max_num_batched_tokens, num_pages,
@@ -144,6 +146,19 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         engine = LLMEngine(runner, tokenizer, eos_token_ids, config, quantization, draft_runner)
     engine.source_config = source_config
     return engine
+
+
+def _kv_transfer(runner: Runner, offload_bytes: int):
+    """The host KV tier's copies over the runner's pages (`jserve.runtime.kv_transfer`)."""
+    from jserve.runtime.kv_transfer import KVTransfer
+
+    if runner.multiprocess:
+        raise ValueError("kv_offload_bytes: the host KV tier runs in one process for now: give no --distributed")
+    transfer = KVTransfer(runner, offload_bytes)
+    logger.info("engine: host KV tier of %d pages per dp group (%.1f MiB), %d pages copied out at once",
+                transfer.slots_per_group, transfer.slots_per_group * runner.dp * transfer.page_bytes / 2**20,
+                transfer.staging_pages)
+    return transfer
 
 
 def _embed_engine(runner: Runner, tokenizer: Tokenizer, config: EngineConfig, pooling, quantization):

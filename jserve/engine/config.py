@@ -77,6 +77,12 @@ class EngineConfig:
     num_pages: int | None = _setting(None, "KV pages (default: from the memory budget)", parse=int)
     kv_cache_bytes: int | None = _setting(None, "explicit KV budget per device, e.g. 1GiB (default on a "
                                                 "CPU: 512 MiB)", parse=parse_bytes)
+    kv_offload_bytes: int | None = _setting(
+        None, "a host-memory KV tier of this many bytes (in all, split between dp groups), e.g. 8GiB: "
+              "prefix-cache pages are copied there as they go idle, and a prefix hit the device no longer "
+              "holds reloads them instead of recomputing (needs prefix caching; not with a draft model or "
+              "several processes). No disk tier behind it (--kv-offload-dir) yet",
+        parse=parse_bytes)
     memory_fraction: float = _setting(0.9, "of accelerator memory for the engine, when neither "
                                            "--num-pages nor --kv-cache-bytes is given", parse=float)
     seed: int = _setting(0, "seeds requests that give none")
@@ -163,7 +169,7 @@ class EngineConfig:
                 or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages",
-                     "kv_cache_bytes"):
+                     "kv_cache_bytes", "kv_offload_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -191,6 +197,12 @@ class EngineConfig:
         if self.async_scheduling and (self.speculative_config is not None or self.num_scheduler_steps != 1):
             raise ValueError("async_scheduling overlaps single steps: give no speculative_config and "
                              f"num_scheduler_steps=1 with it (got {self.num_scheduler_steps})")
+        if self.kv_offload_bytes is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes: the host KV tier holds prefix-cache pages; it needs "
+                             "enable_prefix_caching")
+        if self.kv_offload_bytes is not None and getattr(self.speculative_config, "method", None) == "draft_model":
+            raise ValueError("kv_offload_bytes does not combine with a draft model yet (its pages would need "
+                             "the same reloads)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.load_format == "dummy" and self.quantization is not None:

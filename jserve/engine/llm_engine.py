@@ -27,8 +27,8 @@ from jserve.core.plan import PLACEHOLDER, RequestStatus, SchedulerProtocol, Step
 from jserve.core.request import Logprob, RequestOutput, SamplingParams
 from jserve.core.scheduler import Scheduler
 from jserve.core.stop import StopPolicy
+from jserve.engine import kv_offload, weights
 from jserve.engine import sleep as sleep_mode
-from jserve.engine import weights
 from jserve.engine.config import EngineConfig
 from jserve.engine.lora import LoraManager
 from jserve.engine.sequence import SampleGroup, SequenceState
@@ -64,6 +64,7 @@ class LLMEngine:
                                                                  self._lora_in_use)
         self.page_tables, self.scheduler = self._build_scheduler(draft_runner is None)
         self.page_table = self.page_tables[0]
+        self.kv_offload = kv_offload.KVOffload(runner, self.page_tables)  # the host KV tier, if any
         self._groups: dict[str, SampleGroup] = {}  # the user requests; their sequences are the scheduler's
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
@@ -79,14 +80,12 @@ class LLMEngine:
         self.last_weight_update: dict[str, Any] | None = None  # the last update_weights' timings
 
     def _build_scheduler(self, shared_window: bool) -> tuple[list[PageTable], SchedulerProtocol]:
-        """A page table and scheduler per data-parallel group (each with its share of seqs and
-        tokens). Pages behind a window every layer shares are given back, unless a draft model
-        (whose attention may see every position) reads the same pages; a LongRoPE model
-        recomputes a sequence as it passes its original context."""
+        """A page table (with the host KV tier, if any) and scheduler per dp group (each with its share of
+        seqs and tokens). Pages behind a window every layer shares are given back, unless a draft model (whose
+        attention may see every position) reads them; a LongRoPE model recomputes past its original context."""
         runner, config = self.runner, self.config
         window = runner.config.shared_window if shared_window else None
-        tables = [PageTable(runner.pages_per_group, runner.page_size, sliding_window=window,
-                            enable_prefix_caching=config.enable_prefix_caching) for _ in range(runner.dp)]
+        tables = kv_offload.page_tables(runner, window, config.enable_prefix_caching)
         share = dataclasses.replace(config.scheduler_config(runner.dp), recompute_past=runner.config.long_rope_after)
         slots = None if self.lora is None else self.lora.slots  # one set of slots for every group
         schedulers = [Scheduler(share, t, stop_policy=self.stop_policy, lora_slots=slots) for t in tables]
@@ -222,6 +221,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if self.lora is not None:
             self.lora.write_slots()  # the adapters the plan put into slots, before it runs
+        self.kv_offload.apply()  # the host KV tier's copies: reloads the plan reads, before it runs
         result = self.step_fn(plan)
         return self.update(result)
 
@@ -257,6 +257,7 @@ class LLMEngine:
                     self._forget(seq)
         if not self._groups:
             self.runner.mark_idle()  # the wait for the next request is no gap between steps
+            self.kv_offload.drain()  # copies still in flight to the host tier: their pages come back
         return outputs
 
     def _live(self, seq: Any) -> bool:
@@ -410,6 +411,7 @@ class LLMEngine:
             **self._idle_stats(),
             **self._bucket_stats(),
             **self._structured_stats(),
+            **self.kv_offload.stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
             **({"launched_steps": self.runner.overlap.num_launched,
                 "overlapped_steps": self.runner.overlap.num_overlapped,

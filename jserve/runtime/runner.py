@@ -83,6 +83,7 @@ class Runner:
         self.compiles = CompileTracker()
         self.step_log = StepLog()
         self.lazy: BucketCompiler | None = None  # lazy buckets: the shapes compiled so far (None: any)
+        self.kv_transfer = None  # the host KV tier's copies (`jserve.runtime.kv_transfer`; build_engine sets it)
         self.masks = StepMasks(config.vocab_size, self._put)  # the sampler's grammar bitmasks
         self._init_programs()
         self.multi = MultiTokenSteps(self, max_decode_steps, num_speculative_tokens, max_verify_rows)

@@ -33,6 +33,8 @@ def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
         now = [max(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
     for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
         warm(runner, kind, B, T)
+    if runner.kv_transfer is not None:
+        runner.kv_transfer.warmup()  # the host KV tier's copies
     runner.step_log.reset()
     runner.compiles.warmed_up = True
     if lazy:

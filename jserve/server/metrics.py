@@ -68,6 +68,23 @@ _STATS_GAUGES = (
     ("mask_steps", "structured_mask_steps", "steps that filled a grammar bitmask"),
     ("mask_seconds_per_step", "structured_mask_seconds_per_step",
      "host time filling the grammar bitmask per step, mean of the last 64 such steps"),
+    ("computed_tokens", "computed_tokens", "tokens the device computed since start (prompts' and decodes', "
+                                           "padding excluded)"),
+    ("kv_offload_pages_offloaded", "kv_offload_pages_offloaded", "host KV tier: pages copied out since start"),
+    ("kv_offload_pages_reloaded", "kv_offload_pages_reloaded", "host KV tier: pages copied back since start"),
+    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens_device", "prompt tokens found in the device's prefix cache"),
+    ("kv_offload_host_hit_tokens", "prefix_cache_hit_tokens_host", "prompt tokens reloaded from the host KV tier"),
+    ("kv_offload_host_pages", "kv_offload_host_pages", "host KV tier: pages held (ready to reload)"),
+    ("kv_offload_pages_in_flight", "kv_offload_pages_in_flight", "host KV tier: device pages pinned by a copy out"),
+    ("kv_offload_bytes_per_second", "kv_offload_bytes_per_second", "host KV tier: bytes copied out / their copy "
+                                                                   "time (dispatch to completion seen)"),
+    ("kv_reload_bytes_per_second", "kv_reload_bytes_per_second", "host KV tier: bytes copied back / their time"),
+    ("kv_reload_seconds", "kv_reload_seconds", "host KV tier: time the reloads took, total (until seen done, "
+                                               "polled once a step: an upper bound)"),
+    ("kv_reload_host_seconds", "kv_reload_host_seconds", "host KV tier: the host's part of the reloads (staging "
+                                                         "the slots, dispatching the copies), total"),
+    ("kv_reload_prefill_seconds_saved", "kv_reload_prefill_seconds_saved", "host KV tier: the prefill time the "
+                                                                           "reloaded tokens would have taken (est.)"),
     ("spec_proposed_tokens", "spec_proposed_tokens", "draft tokens verified since start"),
     ("spec_accepted_tokens", "spec_accepted_tokens", "draft tokens accepted (equal to the target's sample) since "
                                                      "start"),
