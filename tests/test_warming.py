@@ -118,3 +118,98 @@ def test_health_and_metrics_say_warming_while_buckets_compile(lazy_engine):
         assert engine.runner.lazy.wait(120) and not engine.runner.lazy.failed
         assert request(srv, "GET", "/health")[:3:2] == (200, {"status": "ok"})
         assert _metric(srv, "jserve_warming") == 0 and _metric(srv, "jserve_buckets_pending") == 0
+
+
+class _Health:
+    """A stand-in /health on a loopback port: `answers` in turn (status, body), the last repeated."""
+
+    def __init__(self, answers: list[tuple[int, bytes]]):
+        import http.server
+
+        owner = self
+        self.answers, self.polls = answers, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                status, body = owner.answers[min(owner.polls, len(owner.answers) - 1)]
+                owner.polls += self.path == "/health"
+                self.send_response(status if self.path == "/health" else 404)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+WARMING = (200, b'{"status": "ok", "warming": true, "buckets_pending": 3}')
+OK = (200, b'{"status": "ok"}')
+
+
+def test_bench_waits_until_the_server_is_warm_and_says_how_long():
+    from jserve.bench import runs, server
+
+    health = _Health([(503, b'{"status": "warming_up"}'), WARMING, WARMING, OK])
+    try:
+        args = runs.argparse.Namespace(base_url=health.url + "/v1/", quiet=True, no_wait_warm=False,
+                                       wait_warm_timeout=30.0)
+        out = runs.wait_for_warm(args)
+        assert health.polls == 4 and out["warm_at_start"] is True
+        assert 1.0 <= out["waited_for_warmup_s"] < 10  # three polls 0.5 s apart
+        health.polls = 1  # warming again: --no-wait-warm measures at once and says it was not warm
+        assert runs.wait_for_warm(runs.argparse.Namespace(**{**vars(args), "no_wait_warm": True})) == {
+            "waited_for_warmup_s": None, "warm_at_start": False}
+        health.answers = [WARMING]  # warming for ever: the timeout ends the wait, not warm
+        waited, warm = server.wait_warm(health.url, timeout=0.3, poll=0.1)
+        assert 0.3 <= waited < 5 and warm is False
+        waited, warm = server.wait_warm(health.url, timeout=30, poll=0.1, alive=lambda: False)  # the server died
+        assert waited < 5 and warm is False
+        for answer, warming in (((200, b"ok"), False), ((503, b""), True), ((404, b"no such route"), False),
+                                (OK, False), ((200, b'{"warming": false}'), False)):
+            health.answers = [answer]
+            assert server.is_warming(health.url) is warming, answer
+    finally:
+        health.close()
+    assert server.is_warming(health.url) is False  # nothing listens: the load itself will fail
+
+
+def test_bench_command_line_wait_flags():
+    from jserve.bench.cli import parse_args
+
+    args = parse_args(["--workload", "mix"])
+    assert (args.no_wait_warm, args.wait_warm_timeout) == (False, 600.0)
+    args = parse_args(["--no-wait-warm", "--wait-warm-timeout", "5"])
+    assert (args.no_wait_warm, args.wait_warm_timeout) == (True, 5.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--wait-warm-timeout", "-1"])
+
+
+_WARMS_FOR_A_SECOND = r"""
+import http.server, sys, time
+start = time.monotonic()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+        warming = time.monotonic() - start < 1.5
+        self.wfile.write(b'{"status": "ok", "warming": true}' if warming else b'{"status": "ok"}')
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_server_process_waits_for_warm_unless_told_not_to(tmp_path):
+    import sys
+
+    from jserve.bench import ServerProcess
+
+    command = [sys.executable, "-c", _WARMS_FOR_A_SECOND, "{port}"]
+    with ServerProcess(command=command, log=tmp_path / "a.log", wait_warm=None) as server:
+        assert server.warmup_s is None and server.warm is None
+    with ServerProcess(command=command, log=tmp_path / "b.log") as server:
+        assert server.warm is True and 0 < server.warmup_s < 10
