@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
 
 from benchmarks.harness import ServerProcess, bench, parser, report
 from jserve.bench.server import wait_warm
@@ -36,12 +37,17 @@ def main() -> int:
     p.add_argument("--tree", default=None, help="serve the jserve of this checkout (its PYTHONPATH)")
     args = p.parse_args()
     env = {"PYTHONPATH": os.path.abspath(args.tree)} if args.tree else None
+    # -P: the current folder not first on sys.path, so that PYTHONPATH's jserve is the one served
+    command = [sys.executable, "-P", "-m", "jserve.cli", "serve", "--port", "{port}", *shlex.split(args.serve_args)]
     rows = []
     for c in args.concurrency:
-        with ServerProcess(shlex.split(args.serve_args), env=env, wait_warm=None) as server:
+        with ServerProcess(command=command, env=env, wait_warm=None) as server:
             pending = server.metric("jserve_buckets_pending")
             ready = measure(server, c, c * args.requests_per_stream, args.scale)
             waited, warm = wait_warm(server.url, 900)
+            while server.metric("jserve_buckets_pending") > 0 and waited < 900:  # a jserve before /health said it
+                time.sleep(0.5)
+                waited += 0.5
             steady = measure(server, c, c * args.requests_per_stream, args.scale)
         rows.append({"concurrency": c, "pending_at_ready": pending, "ready_tok_s": ready["tok_s"],
                      "steady_tok_s": steady["tok_s"], "ratio": ready["tok_s"] / steady["tok_s"],
