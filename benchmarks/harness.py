@@ -61,7 +61,8 @@ def bench(url: str, *flags: str) -> dict:
     """One `jserve bench` load against `url` in this process (quiet): its metrics; raises when a
     request failed."""
     args = parse_args(["--base-url", url, "--quiet", "--no-plots", *flags])
-    metrics = asyncio.run(run_benchmark(args))["runs"][0]["metrics"]
+    result = asyncio.run(run_benchmark(args))
+    metrics = {**result["runs"][0]["metrics"], "waited_for_warmup_s": result["waited_for_warmup_s"]}
     if metrics["failed"]:
         raise RuntimeError(f"{metrics['failed']} requests failed: {metrics.get('errors')}")
     return metrics

@@ -33,7 +33,7 @@ def run_once(backend: str, args) -> dict:
     flags = [*(["--backend", backend] if backend != "default" else []),
              *(["--model", args.model] if args.model else []),
              *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
-    server = ServerProcess(flags, env=caches, timeout=args.timeout)
+    server = ServerProcess(flags, env=caches, timeout=args.timeout, wait_warm=None)  # the first token right at ready
     ready = first = None
     body = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
     try:

@@ -283,6 +283,7 @@ def run_server(name: str, args: argparse.Namespace, port: int) -> dict:
     try:
         with server:
             result["startup_s"] = server.startup_s
+            result["waited_for_warmup_s"] = server.warmup_s  # after ready, before measuring
             log(f"{name}: healthy after {server.startup_s:.0f} s")
             runs = {}
             if args.num_requests:

@@ -43,7 +43,8 @@ def main(argv=None) -> int:
                              "failed": m["failed"]})
         gauges = {k: v for k, v in server.metrics().items()
                   if k.startswith(("jserve_step_idle", "jserve_compilations"))}
-    report(rows, args.out, title=f"jserve serve {args.serve_args}", server_gauges=gauges)
+    report(rows, args.out, title=f"jserve serve {args.serve_args}", server_gauges=gauges,
+           waited_for_warmup_s=server.warmup_s)
     print(gauges)
     return 1 if failed else 0
 

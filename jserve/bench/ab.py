@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -60,20 +61,21 @@ def run_ab(args: argparse.Namespace, serve: Callable[..., Any] = ServerProcess) 
     server (with `.url`): ServerProcess, or a stand-in (tests, servers already up)."""
     flags = {"A": args.a, "B": args.b}
     rows = []
+    serve = functools.partial(serve, timeout=args.startup_timeout,
+                              **({"wait_warm": None} if getattr(args, "no_wait_warm", False) else {}))
     with contextlib.ExitStack() as stack:
-        up = {s: stack.enter_context(serve(f, timeout=args.startup_timeout)) for s, f in flags.items()} \
-            if args.both_up else {}
+        up = {s: stack.enter_context(serve(f)) for s, f in flags.items()} if args.both_up else {}
         for r in range(args.rounds):
             for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                turn = contextlib.nullcontext(up[side]) if side in up else serve(flags[side],
-                                                                                    timeout=args.startup_timeout)
+                turn = contextlib.nullcontext(up[side]) if side in up else serve(flags[side])
                 with turn as server:
                     load = argparse.Namespace(**{**vars(args), "base_url": server.url, "output_dir": None,
                                                  "quiet": True, "func": None})
-                    run = asyncio.run(run_benchmark(load))["runs"][0]
-                    metrics = run["metrics"]
+                    done = asyncio.run(run_benchmark(load))
+                    run, metrics = done["runs"][0], done["runs"][0]["metrics"]
                 rows.append({"round": r, "server": side, **figures(metrics), "models": run["models"],
-                             "metrics": metrics})
+                             "metrics": metrics, "server_warmup_s": getattr(server, "warmup_s", None),
+                             "waited_for_warmup_s": done["waited_for_warmup_s"]})
                 if not args.quiet:
                     print(f"round {r} {side}: {metrics['output_throughput']:.1f} output tok/s", flush=True)
     median = {s: {k: statistics.median(v) if (v := [row[k] for row in rows if row["server"] == s

@@ -5,11 +5,12 @@ and `jserve bench ab`), the planned runs (one load, or a sweep of concurrencies 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from dataclasses import asdict
 from pathlib import Path
 
-from jserve.bench import server_metrics
+from jserve.bench import server, server_metrics
 from jserve.bench.client import fetch_model, run_load
 from jserve.bench.plots import write_plots
 from jserve.bench.report import compute_metrics, finite_json, format_table
@@ -66,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default=None, help="write results.json and PNG plots here")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="don't print the tables")
+    p.add_argument("--no-wait-warm", action="store_true",
+                   help="measure at once, even while the server warms up (jserve's /health says \"warming\" "
+                        "while its smaller buckets compile, at less than full speed); results.json says so")
+    p.add_argument("--wait-warm-timeout", type=float, default=600.0,
+                   help="seconds to wait for the server to be warm before measuring (then measure anyway)")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -75,6 +81,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--request-timeout must be positive")
     if args.warmup_requests < 0:
         p.error("--warmup-requests must be >= 0")
+    if args.wait_warm_timeout < 0:
+        p.error("--wait-warm-timeout must be >= 0")
 
 
 
@@ -107,9 +115,25 @@ def _label(load: dict) -> str:
     return " ".join(parts)
 
 
+def wait_for_warm(args: argparse.Namespace) -> dict:
+    """Wait until the server is warm (unless --no-wait-warm): {"waited_for_warmup_s": seconds, or
+    None when it did not wait; "warm_at_start": whether the server was warm when measuring began}."""
+    root = args.base_url.rstrip("/").removesuffix("/v1")
+    if getattr(args, "no_wait_warm", False):
+        waited, warm = None, not server.is_warming(root)
+    else:
+        waited, warm = server.wait_warm(root, getattr(args, "wait_warm_timeout", 600.0))
+    if not args.quiet and (not warm or (waited or 0) >= 1):
+        print(f"waited {waited:.1f} s for the server to warm up" if waited is not None else "did not wait for "
+              "warm-up", "" if warm else "(measuring while it still warms up: slower than at steady state)",
+              flush=True)
+    return {"waited_for_warmup_s": waited, "warm_at_start": warm}
+
+
 async def run_benchmark(args: argparse.Namespace) -> dict:
     """Run every planned load and return (and write, with --output-dir) the results."""
     specs = build_workload(args.workload, args.num_requests, args.endpoint, args.scale, args.seed)
+    warm = await asyncio.to_thread(wait_for_warm, args)
     if args.model is None and not args.lora_modules:
         args.model = await fetch_model(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -141,7 +165,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         runs.append({"label": label, "load": load, "metrics": metrics, "models": model_counts(records),
                      "requests": [asdict(r) for r in records]})
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
-    result = {"config": config, "sweep": sweep_key, "warmup": warmup, "runs": runs}
+    result = {"config": config, "sweep": sweep_key, "warmup": warmup, **warm, "runs": runs}
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -181,6 +181,12 @@ class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
             return [out async for out in outs][-1]  # one output, finished
 
     @property
+    def buckets_pending(self) -> int:
+        """Shapes the lazy buckets' thread has still to compile (a plain read: any thread)."""
+        lazy = getattr(getattr(self.engine, "runner", None), "lazy", None)
+        return len(lazy.pending) if lazy is not None else 0
+
+    @property
     def task(self) -> str:
         """What the engine serves: "generate", or "embed" (an embedding model's `EmbedEngine`)."""
         return getattr(self.engine, "task", "generate")

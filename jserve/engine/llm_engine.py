@@ -433,7 +433,7 @@ class LLMEngine:
         lazy = self.runner.lazy
         return {"bucket_fallbacks": lazy.fallbacks if lazy else 0,
                 "buckets_pending": len(lazy.pending) if lazy else 0,
-                "buckets_failed": len(lazy.failed) if lazy else 0}
+                "warming": int(bool(lazy and lazy.warming)), "buckets_failed": len(lazy.failed) if lazy else 0}
 
     def draft_runners(self) -> list[Runner]:
         """The draft model's runner (speculative method "draft_model"), else none."""

@@ -9,6 +9,10 @@ compiles nothing; tests/test_lazy_buckets.py checks this with JAX's compile even
 is ready, `cover` picks the smallest ready one that holds the call, padding it further, and the
 runner counts the fallback. Nothing compiles on the serving path.
 
+The thread competes with the steps for the CPU (and the GIL while it lowers), so a shape a call fell
+back from is compiled next, and the others (in `start`'s order) only while the runner is idle: a
+loaded server compiles the shapes its load needs, and the rest once it is quiet.
+
 Pure bookkeeping plus the thread: the runner supplies each shape's compile job.
 """
 
@@ -35,13 +39,16 @@ def stop_all(timeout: float | None = 60.0) -> None:
 atexit.register(stop_all)  # registered after JAX's own exit handlers, so it runs before them
 
 Key = tuple  # (kind, global batch, tokens per row), as Runner._count names a shape
+POLL_S = 0.05  # how often a thread held back by a busy runner looks again
 
 
 class BucketCompiler:
     """The shapes ready to run, and the background thread that makes the others ready."""
 
-    def __init__(self, ready: Iterable[Key] = ()):
+    def __init__(self, ready: Iterable[Key] = (), busy: Callable[[], bool] = lambda: False):
         self._ready: set[Key] = set(ready)
+        self._busy = busy  # whether the runner is serving now (the thread then compiles only shapes wanted)
+        self.wanted: set[Key] = set()  # pending shapes a call fell back from
         self.ahead: set[Key] = set()  # compiled by the thread (their first call compiles nothing)
         self.failed: dict[Key, str] = {}
         self.pending: list[Key] = []
@@ -58,9 +65,19 @@ class BucketCompiler:
 
     def cover(self, kind: str, batch: int, tokens: int, shapes: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
         """The smallest ready (batch, tokens) of `kind` among `shapes` holding `batch` rows of
-        `tokens` tokens (fewest padded tokens, then fewest rows); None if none is ready."""
-        fits = [(b * t, b, t) for b, t in shapes if b >= batch and t >= tokens and (kind, b, t) in self._ready]
-        return min(fits)[1:] if fits else None
+        `tokens` tokens (fewest padded tokens, then fewest rows); None if none is ready. The
+        smallest of all, when not ready, is wanted: the thread compiles it next."""
+        fits = sorted((kind, b, t) for b, t in shapes if b >= batch and t >= tokens)
+        fits.sort(key=lambda k: k[1] * k[2])
+        if fits and fits[0] not in self._ready:
+            self.wanted.add(fits[0])
+        ready = [k for k in fits if k in self._ready]
+        return ready[0][1:] if ready else None
+
+    @property
+    def warming(self) -> bool:
+        """Whether shapes are still to compile (calls may run padded further, and slower)."""
+        return bool(self.pending)
 
     def start(self, jobs: Sequence[tuple[Key, Callable[[], None]]]) -> None:
         """Compile `jobs` (key, job) in order on a daemon thread; each key is ready once its job returns."""
@@ -72,11 +89,23 @@ class BucketCompiler:
         self._thread.start()
         _LIVE.add(self)
 
+    def _next(self, jobs: list[tuple[Key, Callable[[], None]]]) -> int | None:
+        """The index of the job to run now: the first wanted, else (the runner idle) the first; None: wait."""
+        wanted = [i for i, (key, _) in enumerate(jobs) if key in self.wanted]
+        if wanted:
+            return wanted[0]
+        return None if self._busy() else 0
+
     def _work(self, jobs: list[tuple[Key, Callable[[], None]]]) -> None:
         t0 = time.perf_counter()
-        for key, job in jobs:
+        while jobs:
             if self._stop.is_set():
                 return
+            i = self._next(jobs)
+            if i is None:
+                self._stop.wait(POLL_S)
+                continue
+            key, job = jobs.pop(i)
             start = time.perf_counter()
             try:
                 job()
@@ -87,6 +116,7 @@ class BucketCompiler:
                 self.ahead.add(key)
                 self._ready.add(key)
             finally:
+                self.wanted.discard(key)
                 self.pending.remove(key)
                 self.compile_seconds += time.perf_counter() - start
         logger.info("lazy buckets: %d shapes compiled in the background in %.1f s", len(self.ahead),

@@ -7,6 +7,8 @@ only into the null page); `Runner.warmup` calls `warm_up`.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 from tqdm import tqdm
@@ -14,6 +16,8 @@ from tqdm import tqdm
 from jserve.runtime import overlap, step_rows
 from jserve.runtime.lazy_buckets import BucketCompiler
 from jserve.runtime.steps import StepInputs, StepRow
+
+IDLE_S = 1.0  # a runner with no call for this long is idle: the lazy buckets' thread may compile any shape
 
 
 def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
@@ -72,11 +76,18 @@ def warm(runner, kind: str, B: int, T: int) -> None:
                                                    dst, src))
 
 
+def compile_order(shapes: list[tuple]) -> list[tuple]:
+    """(kind, B, T) shapes by expected use: the decode steps (every step of a generation) by batch,
+    smallest first (a lightly loaded server runs those most, and their fallback pads the most),
+    then the mixed steps by their tokens (prompts and chunks, short ones the most common)."""
+    return sorted(shapes, key=lambda s: (s[0] == "mixed", s[1] * s[2], s))
+
+
 def start_lazy(runner, later: list[tuple], now: list[tuple]) -> None:
-    """Serve from the shapes `now` (compiled), compile those `later` ahead on a thread, the
-    smallest first (fewest padded tokens: the shapes a lightly loaded server runs most, and
-    those whose fallback pads the most)."""
-    later.sort(key=lambda s: (s[1] * s[2], s))
+    """Serve from the shapes `now` (compiled), compile those `later` ahead on a thread in
+    `compile_order`, a shape a call fell back from first, the others while the runner is idle
+    (no call for `IDLE_S`)."""
+    later = compile_order(later)
     kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), runner.kv)
     for kind, B, T in later:  # the jitted functions exist before the thread starts
         if kind in ("decode", "mixed"):
@@ -90,7 +101,10 @@ def start_lazy(runner, later: list[tuple], now: list[tuple]) -> None:
     def key(kind: str, B: int, T: int) -> tuple:  # as `_count` names the shape: its global batch
         return kind, B * runner.groups_spanned(kind), T
 
-    runner.lazy = BucketCompiler(ready=[key(*s) for s in now])
+    last_call = [0.0]
+    runner.step_log.subscribe(lambda record: last_call.__setitem__(0, time.perf_counter()))
+    runner.lazy = BucketCompiler(ready=[key(*s) for s in now],
+                                 busy=lambda: time.perf_counter() - last_call[0] < IDLE_S)
     runner.compiles.ahead = lambda k: k in runner.lazy.ahead
     runner.lazy.start([(key(*s), job(*s)) for s in later])
 

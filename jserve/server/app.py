@@ -304,8 +304,10 @@ async def _auth(request: web.Request, handler) -> web.StreamResponse:
 
 async def health(request: web.Request) -> web.Response:
     problem = request.app[STATE].problem()
-    if problem is None:
-        return web.json_response({"status": "ok"})
+    if problem is None:  # serving; while lazy buckets compile, at less than full speed: said, still 200
+        pending = getattr(request.app[STATE].engine, "buckets_pending", 0)
+        return web.json_response({"status": "ok", "warming": True, "buckets_pending": pending} if pending
+                                 else {"status": "ok"})
     return web.json_response({"status": problem}, status=503)
 
 

@@ -58,6 +58,8 @@ _STATS_GAUGES = (
     ("bucket_fallbacks", "bucket_fallbacks", "calls run in a larger compiled bucket than their own while it "
                                              "compiled in the background (lazy buckets)"),
     ("buckets_pending", "buckets_pending", "buckets still compiling in the background"),
+    ("warming", "warming", "1 while buckets compile in the background (calls may run padded further, slower), "
+                           "else 0; /health says so too"),
     ("buckets_failed", "buckets_failed", "buckets whose background compilation failed (their calls keep falling "
                                          "back)"),
     ("structured_requests", "structured_requests", "requests with structured outputs since start"),
