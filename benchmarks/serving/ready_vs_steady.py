@@ -28,14 +28,14 @@ def measure(server: ServerProcess, c: int, requests: int, scale: float) -> dict:
             "pending_after": server.metric("jserve_buckets_pending")}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = parser(__doc__, out="")
     p.add_argument("--serve-args", default="", help="flags for jserve serve")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests per concurrent stream")
     p.add_argument("--scale", type=float, default=2.0, help="of short-short's 32-word prompts and 32 tokens")
     p.add_argument("--tree", default=None, help="serve the jserve of this checkout (its PYTHONPATH)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     env = {"PYTHONPATH": os.path.abspath(args.tree)} if args.tree else None
     # -P: the current folder not first on sys.path, so that PYTHONPATH's jserve is the one served
     command = [sys.executable, "-P", "-m", "jserve.cli", "serve", "--port", "{port}", *shlex.split(args.serve_args)]
