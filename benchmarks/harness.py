@@ -68,6 +68,26 @@ def bench(url: str, *flags: str) -> dict:
     return metrics
 
 
+def alternated_rates(variants: dict[str, Callable[[int], Any]], counts: tuple[int, ...], rounds: int,
+                     tokens: int, baseline: str, key: str) -> list[dict]:
+    """Output tokens/s of each variant (`fn(n)` generates `tokens` tokens for each of n requests)
+    at each request count, the variants run in turn each round; rows of medians over the rounds
+    with each one's ratio to `baseline`'s at the same count (under `key`)."""
+    import statistics
+    import time
+
+    rates: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for n in counts:
+            for name, fn in variants.items():
+                start = time.perf_counter()
+                fn(n)
+                rates.setdefault((name, n), []).append(n * tokens / (time.perf_counter() - start))
+    return [{"requests": n, "variant": name, "output_tok_s": round(statistics.median(v), 1),
+             key: round(statistics.median(v) / statistics.median(rates[(baseline, n)]), 3)}
+            for (name, n), v in rates.items()]
+
+
 def write_json(path: str | Path | None, result: Any) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

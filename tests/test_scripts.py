@@ -66,3 +66,16 @@ def test_scripts_hold_the_operational_shell_only():
     assert not list((ROOT / "scripts").rglob("*.py")), "benchmarks belong in benchmarks/ (python -m benchmarks...)"
     for path in (ROOT / "scripts").glob("*.sh"):
         assert "scripts/bench_" not in path.read_text(), path
+
+
+def test_alternated_rates_are_medians_with_ratios_to_the_baseline():
+    import time
+
+    from benchmarks.harness import alternated_rates
+
+    rows = alternated_rates({"fast": lambda n: time.sleep(0.01 * n), "slow": lambda n: time.sleep(0.03 * n)},
+                            (2, 1), rounds=3, tokens=10, baseline="fast", key="vs_fast")
+    got = {(r["variant"], r["requests"]): r for r in rows}
+    assert set(got) == {("fast", 2), ("slow", 2), ("fast", 1), ("slow", 1)}
+    assert got[("fast", 1)]["vs_fast"] == 1.0
+    assert 0.1 < got[("slow", 1)]["vs_fast"] < 0.6 and got[("fast", 1)]["output_tok_s"] < 1000

@@ -9,12 +9,9 @@ ratio to the default's (#41's target: within 15 % at 16 requests).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
 
-from benchmarks.harness import parser, report
+from benchmarks.harness import alternated_rates, parser, report
 from jserve import LLM, SamplingParams
 
 
@@ -32,18 +29,8 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     for llm in engines.values():  # every shape run once
         llm.generate(prompts, params)
-    rates: dict[tuple[str, int], list[float]] = {}
-    for _ in range(args.rounds):
-        for n in (args.concurrency, 1):
-            for name, llm in engines.items():
-                start = time.perf_counter()
-                llm.generate(prompts[:n], params)
-                rates.setdefault((name, n), []).append(n * args.tokens / (time.perf_counter() - start))
-    rows = []
-    for (name, n), values in rates.items():
-        median = statistics.median(values)
-        rows.append({"requests": n, "variant": name, "output_tok_s": round(median, 1),
-                     "vs_default": round(median / statistics.median(rates[("default", n)]), 3)})
+    variants = {name: (lambda n, llm=llm: llm.generate(prompts[:n], params)) for name, llm in engines.items()}
+    rows = alternated_rates(variants, (args.concurrency, 1), args.rounds, args.tokens, "default", "vs_default")
     compiled = {name: llm.stats()["compilations_after_warmup"] for name, llm in engines.items()}
     report(rows, args.out, title=f"batch-invariant vs default ({args.rounds} rounds alternated; compilations "
                                  f"after warm-up: {compiled})", model=str(engines["default"].path))

@@ -10,13 +10,11 @@ tokens/s, medians over the rounds, and each one's ratio to the plain base model'
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
 
 import numpy as np
 
-from benchmarks.harness import parser, report
+from benchmarks.harness import alternated_rates, parser, report
 from jserve import LLM, LoRARequest, SamplingParams
 from jserve.model.lora_adapters import write_random_adapter
 
@@ -44,18 +42,7 @@ def main(argv=None) -> int:
     }
     for fn in variants.values():  # adapters read and put into slots, every shape run once
         fn(args.concurrency)
-    rates: dict[tuple[str, int], list[float]] = {}
-    for _ in range(args.rounds):
-        for n in (args.concurrency, 1):
-            for name, fn in variants.items():
-                start = time.perf_counter()
-                fn(n)
-                rates.setdefault((name, n), []).append(n * args.tokens / (time.perf_counter() - start))
-    rows = []
-    for (name, n), values in rates.items():
-        median = statistics.median(values)
-        rows.append({"requests": n, "variant": name, "output_tok_s": round(median, 1),
-                     "vs_base": round(median / statistics.median(rates[("base model", n)]), 3)})
+    rows = alternated_rates(variants, (args.concurrency, 1), args.rounds, args.tokens, "base model", "vs_base")
     compiled = lora.stats()["compilations_after_warmup"]
     report(rows, args.out, title=f"multi-LoRA vs base ({args.rounds} rounds alternated; {compiled} compilations "
                                  f"after warm-up)", model=str(lora.path))
