@@ -32,6 +32,11 @@ _TIME_RE = re.compile(_RFC3339_TIME)
 _DATE_TIME_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})[Tt]" + _RFC3339_TIME)
 
 
+def bounded_str(max_length: int, **extra) -> dict:
+    """A string schema with a maxLength (the suite's bounded cases: tests/structured_schemas.py)."""
+    return {"type": "string", "maxLength": max_length, **extra}
+
+
 def _time_ok(hour: str, minute: str, second: str, sign: str | None, off_h: str | None, off_m: str | None) -> bool:
     if int(hour) > 23 or int(minute) > 59 or int(second) > 60:  # 60: a leap second
         return False
