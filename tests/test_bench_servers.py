@@ -133,3 +133,33 @@ def test_server_process_reports_a_server_that_dies(tmp_path):
     with pytest.raises(RuntimeError, match="exited with status 3") as e:
         server.start()
     assert "no model here" in str(e.value)
+
+
+def test_versus_llamacpp_alternates_servers_and_takes_medians(tmp_path, monkeypatch):
+    from benchmarks.serving import versus_llamacpp as versus
+
+    monkeypatch.setattr(versus, "gguf_file", lambda precision, cache: tmp_path / f"m.{precision}.gguf")
+    args = versus.argparse.Namespace(cache_dir=tmp_path, concurrency=16, jserve_arg=[], llama_ctx=16384, threads=2)
+    assert versus.server_command("jserve", "F32", args)[-4:] == ["--max-num-seqs", "16", "--served-model-name",
+                                                                 "smollm2"]
+    assert versus.server_command("jserve", "Q4_1", args)[-2:] == ["--quantization", "gguf"]
+    assert str(tmp_path / "m.Q8_0.gguf") in versus.server_command("llama.cpp", "Q8_0", args)
+    calls = []
+    speed = {("jserve", "ready"): 10.0, ("jserve", "steady"): 20.0, ("llama.cpp", "ready"): 16.0}
+
+    def fake_run(server, precision, round_, args):
+        calls.append((round_, precision, server))
+        phases = ("ready", "steady") if server == "jserve" else ("ready",)
+        return [{"round": round_, "precision": precision, "server": server, "phase": phase, "load_avg": [0, 0],
+                 "c1_tok_s": speed[(server, phase)] + round_, "c16_tok_s": 10 * speed[(server, phase)],
+                 "c1_ttft_ms": 50.0} for phase in phases]
+
+    monkeypatch.setattr(versus, "run", fake_run)
+    out = tmp_path / "v.json"
+    assert versus.main(["--rounds", "2", "--precisions", "F32", "Q4_1", "--out", str(out)]) == 0
+    assert calls == [(0, "F32", "llama.cpp"), (0, "F32", "jserve"), (0, "Q4_1", "jserve"), (0, "Q4_1", "llama.cpp"),
+                     (1, "F32", "jserve"), (1, "F32", "llama.cpp"), (1, "Q4_1", "llama.cpp"), (1, "Q4_1", "jserve")]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["precision"] for r in rows] == ["F32", "Q4_1"]
+    assert rows[0]["c1 jserve steady"] == 20.5 and rows[0]["c1 llama.cpp"] == 16.5
+    assert rows[0]["c1 steady/llama"] == round(20.5 / 16.5, 2) and rows[0]["c16 ready/steady"] == 0.5

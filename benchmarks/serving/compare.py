@@ -92,6 +92,10 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------------ llama.cpp build
 
 
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("JSERVE_BENCH_CACHE", Path.home() / ".cache" / "jserve-bench"))
+
+
 def llama_bin(cache: Path) -> Path:
     return cache / "build" / "bin"
 
@@ -379,8 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-compiles", action="store_true", help="JAX_LOG_COMPILES=1 for jserve (its server.log)")
     p.add_argument("--eval-chunks", type=int, default=16, help="chunks of the quality evaluation behind the "
                    "quantized jserve checkpoints' reports")
-    p.add_argument("--cache-dir", type=Path,
-                   default=Path(os.environ.get("JSERVE_BENCH_CACHE", Path.home() / ".cache" / "jserve-bench")))
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     p.add_argument("--port", type=int, default=8190, help="every server listens here in turn")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=1800.0)
