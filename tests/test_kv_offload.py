@@ -4,6 +4,8 @@ served from the host tier and counted, nothing compiled after warm-up, every pag
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -73,6 +75,23 @@ def test_host_tier_with_other_step_functions(tiny, extra):  # noqa: F811
     assert on.stats()["kv_offload_host_hit_tokens"] > 0 and on.stats()["pages_in_use"] == 0
 
 
+def test_disk_tier_same_tokens_from_a_mapped_file(tiny, tmp_path):  # noqa: F811
+    """--kv-offload-dir: the pool memory-mapped from a file in the folder, the same tokens and hits."""
+    system, users = chat_turns()
+    kw = dict(num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, backend="cpu")
+    expected = run_chats(make_engine(tiny, **kw), system, users)
+    folder = tmp_path / "tier"  # created by the engine
+    on = make_engine(tiny, kv_offload_bytes=1 << 20, kv_offload_dir=str(folder), **kw)
+    pool = on.runner.kv_transfer.host
+    assert pool and all(isinstance(h, np.memmap) for h in pool)
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else str(folder)
+    assert str(folder) in maps  # mapped from a file there (unnamed: nothing is left behind)
+    assert run_chats(on, system, users) == expected
+    stats = on.stats()
+    assert stats["kv_offload_host_hit_tokens"] > 0 and stats["kv_offload_pages_reloaded"] > 0
+    assert stats["pages_in_use"] == 0
+
+
 def test_host_tier_per_dp_group(tiny):  # noqa: F811
     """On a dp=2 mesh each group has its own host tier (pages at group-local ids, slots apart)."""
     system, users = chat_turns(num_chats=4, turns=3, seed=1)
@@ -85,10 +104,15 @@ def test_host_tier_per_dp_group(tiny):  # noqa: F811
     assert len(hits) == 2 and sum(hits) > 0 and on.stats()["pages_in_use"] == 0
 
 
-def test_host_tier_refusals(tiny):  # noqa: F811
+def test_host_tier_refusals(tiny, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(kv_offload_bytes=1 << 20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="holds no KV page"):
         make_engine(tiny, kv_offload_bytes=16)
     with pytest.raises(ValueError, match="kv_offload_bytes must be a positive integer"):
         EngineConfig(kv_offload_bytes=0)
+    with pytest.raises(ValueError, match="kv_offload_dir '/x' is where"):
+        EngineConfig(kv_offload_dir="/x")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="kv_offload_dir .*a_file.*cannot create"):
+        make_engine(tiny, kv_offload_bytes=1 << 20, kv_offload_dir=str(tmp_path / "a_file" / "tier"))

@@ -123,7 +123,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                     max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None,
                     lora=lora)
     if config.kv_offload_bytes is not None and pooling is None:
-        runner.kv_transfer = _kv_transfer(runner, config.kv_offload_bytes)
+        runner.kv_transfer = _kv_transfer(runner, config.kv_offload_bytes, config.kv_offload_dir)
     logger.info("engine: backend %s (%s kernel) on %s; max_num_seqs %d, max_num_batched_tokens %d; %d KV pages "
                 "of %d tokens (%d tokens, %s); decode batch buckets %s", backend.name, backend.kernel,
                 _device_kind(), config.max_num_seqs, config.max_num_batched_tokens, num_pages,
@@ -148,16 +148,17 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     return engine
 
 
-def _kv_transfer(runner: Runner, offload_bytes: int):
-    """The host KV tier's copies over the runner's pages (`jserve.runtime.kv_transfer`)."""
+def _kv_transfer(runner: Runner, offload_bytes: int, directory: str | None):
+    """The host KV tier's copies over the runner's pages (`jserve.runtime.kv_transfer`), its pool in
+    host memory or, with `directory`, in a memory-mapped file there."""
     from jserve.runtime.kv_transfer import KVTransfer
 
     if runner.multiprocess:
         raise ValueError("kv_offload_bytes: the host KV tier runs in one process for now: give no --distributed")
-    transfer = KVTransfer(runner, offload_bytes)
-    logger.info("engine: host KV tier of %d pages per dp group (%.1f MiB), %d pages copied out at once",
-                transfer.slots_per_group, transfer.slots_per_group * runner.dp * transfer.page_bytes / 2**20,
-                transfer.staging_pages)
+    transfer = KVTransfer(runner, offload_bytes, directory)
+    logger.info("engine: %s KV tier of %d pages per dp group (%.1f MiB), %d pages copied out at once",
+                f"disk ({directory})" if directory else "host", transfer.slots_per_group,
+                transfer.slots_per_group * runner.dp * transfer.page_bytes / 2**20, transfer.staging_pages)
     return transfer
 
 

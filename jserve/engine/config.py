@@ -81,8 +81,12 @@ class EngineConfig:
         None, "a host-memory KV tier of this many bytes (in all, split between dp groups), e.g. 8GiB: "
               "prefix-cache pages are copied there as they go idle, and a prefix hit the device no longer "
               "holds reloads them instead of recomputing (needs prefix caching; not with a draft model or "
-              "several processes). No disk tier behind it (--kv-offload-dir) yet",
+              "several processes)",
         parse=parse_bytes)
+    kv_offload_dir: str | None = _setting(
+        None, "keep --kv-offload-bytes' pool in a file in this folder (created if missing; the file is "
+              "removed when the engine stops) instead of host memory: a disk tier, memory-mapped, so the "
+              "kernel's page cache keeps the recently used pages in RAM and the pool may exceed it")
     memory_fraction: float = _setting(0.9, "of accelerator memory for the engine, when neither "
                                            "--num-pages nor --kv-cache-bytes is given", parse=float)
     seed: int = _setting(0, "seeds requests that give none")
@@ -200,6 +204,9 @@ class EngineConfig:
         if self.kv_offload_bytes is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload_bytes: the host KV tier holds prefix-cache pages; it needs "
                              "enable_prefix_caching")
+        if self.kv_offload_dir is not None and self.kv_offload_bytes is None:
+            raise ValueError(f"kv_offload_dir {self.kv_offload_dir!r} is where the KV tier's pool lives: give "
+                             "its size too (kv_offload_bytes)")
         if self.kv_offload_bytes is not None and getattr(self.speculative_config, "method", None) == "draft_model":
             raise ValueError("kv_offload_bytes does not combine with a draft model yet (its pages would need "
                              "the same reloads)")

@@ -2,14 +2,16 @@
 keeps the accounting).
 
 The host tier is a preallocated numpy pool, per KV leaf `[slots, kv_heads, layers, page_size,
-...]` (a slot holds one page of every layer, contiguous). A copy out is a jitted gather of a
-fixed batch of pages from `Runner.kv` into a new device array (the staging buffer), whose
-transfer to the host starts at once (`copy_to_host_async`); `poll` writes the copies that
-completed into their slots without waiting for the others, so a step never waits for one. A
-reload stages the slots' pages in numpy and scatters them into the donated pages (a jitted
-scatter of a fixed batch) before the step that reads them. Both shapes compile at warm-up.
-Page p of data-parallel group g, layer i, is row `g * shard + i * pages_per_group + p` of a
-leaf's page axis (a shard being the group's part of it, layers folded in on the XLA backend).
+...]` (a slot holds one page of every layer, contiguous), in host memory or, with a directory (the
+disk tier), memory-mapped from an unnamed file there: the kernel's page cache then holds the slots
+used recently and writes the rest back to disk, so the pool may be larger than the host's memory.
+A copy out is a jitted gather of a fixed batch of pages from `Runner.kv` into a new device array
+(the staging buffer), whose transfer to the host starts at once (`copy_to_host_async`); `poll`
+writes the copies that completed into their slots without waiting for the others, so a step never
+waits for one. A reload stages the slots' pages in numpy and scatters them into the donated pages
+(a jitted scatter of a fixed batch) before the step that reads them. Both shapes compile at
+warm-up. Page p of data-parallel group g, layer i, is row `g * shard + i * pages_per_group + p` of
+a leaf's page axis (a shard being the group's part of it, layers folded in on the XLA backend).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
+import tempfile
 import time
 from typing import Any, Sequence
 
@@ -38,7 +42,7 @@ class _Copy:
 class KVTransfer:
     """Copies between `runner.kv` and a host pool of `slots_per_group` pages per dp group."""
 
-    def __init__(self, runner: Any, offload_bytes: int):
+    def __init__(self, runner: Any, offload_bytes: int, directory: str | None = None):
         self.runner = runner
         leaves = jax.tree.leaves(runner.kv)
         self.dp, self.group_pages = runner.dp, runner.pages_per_group
@@ -51,8 +55,11 @@ class KVTransfer:
                              f"{self.page_bytes} bytes (per dp group: {self.dp})")
         self.batch = max(1, min(MAX_BATCH, self.group_pages // 8))
         self.staging_pages = 2 * self.batch  # per group, the pages copied out at once
-        self.host = [np.zeros((self.slots_per_group * self.dp, x.shape[0], self.layers, *x.shape[2:]), x.dtype)
-                     for x in leaves]
+        shapes = [((self.slots_per_group * self.dp, x.shape[0], self.layers, *x.shape[2:]), x.dtype) for x in leaves]
+        if directory is None:
+            self.host = [np.zeros(shape, dtype) for shape, dtype in shapes]
+        else:
+            self.host = [self._mapped(directory, shape, dtype) for shape, dtype in shapes]
         self._gather = jax.jit(_gather)
         kw = {}
         if runner.mesh is not None:
@@ -62,6 +69,16 @@ class KVTransfer:
         self._out: collections.deque[_Copy] = collections.deque()
         self._back: collections.deque[_Copy] = collections.deque()
         self.totals = collections.Counter()  # bytes and seconds both ways
+
+    def _mapped(self, directory: str, shape: tuple, dtype) -> np.ndarray:
+        """A zeroed [shape] array memory-mapped from an unnamed file in `directory` (sparse until
+        written; the mapping holds the file, whose space is freed when the array goes)."""
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory, prefix="jserve-kv-") as f:
+                return np.memmap(f, dtype=dtype, mode="w+", shape=shape)
+        except OSError as e:
+            raise ValueError(f"kv_offload_dir {directory!r}: cannot create the KV tier's file there ({e})") from e
 
     def _rows(self, groups: Sequence[int], pages: Sequence[int]) -> np.ndarray:
         """The page-axis rows of (group, page) pairs padded to the batch with group 0's null
