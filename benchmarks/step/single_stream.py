@@ -15,7 +15,9 @@ alone`: the same call repeated on fixed inputs), the floor (the weights' bytes a
 K/V over `--bandwidth`, `jserve.runtime.step_rows.cost`) and what Python spends between
 `LLM.generate`'s steps (`outside`: the generation's wall time minus its steps). Timing the parts
 waits for the forward before the sampler is dispatched, which a plain step overlaps: `step` comes
-from rounds without the part timers (`--rounds` of each, alternated).
+from rounds without the part timers (`--rounds` of each, alternated). A multi-step decode
+(`num_scheduler_steps`) gives several tokens a call: every figure is per token, and its forward and
+sampler (one compiled loop) fall into `rest`.
 
     python -m benchmarks.step.single_stream --models "default;/path/to/int4" --max-tokens 128 --out single.json
     python -m benchmarks.step.single_stream --models "INT4;INT4@num_scheduler_steps=8"
@@ -203,8 +205,9 @@ def main(argv=None) -> int:
                 # The first step is the prompt's prefill; a multi-step call's step counts per token.
                 decode = [t / k for t, k in zip(timer.times["step"][1:], timer.tokens[1:])]
                 if timed:
+                    per_call = statistics.median(timer.tokens[1:])  # every part per token, as the step
                     for p in PARTS:  # a multi-step call runs no separate forward or sampler
-                        parts[n][p].append(statistics.median(timer.times[p][1:] or [0.0]))
+                        parts[n][p].append(statistics.median(timer.times[p][1:] or [0.0]) / per_call)
                     parts[n]["step"].append(statistics.median(decode))
                 else:
                     plain[n].append((tokens / wall, statistics.median(decode), wall - sum(timer.times["step"])))
