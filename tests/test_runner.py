@@ -307,3 +307,28 @@ def test_a_mixed_step_is_one_call_and_gives_what_separate_steps_give(backend):
     assert [int(t) for t in out.tokens] == expected
     for a, b in zip(jax.tree.leaves(alone.kv), jax.tree.leaves(mixed.kv)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_the_params_device_is_found_once_per_params_object(monkeypatch):
+    """`Runner.device` flattens the params only when they are replaced, not on every step; the
+    steps' samples are those of a runner that looks it up each time."""
+    from jserve.runtime import runner as runner_module
+
+    config, params, _ = _load("llama2")
+    steps = [rows([(0, [1, 2, 3, 4, 5], [1, 2])]), rows([(5, [6], [1, 2])]), rows([(6, [7], [1, 2])])]
+    kwargs = dict(num_pages=16, page_size=4, max_model_len=32, backend="cpu", batch_buckets=(2,),
+                  token_buckets=(8,), max_num_batched_tokens=8)
+    class EachStep(Runner):  # the lookup before it was cached
+        device = property(lambda self: runner_module._device_of(self.params))
+
+    reference = EachStep(config, params, **kwargs)
+    expected = [reference.execute(s).tokens.tolist() for s in steps]
+    runner = Runner(config, params, **kwargs)
+    calls = []
+    real = runner_module._device_of
+    monkeypatch.setattr(runner_module, "_device_of", lambda p: calls.append(p) or real(p))
+    assert [runner.execute(s).tokens.tolist() for s in steps] == expected
+    assert len(calls) == 1 and calls[0] is runner.params
+    runner.params = dict(runner.params)  # replaced (as update_weights and wake-up do): looked up again
+    runner.execute(rows([(7, [8], [1, 2])]))
+    assert len(calls) == 2 and runner.device == jax.devices()[0]

@@ -68,6 +68,7 @@ class Runner:
         self.param_bytes = quant.param_bytes(params)
         self.num_params = quant.param_count(params)
         self.params = self.backend.prepare_params(config, params)
+        self._device_for = self._params_device = None  # `device`'s params and their device
         self.lora = None if lora is None else LoraSlotWriter(config, lora)
         if self.lora is not None:  # over a mesh: sharded like their base linears
             self.params = self.lora.add_slots(self.params, self._put, mesh)
@@ -163,7 +164,9 @@ class Runner:
     @property
     def device(self):
         """The device the params live on (one device; the default one if uncommitted)."""
-        return _device_of(self.params)
+        if self._device_for is not self.params:  # cached: flattening the params was a large part of a step's host work
+            self._device_for, self._params_device = self.params, _device_of(self.params)
+        return self._params_device
 
     # ------------------------------------------------------------------ steps
 
@@ -318,7 +321,7 @@ class Runner:
     def device_tokens(self, tokens):
         """A call's tokens on the device, committed: as `feed_tokens` returns them, so that a fed
         call and any other run one compiled forward."""
-        return tokens if self.mesh is not None else jax.device_put(tokens, _device_of(self.params))
+        return tokens if self.mesh is not None else jax.device_put(tokens, self.device)
 
     @staticmethod
     def grammar_rows(placed: Sequence[StepRow | None]) -> list[tuple[Any, int]]:
@@ -330,7 +333,7 @@ class Runner:
         """A host array on the device, committed as the pages are (one compiled signature)."""
         if self.mesh is not None:
             return self.place(x)
-        return jax.device_put(x, _device_of(self.params))
+        return jax.device_put(x, self.device)
 
     def place(self, tree):
         """Host arrays -> global arrays split by rows over `dp` (every process holds all rows)."""
