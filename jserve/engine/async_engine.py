@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from jserve.core.request import RequestOutput, SamplingParams
+from jserve.engine.arrivals import Arrivals
 from jserve.engine.async_loras import AsyncLoraControl
 from jserve.engine.async_weights import AsyncWeightControl
 from jserve.engine.engine_facts import EngineFacts
@@ -62,9 +63,12 @@ class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
         has_unfinished_requests / stats / num_steps); nothing else may call it while the thread runs.
       start: start the thread now (else call `start()`).
       max_timings: how many finished requests' `RequestTimings` to keep for `request_timings`.
+      gather_seconds: the longest the first step after an idle spell waits for requests the
+        server is still reading (`expect`; `jserve.engine.arrivals`).
     """
 
-    def __init__(self, engine: "LLMEngine", *, start: bool = True, max_timings: int = 4096):
+    def __init__(self, engine: "LLMEngine", *, start: bool = True, max_timings: int = 4096,
+                 gather_seconds: float = 0.01):
         self.engine = engine
         self._cond = threading.Condition()
         self._commands: collections.deque[Command] = collections.deque()
@@ -78,6 +82,8 @@ class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
         self._streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}  # open generate() streams
         self._thread: threading.Thread | None = None
         self._waiting, self._held = [], []  # engine thread only: calls waiting for a drain, requests held
+        self._arrivals = Arrivals(self._cond)  # requests the server is reading, not yet added
+        self.gather_seconds = gather_seconds
         if start:
             self.start()
 
@@ -137,6 +143,12 @@ class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
         self.engine.runner.close()
 
     # ------------------------------------------------------------------------------ asyncio API
+
+    def expect(self):
+        """A context manager around reading a request that may be added (the server's route): the
+        first step after an idle spell waits for it, up to `gather_seconds`, so that requests that
+        come together start together."""
+        return self._arrivals.expect()
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                        prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
@@ -280,6 +292,8 @@ class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
             if self._stopped or (self._closing and not control):
                 raise self._dead_error()
             self._commands.append(command)
+            if command.kind == "add":
+                self._arrivals.on_add()
             self._cond.notify()
 
     def _dead_error(self) -> EngineDeadError:
@@ -303,6 +317,8 @@ class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
                         self._cond.wait()
                     if self._stopped:  # fail() was called while a step hung
                         return
+                    if not busy:  # from idle: requests still being read join this first step
+                        self._arrivals.gather(self.gather_seconds)
                     commands = list(self._commands)
                     self._commands.clear()
                 self._iteration_start = time.monotonic()

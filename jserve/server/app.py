@@ -22,7 +22,7 @@ from aiohttp import web
 
 from jserve import __version__
 from jserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jserve.server import admin, embeddings, fields, loras, protocol, readers, tokenizer_pool, watchdog
+from jserve.server import admin, arrivals, embeddings, fields, loras, protocol, readers, tokenizer_pool, watchdog
 from jserve.server.body import read_json
 from jserve.server.errors import APIError, bad_request, error_body
 from jserve.server.generate import DISCONNECTED, run_generation
@@ -222,7 +222,7 @@ def build_app(state: ServerState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTE
               admin_key: str | None = None) -> web.Application:
     """The aiohttp app around `state`. Run it with `state.timeouts.runner_kwargs()` (among them
     `handler_cancellation=True`, so that a client that goes away cancels, so aborts, its request)."""
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[_errors, _auth, arrivals.middleware(STATE)], client_max_size=max_body_bytes)
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
