@@ -10,10 +10,12 @@ from typing import Sequence
 # pages in place (they are donated), so a one-row step does not grow with the pool. A backend
 # without the native attention kernel drops batch 1 (`Backend.batch_buckets`: batch 2 serves it).
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # A mixed call (prefill chunks, with decode rows) costs about its padded tokens: from 32 to 128,
 # steps of at most 1.5x rather than 2x cap what a short prompt, or a few arriving together, pay
-# for padding (the time to their first token), at a few more compiled shapes.
-DEFAULT_TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
+# for padding (the time to their first token), at ten more compiled shapes: for lazy buckets
+# (`jserve serve`), which compile them behind the served requests, not for a warm-up that waits.
+FINE_TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:

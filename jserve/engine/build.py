@@ -118,6 +118,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     runner = Runner(model_config, params, num_pages=num_pages, page_size=page_size,
                     max_model_len=config.max_model_len, kv_dtype=kv_dtype, backend=backend,
                     batch_buckets=batch_buckets, max_num_batched_tokens=config.max_num_batched_tokens // dp,
+                    token_buckets=buckets.FINE_TOKEN_BUCKETS if config.lazy_buckets else buckets.DEFAULT_TOKEN_BUCKETS,
                     mesh=mesh, max_decode_steps=config.num_scheduler_steps,
                     num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                     max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None,
