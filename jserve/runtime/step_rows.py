@@ -45,7 +45,8 @@ def pack(rows, B: int, T: int, *, max_pages: int, page_size: int, config: ModelC
     q_start = np.zeros((B,), np.int32)
     q_lens = np.zeros((B,), np.int32)
     page_indices = np.zeros((B, max_pages), np.int32)
-    local_slots, local_pages = (np.zeros((B, T), np.int32), np.zeros((B, max_pages), np.int32)) if hybrid else (None,) * 2
+    local_slots = np.zeros((B, T), np.int32) if hybrid else None
+    local_pages = np.zeros((B, max_pages), np.int32) if hybrid else None
     for b, row in enumerate(rows):
         if row is None:
             continue
