@@ -104,11 +104,11 @@ class PagedAttention:
 
             heads, rows = P("dp", None, "tp", None), P("dp")
             specs = (P(*KV_PAGES_SPEC),) * 2 + (P(*KV_PAGES_SPEC[:3]),) * (len(entry) - 2)
-            local = (P("dp"), P("dp", None)) if meta.local_slots is not None else (None, None)
+            hybrid = (P("dp"), P("dp", None)) if meta.local_slots is not None else (None, None)
             if isinstance(meta, RaggedMeta):
-                meta_spec = RaggedMeta(rows, rows, P("dp", None), rows, rows, *local)
+                meta_spec = RaggedMeta(rows, rows, P("dp", None), rows, rows, *hybrid)
             else:
-                meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None), *local)
+                meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None), *hybrid)
             out, *entry = jax.shard_map(
                 local, mesh=self.mesh, in_specs=(heads, heads, heads, meta_spec, *specs),
                 out_specs=(heads, *specs), check_vma=False)(q, k, v, meta, *entry)
