@@ -162,9 +162,12 @@ def _concurrency_rows(config, plan, settings, weights: _Weights, kv_dtype: str,
                      f"{c.prefixes_kept() * dp} (a hit needs its last {c.hit_pages} pages; "
                      f"{c.prefixes_kept(window_rule=False) * dp} if it needed every page)"))
     elif c.sliding_layers:
+        hybrid = c.hybrid(settings.max_num_batched_tokens)
+        built = (f"{hybrid[0] * dp} ({hybrid[1]} pages for each full layer, {hybrid[2]} for each sliding one; "
+                 f"{c.every_page * dp} with one pool; --no-hybrid-pages)" if hybrid else
+                 f"{c.every_page * dp} (one pool: the window holds the context)")
         rows.append((f"sequences of {context} tokens, hybrid pages ({c.sliding_layers} of {c.num_layers} "
-                     f"layers keep a window of {c.window})",
-                     f"{c.window_rule * dp} (needs a hybrid allocator, not built: now {c.every_page * dp})"))
+                     f"layers keep a window of {c.window})", built))
     if offload:
         built = "kv_offload_bytes" in EngineConfig.__dataclass_fields__
         rows.append((f"cached prefixes of {context} tokens kept, host tier of {human(offload)}",

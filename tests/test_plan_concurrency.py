@@ -29,6 +29,9 @@ def test_gemma3_hybrid_pages():
     assert (c.full_pages, c.window_pages, c.sliding_layers) == (16, 7, 3)
     assert (c.every_page, c.window_rule) == (6, 10)
     assert not c.shared_window and c.hit_pages == 16  # full layers read every page of a hit
+    # The engine's two pools: 400 layer-pages less 4 null pages, 37 a sequence: 10.7 sequences' worth.
+    sequences, full, local = c.hybrid(16)
+    assert sequences == 10 and full + 3 * local <= 4 * 101 and (full - 1) // 16 == (local - 1) // 7 == 10
 
 
 def test_mistral_window_hits_and_host_tier():
@@ -78,12 +81,14 @@ def test_the_page_table_holds_at_most_the_window_pages(window, page_size, chunk,
 def test_plan_cli_rows(capsys):
     """1 MiB of float32 KV: gemma2 (3 layers, 2 KV heads of 16: 768 B a token) has 341 pages of
     4 tokens, 340 usable; 16 a sequence of 64 tokens, 7 a sliding layer's: 340 * 3 // (16 + 2 * 7)
-    = 34 with hybrid pages against 21. Mistral (256 B a token) has 1023 usable pages: 146 under
+    = 34 with hybrid pages (545 pages for the full layer, 239 for each sliding one: 3 * 341 layer-pages
+    at most) against 21. Mistral (256 B a token) has 1023 usable pages: 146 under
     the window rule, 511 prefixes kept (2 pages each), 543 with 64 host pages of 1 KiB."""
     args = ["--kv-budget", "1MiB", "--context", "64", "--page-size", "4", "--max-num-batched-tokens", "16"]
     assert cli.main(["plan", "--model", str(DATA / "arch" / "gemma2"), *args]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"hybrid pages \(2 of 3 layers keep a window of 8\)\s+34 \(.*now 21\)", out), out
+    assert re.search(r"hybrid pages \(2 of 3 layers keep a window of 8\)\s+34 \(545 pages for each full layer, "
+                     r"239 for each sliding one; 21 with one pool", out), out
     assert cli.main(["plan", "--model", str(DATA / "arch" / "mistral"), *args, "--kv-offload-bytes", "64KiB"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"pages behind the window \(8\) given back\s+146 \(7 pages each", out), out

@@ -132,6 +132,18 @@ class PageTable:
         """The request's pages in token order (a copy); slot `i` is page `i // page_size`."""
         return list(self._seq(request_id).page_ids)
 
+    def local_page_ids(self, request_id: Hashable) -> list[int] | None:
+        """The sliding layers' own pages (`jserve.core.hybrid_pages`); None: every layer reads `page_ids`."""
+        return None
+
+    def max_tokens(self, max_chunk: int, max_model_len: int) -> int:
+        """The most tokens one request can hold alone: the pool's, or any length (`max_model_len`)
+        where pages behind the window go back and a window's worth fits."""
+        held = self.window_pages(max_chunk)
+        if held is not None and held <= self.pool.num_pages - 1:
+            return max_model_len
+        return (self.pool.num_pages - 1) * self.page_size
+
     def num_tokens(self, request_id: Hashable) -> int:
         return len(self._seq(request_id).token_ids)
 
@@ -147,24 +159,27 @@ class PageTable:
         """How many leading tokens of a prompt are cached: whole pages, never the last token."""
         return len(self._cached_prefix(_as_token_ids(token_ids), cache_salt)[1]) * self.page_size
 
-    def _cached_prefix(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], list[int]]:
+    def _cached_prefix(self, token_ids: list[int], cache_salt: str | None,
+                       max_pages: int | None = None) -> tuple[list[bytes], list[int]]:
+        """The cached prefix's hashes and pages, at most `max_pages` of them (None: no limit)."""
         hashes, pages = [], []
         if self.enable_prefix_caching and self.sliding_window is not None:
-            return self._cached_window_prefix(token_ids, cache_salt)
+            return self._cached_window_prefix(token_ids, cache_salt, max_pages)
         if self.enable_prefix_caching:
             for page_hash in iter_page_hashes(token_ids[:-1], self.page_size, cache_salt):
                 page = self.pool.cached_page(page_hash)
-                if page is None:
+                if page is None or len(pages) == max_pages:
                     break
                 hashes.append(page_hash)
                 pages.append(page)
         return hashes, pages
 
-    def _cached_window_prefix(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], list[int]]:
+    def _cached_window_prefix(self, token_ids: list[int], cache_salt: str | None,
+                              max_pages: int | None = None) -> tuple[list[bytes], list[int]]:
         """The longest hit whose last window of pages is cached (vLLM's sliding-window rule): the
         queries after a hit of L tokens read keys > L - window only, so earlier pages, evicted or
         not, are the null page in the hit's list (as if given back behind the window)."""
-        hashes = list(iter_page_hashes(token_ids[:-1], self.page_size, cache_salt))
+        hashes = list(iter_page_hashes(token_ids[:-1], self.page_size, cache_salt))[:max_pages]
         need = max(1, _cdiv(self.sliding_window - 1, self.page_size))  # pages holding keys L-window+1..L-1
         run = end = 0
         for i in range(len(hashes) - 1, -1, -1):  # longest first: scan back for `need` cached pages in a row
@@ -179,11 +194,11 @@ class PageTable:
         return hashes[:end], pages
 
     def _plan_prompt(self, token_ids: Iterable[int], num_new_tokens: int | None,
-                     cache_salt: str | None) -> _PromptPlan:
+                     cache_salt: str | None, max_cached_pages: int | None = None) -> _PromptPlan:
         token_ids = _as_token_ids(token_ids)
         if not token_ids:
             raise ValueError("token_ids is empty: a prompt needs at least one token")
-        hashes, pages = self._cached_prefix(token_ids, cache_salt)
+        hashes, pages = self._cached_prefix(token_ids, cache_salt, max_cached_pages)
         num_cached = len(pages) * self.page_size
         num_uncached = len(token_ids) - num_cached
         if num_new_tokens is None:
@@ -203,7 +218,8 @@ class PageTable:
         return self._plan_prompt(token_ids, num_new_tokens, cache_salt).fits
 
     def allocate_prompt(self, request_id: Hashable, token_ids: Sequence[int], *,
-                        num_new_tokens: int | None = None, cache_salt: str | None = None) -> int | None:
+                        num_new_tokens: int | None = None, cache_salt: str | None = None,
+                        max_cached_pages: int | None = None) -> int | None:
         """Admits a request: shares its cached prefix pages and gives slots to `num_new_tokens` more.
 
         Args:
@@ -211,13 +227,14 @@ class PageTable:
           num_new_tokens: tokens after the cached prefix to give slots to now (the first chunk);
             None: all of them. At most `len(token_ids) - lookup_prefix(token_ids)`.
           cache_salt: per-tenant salt mixed into every page hash.
+          max_cached_pages: share at most this many cached pages (None: the whole hit).
         Returns:
           The number of cached tokens (already computed; may be 0), or None when the pool is short,
           in which case nothing changed.
         """
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
-        plan = self._plan_prompt(token_ids, num_new_tokens, cache_salt)
+        plan = self._plan_prompt(token_ids, num_new_tokens, cache_salt, max_cached_pages)
         if not plan.fits:
             return None
         num_null = plan.cached_pages.count(NULL_PAGE)  # leading: behind the window of a hit past it
@@ -273,6 +290,11 @@ class PageTable:
     def num_fresh_pages(self, request_id: Hashable, num_new_tokens: int, *, num_lookahead: int = 0) -> int:
         """Pages `allocate_slots` with these arguments would take from the pool."""
         return self._plan_slots(self._seq(request_id), num_new_tokens, num_lookahead)
+
+    def can_allocate_lookahead(self, requests: Sequence[tuple[Hashable, int]]) -> bool:
+        """Whether each `(request_id, n)` can take one more slot and `n` lookahead slots at once."""
+        need = sum(self.num_fresh_pages(rid, 1, num_lookahead=n) for rid, n in requests)
+        return need <= self.pool.num_available_pages
 
     def allocate_slots(self, request_id: Hashable, num_new_tokens: int, *,
                        num_lookahead: int = 0) -> bool:

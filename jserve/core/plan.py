@@ -96,6 +96,7 @@ class ScheduledChunk:
     page_ids: list[int]  # the request's pages after allocation (enough for start + n tokens)
     emits_token: bool  # the chunk reaches the last known token: its last logit's sample is kept
     decode_steps: int = 1  # decode steps this call runs for the request (> 1: multi-step decode)
+    local_page_ids: list[int] | None = None  # hybrid pages: the sliding layers' own (`HybridPageTable`)
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,6 @@ speculative drafts' pages and aborts.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 import logging
 import operator
@@ -24,47 +23,13 @@ from jserve.core.page_table import PageTable
 
 # The plan's types are this module's vocabulary too (and importable from here).
 from jserve.core.plan import PLACEHOLDER, Request, RequestStatus, ScheduledChunk, SchedulerProtocol, StepPlan
+from jserve.core.scheduler_config import SchedulerConfig, tokens_before_recompute
 from jserve.core.stop import Stop, StopPolicy, tokens_left
 
 __all__ = ["Request", "RequestStatus", "ScheduledChunk", "Scheduler", "SchedulerConfig",
-           "SchedulerProtocol", "StepPlan"]
+           "SchedulerProtocol", "StepPlan", "tokens_before_recompute"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 16  # running sequences cap
-    max_num_batched_tokens: int = 512  # tokens computed per step (decode tokens + prefill chunks)
-    max_model_len: int = 2048  # prompt + output tokens of one request
-    enable_prefix_caching: bool = False
-    num_scheduler_steps: int = 1  # decode steps per device call when only decodes run (vLLM's name)
-    recompute_past: int | None = None  # see the module's notes (None: never)
-
-    def __post_init__(self):
-        for name, minimum in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2),
-                              ("num_scheduler_steps", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                             f"max_num_seqs={self.max_num_seqs} (every running sequence takes a "
-                             "token each step)")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if self.recompute_past is not None and (not isinstance(self.recompute_past, int)
-                                                or isinstance(self.recompute_past, bool) or self.recompute_past < 1):
-            raise ValueError(f"recompute_past must be a positive integer or None, got {self.recompute_past!r}")
-
-
-def tokens_before_recompute(num_tokens: int, recompute_past: int | None) -> int | None:
-    """The most tokens a request of `num_tokens` tokens may sample in one device call so that it
-    computes no position past `recompute_past` (its last sample may take it to recompute_past + 1,
-    and the recompute follows the call); None: no limit."""
-    if recompute_past is None or num_tokens > recompute_past:
-        return None
-    return recompute_past + 1 - num_tokens
 
 
 class Scheduler:
@@ -83,10 +48,7 @@ class Scheduler:
         self.config = config
         self.page_table = page_table
         self.clock = clock
-        pool_tokens = (page_table.pool.num_pages - 1) * page_table.page_size
-        held = page_table.window_pages(config.max_num_batched_tokens)
-        if held is not None and held <= page_table.pool.num_pages - 1:
-            pool_tokens = config.max_model_len  # pages behind the window go back: any length fits alone
+        pool_tokens = page_table.max_tokens(config.max_num_batched_tokens, config.max_model_len)
         self.max_len = min(config.max_model_len, pool_tokens + 1)
         self.num_preemptions = 0
         self.num_recomputes = 0  # requests recomputed as they passed `recompute_past`
@@ -233,8 +195,7 @@ class Scheduler:
             if steps[0] == 1:
                 return None
         table = self.page_table
-        need = sum(table.num_fresh_pages(r.request_id, 1, num_lookahead=n - 1) for r, n in zip(running, steps))
-        if need > table.pool.num_available_pages:
+        if not table.can_allocate_lookahead([(r.request_id, n - 1) for r, n in zip(running, steps)]):
             return None  # the single step preempts as it must
         chunks = []
         for request, n in zip(running, steps):
@@ -276,6 +237,7 @@ class Scheduler:
         if not self.page_table.allocate_slots(request.request_id, 0, num_lookahead=num_drafts):
             return False
         chunk.page_ids = self.page_table.page_ids(request.request_id)
+        chunk.local_page_ids = self.page_table.local_page_ids(request.request_id)
         return True
 
     def release_lookahead(self, request_id: str) -> int:
@@ -323,6 +285,7 @@ class Scheduler:
         stop = start + num_new
         return ScheduledChunk(request=request, start=start, token_ids=request.token_slice(start, stop),
                               page_ids=self.page_table.page_ids(request.request_id),
+                              local_page_ids=self.page_table.local_page_ids(request.request_id),
                               emits_token=stop == request.num_tokens)
 
     def _cache_salt(self, request: Request) -> str | None:

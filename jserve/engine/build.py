@@ -112,6 +112,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
         # Pad/replicate heads for tp and put every weight in its sharding (jserve.runtime.sharding).
         model_config, params = place_params(model_config, params, mesh, layout=backend.param_layout)
         num_pages -= num_pages % dp
+    num_pages, local_pages = _hybrid_pages(config, model_config, num_pages, page_size=page_size, dp=dp,
+                                           draft=spec is not None and spec.method == "draft_model", pooling=pooling)
     lora = _lora_spec(config, source_config, model_config, pooling)
     seqs = config.max_num_seqs // dp
     batch_buckets = buckets.decode_buckets(seqs)
@@ -122,7 +124,7 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
                     mesh=mesh, max_decode_steps=config.num_scheduler_steps,
                     num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                     max_verify_rows=spec.disable_by_batch_size or backend.speculative_batch_limit if spec else None,
-                    lora=lora)
+                    lora=lora, local_pages=local_pages)
     if config.kv_offload_bytes is not None and pooling is None:
         runner.kv_transfer = _kv_transfer(runner, config.kv_offload_bytes, config.kv_offload_dir)
     logger.info("engine: backend %s (%s kernel) on %s; max_num_seqs %d, max_num_batched_tokens %d; %d KV pages "
@@ -172,6 +174,34 @@ def _embed_engine(runner: Runner, tokenizer: Tokenizer, config: EngineConfig, po
     if config.warmup:
         engine.pooled.warmup()
     return engine
+
+
+def _hybrid_pages(config: EngineConfig, model_config, num_pages: int, *, page_size: int, dp: int, draft: bool,
+                  pooling: Any) -> tuple[int, int | None]:
+    """`(num_pages, local_pages)`: the pool split between the full and the sliding layers
+    (`jserve.core.hybrid_pages.split_pages`, per dp group) where hybrid pages apply, else
+    `(num_pages, None)`."""
+    from jserve.core.hybrid_pages import split_pages
+
+    c = model_config
+    if not (config.hybrid_pages and c.mixed_layers):
+        return num_pages, None
+    off = ("a host KV tier" if config.kv_offload_bytes is not None else "a draft model" if draft else
+           "embeddings" if pooling is not None else None)
+    if off is not None:
+        logger.info("hybrid pages off: %s keeps one pool for every layer", off)
+        return num_pages, None
+    sliding = sum(c.layer_is_sliding(i) for i in range(c.num_layers))
+    split = split_pages(num_pages // dp, num_layers=c.num_layers, sliding_layers=sliding, page_size=page_size,
+                        context=config.max_model_len, window=c.sliding_window,
+                        max_chunk=config.max_num_batched_tokens // dp)
+    if split is None:
+        logger.info("hybrid pages off: a window of %d holds as many pages as a context of %d, or the pool is short",
+                    c.sliding_window, config.max_model_len)
+        return num_pages, None
+    logger.info("hybrid pages: %d pages for each of %d full layers, %d for each of %d sliding layers (per dp "
+                "group; %d with one pool)", split[0], c.num_layers - sliding, split[1], sliding, num_pages // dp)
+    return split[0] * dp, split[1] * dp
 
 
 def _planned_pages(config: EngineConfig, model_config, params: dict, draft, *, page_size: int, kv_dtype,

@@ -87,6 +87,11 @@ class EngineConfig:
         None, "keep --kv-offload-bytes' pool in a file in this folder (created if missing; the file is "
               "removed when the engine stops) instead of host memory: a disk tier, memory-mapped, so the "
               "kernel's page cache keeps the recently used pages in RAM and the pool may exceed it")
+    hybrid_pages: bool = _setting(
+        True, "for a model with sliding and full layers (Gemma 2 / 3): the sliding layers' K/V in pages of "
+              "their own, given back behind the window, the KV memory split between the two pools so that "
+              "both hold as many sequences of --max-model-len tokens (not with a host KV tier, a draft model "
+              "or embeddings: those keep one pool)")
     memory_fraction: float = _setting(0.9, "of accelerator memory for the engine, when neither "
                                            "--num-pages nor --kv-cache-bytes is given", parse=float)
     seed: int = _setting(0, "seeds requests that give none")

@@ -7,14 +7,23 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from jserve.core.hybrid_pages import HybridPageTable
 from jserve.core.kv_tier import TieredPageTable
 from jserve.core.page_table import PageTable
 
 
 def page_tables(runner: Any, sliding_window: int | None, enable_prefix_caching: bool) -> list[PageTable]:
-    """A page table per dp group: over both tiers where the runner has a host tier."""
+    """A page table per dp group: over both tiers where the runner has a host tier; with hybrid
+    pages (`Runner.local_pages`), a `HybridPageTable` (which has no host tier)."""
     kwargs = dict(sliding_window=sliding_window, enable_prefix_caching=enable_prefix_caching)
     transfer = runner.kv_transfer
+    if getattr(runner, "hybrid", False):
+        if transfer is not None:
+            raise ValueError("the host KV tier (--kv-offload-bytes) does not take hybrid pages yet: the build "
+                             "turns hybrid pages off for it")
+        return [HybridPageTable(runner.pages_per_group, runner.local_pages_per_group, runner.page_size,
+                                sliding_window=runner.config.sliding_window,
+                                enable_prefix_caching=enable_prefix_caching) for _ in range(runner.dp)]
     if transfer is None:
         return [PageTable(runner.pages_per_group, runner.page_size, **kwargs) for _ in range(runner.dp)]
     return [TieredPageTable(runner.pages_per_group, runner.page_size, host_slots=transfer.slots_per_group,

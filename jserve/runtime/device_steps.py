@@ -70,7 +70,8 @@ def multi_decode(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
     """Up to `max_steps` decode steps (see `Runner.execute_decode_steps`); a while loop that ends
     early once every row has stopped. A stopped row (and a padded one, `decode_steps` 0) runs as a
     padded row: no query, its K/V write into the null page. No row has a grammar: its mask
-    depends on each sample, which the host must see (the scheduler runs such rows in single steps)."""
+    depends on each sample, which the host must see (the scheduler runs such rows in single steps).
+    `pages`: the rows' page table, or with hybrid pages the pair (full layers', sliding layers')."""
     model = nnx.merge(graphdef, params)
     ops = with_lora(ops, None if lora is None else lora[:, None])  # a row's slot, for its one token
     B = tokens.shape[0]
@@ -91,9 +92,11 @@ def multi_decode(graphdef, ops, page_size, vocab_size, max_steps, params, kv, to
         live = ~done
         rope = jnp.where(live, start + j, 0)  # `start` holds rotary positions (LongRoPE's flag)
         pos = rope & (LONG_ROPE_FLAG - 1)
-        page = jnp.take_along_axis(pages, (pos // page_size)[:, None], axis=1)[:, 0]
-        slots = jnp.where(live, page * page_size + pos % page_size, 0)
-        meta = PagedMeta(slots, pos, live.astype(jnp.int32), pages)
+        tables = pages if isinstance(pages, tuple) else (pages,)
+        slots = [jnp.where(live, jnp.take_along_axis(table, (pos // page_size)[:, None], axis=1)[:, 0] * page_size
+                           + pos % page_size, 0) for table in tables]
+        local = (slots[1], tables[1]) if len(tables) > 1 else ()
+        meta = PagedMeta(slots[0], pos, live.astype(jnp.int32), tables[0], *local)
         logits, kv = model(token[:, None], rope[:, None], kv, meta, ops, logits_index=zeros)
         out = sample_step(logits[:, 0], j, ids)
         new = out["tokens"]

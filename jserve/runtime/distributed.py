@@ -132,7 +132,7 @@ class StepBroadcast:
                 return steps
             if STEP_KINDS[kind] == "mixed":
                 packed = step_rows.pack_ragged([[]] * runner.dp, B // runner.dp, T, max_pages=runner.max_pages,
-                                               page_size=runner.page_size)
+                                               page_size=runner.page_size, hybrid=runner.hybrid)
             else:
                 packed = runner.pack([None] * B, B, T)
             template = StepInputs.of(packed, *runner.sampling_inputs([], B), runner.masks.ones(B) if masked else None,

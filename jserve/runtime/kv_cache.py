@@ -142,7 +142,7 @@ def device_memory_bytes(device: Any | None = None) -> int | None:
 
 
 def init_kv_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16,
-                  sharding: Any = None, *, layout: str = "per_layer") -> Any:
+                  sharding: Any = None, *, layout: str = "per_layer", local_pages: int | None = None) -> Any:
     """Zeroed pages: one (k_pages, v_pages) pair per layer, each [num_kv_heads, num_pages,
     page_size, head_dim] (`layout` "per_layer"), or one pair for all layers, [num_kv_heads,
     num_layers * num_pages, page_size, head_dim] ("folded", see
@@ -150,21 +150,27 @@ def init_kv_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp
 
     `dtype` int8 or float8_e4m3fn (or "int8" / "fp8"): each entry is (k_pages, v_pages, k_scales,
     v_scales), the scales float32 [num_kv_heads, pages, page_size] (the pages' first three dims),
-    laid out as the pages (a `NamedSharding`'s spec without its head_dim entry)."""
+    laid out as the pages (a `NamedSharding`'s spec without its head_dim entry).
+
+    `local_pages` (hybrid pages, `jserve.core.hybrid_pages`): each sliding layer has this many
+    pages instead of `num_pages` (folded: the layers' blocks, each of its kind's size, in order)."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
     if layout not in KV_LAYOUTS:
         raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    if local_pages is not None and local_pages < 2:
+        raise ValueError(f"local_pages must be >= 2 (page 0 is the null page), got {local_pages}")
     folded = layout == "folded"
-    pages = num_pages * (config.num_layers if folded else 1)
-    shape = (config.num_kv_heads, pages, page_size, config.head_dim)
+    per_layer = [local_pages if local_pages is not None and config.layer_is_sliding(i) else num_pages
+                 for i in range(config.num_layers)]
     dtype = kv_page_dtype(dtype) if isinstance(dtype, str) else jnp.dtype(dtype)
     quantized = is_quantized(dtype)
 
     def zeros(shape, dtype, sharding):
         return jnp.zeros(shape, dtype, device=sharding) if sharding is not None else jnp.zeros(shape, dtype)
 
-    def entry():
+    def entry(pages):
+        shape = (config.num_kv_heads, pages, page_size, config.head_dim)
         kv = (zeros(shape, dtype, sharding), zeros(shape, dtype, sharding))
         if not quantized:
             return kv
@@ -172,8 +178,8 @@ def init_kv_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp
         return kv + (zeros(shape[:3], SCALE_DTYPE, sharding3), zeros(shape[:3], SCALE_DTYPE, sharding3))
 
     if folded:
-        return entry()
-    return tuple(entry() for _ in range(config.num_layers))
+        return entry(sum(per_layer))
+    return tuple(entry(pages) for pages in per_layer)
 
 
 def scale_sharding(sharding: Any) -> Any:

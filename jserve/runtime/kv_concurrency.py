@@ -1,12 +1,14 @@
 """How many sequences of a context fit in a pool of KV pages under each page-keeping rule, for
 `jserve plan`: every page kept; sliding layers keeping only a window's pages (what the page table
-does where every layer shares the window, what a hybrid allocator would do for Gemma's interleaved
-layers); prefixes kept hittable with the window rule and with a host KV tier behind the pool."""
+does where every layer shares the window; for Gemma's interleaved layers, the bound of one pool
+shared by both kinds, and what the engine's hybrid pages, two pools split by `split_pages`, hold);
+prefixes kept hittable with the window rule and with a host KV tier behind the pool."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from jserve.core.hybrid_pages import split_pages
 from jserve.model.config import ModelConfig
 
 
@@ -41,6 +43,20 @@ class Concurrency:
         full_layers = self.num_layers - self.sliding_layers
         per_sequence = full_layers * self.full_pages + self.sliding_layers * self.window_pages
         return self.pages * self.num_layers // per_sequence
+
+    def hybrid(self, max_num_batched_tokens: int) -> tuple[int, int, int] | None:
+        """`(sequences, full_pages, sliding_pages)` with the engine's hybrid pages: the pool split
+        between a full and a sliding pool (`jserve.core.hybrid_pages.split_pages`, the pools' pages
+        with their null page); None where the engine keeps one pool."""
+        if self.window is None or not 0 < self.sliding_layers < self.num_layers:
+            return None
+        split = split_pages(self.pages + 1, num_layers=self.num_layers, sliding_layers=self.sliding_layers,
+                            page_size=self.page_size, context=self.context, window=self.window,
+                            max_chunk=max_num_batched_tokens)
+        if split is None:
+            return None
+        full, local = split
+        return min((full - 1) // self.full_pages, (local - 1) // self.window_pages), full, local
 
     @property
     def shared_window(self) -> bool:

@@ -43,6 +43,9 @@ class KVTransfer:
     """Copies between `runner.kv` and a host pool of `slots_per_group` pages per dp group."""
 
     def __init__(self, runner: Any, offload_bytes: int, directory: str | None = None):
+        if getattr(runner, "hybrid", False):
+            raise ValueError("the host KV tier (--kv-offload-bytes) does not take hybrid pages yet (two pools of "
+                             "different sizes): build the runner without local_pages (--no-hybrid-pages)")
         self.runner = runner
         leaves = jax.tree.leaves(runner.kv)
         self.dp, self.group_pages = runner.dp, runner.pages_per_group

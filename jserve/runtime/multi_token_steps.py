@@ -107,7 +107,8 @@ class MultiTokenSteps:
             min_new[i] = r.min_new
         sampling, history = self.runner.sampling_inputs(placed, B)
         lora = None if self.runner.lora is None else step_rows.lora_ids(placed, B, 1)[:, 0]
-        return tokens[:, 0], positions[:, 0], meta.page_indices, steps, stop_ids, min_new, sampling, history, lora
+        pages = meta.page_indices if meta.local_page_indices is None else (meta.page_indices, meta.local_page_indices)
+        return tokens[:, 0], positions[:, 0], pages, steps, stop_ids, min_new, sampling, history, lora
 
     def execute_verify(self, rows: Sequence[StepRow]) -> StepOutput:
         """A speculative step: each decode row's token and its `draft_ids` (at most

@@ -13,6 +13,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jserve.runtime.kv_cache import KV_LAYOUTS, write_kv
 
@@ -28,6 +29,9 @@ class PagedMeta(NamedTuple):
     q_start: jax.Array  # [batch]: position of the row's first new token (= tokens already cached)
     q_lens: jax.Array  # [batch]: real new tokens of the row (0 for a padded row)
     page_indices: jax.Array  # [batch, max_pages]: the row's pages; padding -> page 0
+    # Hybrid pages (`jserve.core.hybrid_pages`): the sliding layers' slots and pages (None: none).
+    local_slots: jax.Array | None = None
+    local_page_indices: jax.Array | None = None
 
 
 class RaggedMeta(NamedTuple):
@@ -42,6 +46,8 @@ class RaggedMeta(NamedTuple):
     page_indices: jax.Array  # [groups * rows, max_pages]
     cu_q_lens: jax.Array  # [groups * (rows + 1)]: a group's rows' bounds in its token block
     num_rows: jax.Array  # [groups]: live rows per group
+    local_slots: jax.Array | None = None  # hybrid pages: as `PagedMeta`'s
+    local_page_indices: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +66,12 @@ class PagedAttention:
     float8_e4m3fn codes; float32 scales [num_kv_heads, pages, page_size], folded alike, with the
     pages' partition spec less its head_dim entry): new K/V are quantized as they are written
     and every kernel reads the codes with their scales.
+
+    Hybrid pages (`local_pages`, `jserve.core.hybrid_pages`): the sliding layers' K/V live in
+    pages of their own, `local_pages` per layer (per dp group; `pages_per_group` the full
+    layers'), written and read through the meta's `local_slots` and `local_page_indices`; a
+    folded cache stacks each layer's block of its kind's size, in layer order (`layer_kinds`: each
+    layer's sliding flag).
     """
 
     kernel: str = "cpu"  # the paged-attention kernel (`pallas_kernels.paged_attention.BACKENDS`)
@@ -68,6 +80,9 @@ class PagedAttention:
     kv_layout: str = "per_layer"
     num_layers: int = 1  # for the folded layout
     batch_invariant: bool = False  # the kernel's batch-invariant mode (`ops.paged_attention`'s `_attend`)
+    local_pages: int | None = None  # hybrid pages: each sliding layer's pages per dp group
+    pages_per_group: int = 0  # with local_pages: each full layer's pages per dp group
+    layer_kinds: tuple[bool, ...] = ()  # with local_pages: whether each layer slides
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -89,10 +104,11 @@ class PagedAttention:
 
             heads, rows = P("dp", None, "tp", None), P("dp")
             specs = (P(*KV_PAGES_SPEC),) * 2 + (P(*KV_PAGES_SPEC[:3]),) * (len(entry) - 2)
+            hybrid = (P("dp"), P("dp", None)) if meta.local_slots is not None else (None, None)
             if isinstance(meta, RaggedMeta):
-                meta_spec = RaggedMeta(rows, rows, P("dp", None), rows, rows)
+                meta_spec = RaggedMeta(rows, rows, P("dp", None), rows, rows, *hybrid)
             else:
-                meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None))
+                meta_spec = PagedMeta(P("dp"), rows, rows, P("dp", None), *hybrid)
             out, *entry = jax.shard_map(
                 local, mesh=self.mesh, in_specs=(heads, heads, heads, meta_spec, *specs),
                 out_specs=(heads, *specs), check_vma=False)(q, k, v, meta, *entry)
@@ -103,8 +119,13 @@ class PagedAttention:
 
     def _local(self, layer, spec, q, k, v, meta: PagedMeta | RaggedMeta, k_pages, v_pages, *scales):
         B, T, H, D = q.shape
+        if self.local_pages is not None:
+            if spec is None:
+                raise ValueError("hybrid pages need each layer's AttentionSpec (its window picks its pages)")
+            if spec.sliding_window is not None:  # static: the layer's kind
+                meta = meta._replace(slots=meta.local_slots, page_indices=meta.local_page_indices)
         if self.kv_layout == "folded":  # this layer's block of pages (and of their scales)
-            offset = layer * (k_pages.shape[1] // self.num_layers)
+            offset = layer * (k_pages.shape[1] // self.num_layers) if self.local_pages is None else self._offset(layer)
             meta = meta._replace(slots=meta.slots + offset * k_pages.shape[2],
                                  page_indices=meta.page_indices + offset)
         K = k.shape[2]
@@ -133,3 +154,27 @@ class PagedAttention:
             out = paged_prefill_attention(q, k_pages, v_pages, meta.q_start, meta.q_lens,
                                           meta.page_indices, **kw)
         return (out, *entry)
+
+    def _offset(self, layer):
+        """Hybrid pages, folded: where layer `layer`'s block starts (an int, or traced)."""
+        sizes = [self.local_pages if sliding else self.pages_per_group for sliding in self.layer_kinds]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return starts[layer] if isinstance(layer, int) else jnp.asarray(starts, jnp.int32)[layer]
+
+
+def local_pages_per_group(config, local_pages: int | None, dp: int) -> int | None:
+    """The sliding layers' pages per dp group for hybrid pages (None: none), checked."""
+    if local_pages is None:
+        return None
+    if not config.mixed_layers or local_pages % dp or local_pages < 2 * dp:
+        raise ValueError(f"local_pages={local_pages}: hybrid pages need a model with sliding and full layers "
+                         f"(mixed_layers={config.mixed_layers}) and at least 2 pages per dp group, a multiple of "
+                         f"dp ({dp})")
+    return local_pages // dp
+
+
+def with_local_pages(ops, config, pages_per_group: int, local_pages: int):
+    """`ops` whose paged attention reads the sliding layers' own pages (hybrid pages)."""
+    kinds = tuple(config.layer_is_sliding(i) for i in range(config.num_layers))
+    return ops.with_attention(dataclasses.replace(ops.attention, local_pages=local_pages,
+                                                  pages_per_group=pages_per_group, layer_kinds=kinds))

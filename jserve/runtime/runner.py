@@ -30,6 +30,7 @@ from jserve.runtime.lazy_buckets import BucketCompiler
 from jserve.runtime.lora_writer import LoraSlotWriter
 from jserve.runtime.multi_token_steps import MultiTokenSteps
 from jserve.runtime.overlap import Launched, OverlapLauncher
+from jserve.runtime.paged_attention import local_pages_per_group, with_local_pages
 from jserve.runtime.sampler import SamplingArrays, penalty_history
 from jserve.runtime.step_log import StepLog
 from jserve.runtime.step_masks import StepMasks
@@ -46,13 +47,15 @@ class Runner:
                  token_buckets: Sequence[int] = buckets.DEFAULT_TOKEN_BUCKETS,
                  max_num_batched_tokens: int = 512, mesh: Any = None, native_matmuls: bool = True,
                  huge_pages: bool = True, max_decode_steps: int = 1, num_speculative_tokens: int = 0,
-                 max_verify_rows: int | None = None, lora: LoraSpec | None = None):
+                 max_verify_rows: int | None = None, lora: LoraSpec | None = None,
+                 local_pages: int | None = None):
         """`backend`: a `Backend`, or its name for `backends.create` (with `native_matmuls` and
         `huge_pages`); it decides the page size (when None), the layouts and every operation.
         `params`: checkpoint weights (stacked) or a model state in the backend's layout; with a
         ('dp', 'tp') `mesh`, laid out and placed for it (`sharding.place_params`), and buckets,
         `max_num_batched_tokens` and page ids are per data-parallel group. The last three
-        arguments: `MultiTokenSteps`. `lora`: the model's LoRA slots (`LoraSlotWriter`), None: none."""
+        arguments: `MultiTokenSteps`. `lora`: the model's LoRA slots (`LoraSlotWriter`), None: none.
+        `local_pages`: the sliding layers' own pages, in all (`jserve.core.hybrid_pages`; None: none)."""
         self.config = config
         self.mesh = mesh
         self.backend = backends.create(backend, mesh=mesh, native_matmuls=native_matmuls, huge_pages=huge_pages)
@@ -64,6 +67,8 @@ class Runner:
         if num_pages % self.dp:
             raise ValueError(f"num_pages ({num_pages}) must be a multiple of dp ({self.dp})")
         self.pages_per_group = num_pages // self.dp
+        self.local_pages, self.hybrid = local_pages, local_pages is not None
+        self.local_pages_per_group = local_pages_per_group(config, local_pages, self.dp)
         # The real weights' bytes and count (the step's floor), not those of padded packed panels.
         self.param_bytes = quant.param_bytes(params)
         self.num_params = quant.param_count(params)
@@ -77,8 +82,7 @@ class Runner:
         self.max_model_len = max_model_len
         self.batch_buckets = self.backend.batch_buckets(batch_buckets)
         self.token_buckets = buckets.clip(token_buckets, min(max_num_batched_tokens, max_model_len))
-        # The page-table width is fixed: the kernels loop over live pages only, so a wider table
-        # costs nothing and saves a bucket dimension (and its compilations).
+        # A fixed page-table width: the kernels loop over live pages only (no bucket dimension).
         self.max_pages = math.ceil(max_model_len / self.page_size)
         self._init_pages(kv_dtype)
         self.compiles = CompileTracker()
@@ -106,7 +110,8 @@ class Runner:
             sharding = jax.sharding.SingleDeviceSharding(_device_of(self.params))
         kv_dtype = kv_dtype or quant.float_dtype(self.params)
         self.backend.check(self.config, kv_dtype, self.page_size)
-        self.kv = self.backend.init_kv(self.config, self.num_pages, self.page_size, kv_dtype, sharding)
+        self.kv = self.backend.init_kv(self.config, self.num_pages, self.page_size, kv_dtype, sharding,
+                                       local_pages=self.local_pages)
         leaves = jax.tree.leaves(self.kv)
         self.kv_itemsize = leaves[0].dtype.itemsize
         # A quantized cache's scales ([kv_heads, pages, page_size]: one per token and KV head) beside its pages.
@@ -117,6 +122,8 @@ class Runner:
     def _init_programs(self) -> None:
         """The jitted forward (per compiler options), sampler and scoring step."""
         self.ops = self.backend.ops(self.config)
+        if self.hybrid:  # the sliding layers read their own pages
+            self.ops = with_local_pages(self.ops, self.config, self.pages_per_group, self.local_pages_per_group)
         self.graphdef = model_graphdef(self.config, self.backend.param_layout, self.lora and self.lora.spec)
         self._jit_kwargs: dict = {"donate_argnames": ("kv",)}
         score_kwargs: dict = {"donate_argnames": ("kv",)}
@@ -271,7 +278,7 @@ class Runner:
         if kind == "mixed":
             groups = [[all_rows[i] for i in p] for p in parts]
             packed = step_rows.pack_ragged(groups, Bg, T, max_pages=self.max_pages, page_size=self.page_size,
-                                           config=self.config)
+                                           config=self.config, hybrid=self.hybrid)
             lora = None if self.lora is None else step_rows.lora_ids_ragged(groups, T)
             inputs = StepInputs.of(packed, *self.sampling_inputs(placed, B), lora=lora)
         else:
@@ -293,7 +300,8 @@ class Runner:
 
     def pack(self, rows: Sequence[StepRow | None], B: int, T: int):
         """rows: one `StepRow` or None (padding) per batch row (`step_rows.pack`)."""
-        return step_rows.pack(rows, B, T, max_pages=self.max_pages, page_size=self.page_size, config=self.config)
+        return step_rows.pack(rows, B, T, max_pages=self.max_pages, page_size=self.page_size, config=self.config,
+                              hybrid=self.hybrid)
 
     def cost(self, rows) -> tuple[int, int]:
         """The bytes and FLOPs a step needs at minimum: the physical floor for metrics (MBU/MFU)."""

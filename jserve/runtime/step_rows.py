@@ -25,16 +25,28 @@ def rope_positions(row, pos: np.ndarray, config: ModelConfig | None) -> np.ndarr
     return pos + LONG_ROPE_FLAG
 
 
-def pack(rows, B: int, T: int, *, max_pages: int, page_size: int, config: ModelConfig | None = None):
+def _local_table(row) -> np.ndarray:
+    """The row's sliding layers' pages (hybrid pages), which it must have."""
+    if row.local_page_ids is None:
+        raise ValueError(f"a row at position {row.start} has no local_page_ids, which a runner with hybrid "
+                         "pages needs (its scheduler's page table must be a HybridPageTable)")
+    return np.asarray(row.local_page_ids, np.int32)
+
+
+def pack(rows, B: int, T: int, *, max_pages: int, page_size: int, config: ModelConfig | None = None,
+         hybrid: bool = False):
     """`(tokens, positions, PagedMeta, last)` for B rows of T tokens: each row's tokens, their
     positions and K/V slots, its page table padded with the null page 0 (where padding writes),
-    and the index of its last token (-1 for a padding row)."""
+    and the index of its last token (-1 for a padding row). `hybrid`: the sliding layers' slots
+    and page table too, from each row's `local_page_ids` (`jserve.core.hybrid_pages`)."""
     tokens = np.zeros((B, T), np.int32)
     positions = np.zeros((B, T), np.int32)
     slots = np.zeros((B, T), np.int32)  # padding writes into the null page
     q_start = np.zeros((B,), np.int32)
     q_lens = np.zeros((B,), np.int32)
     page_indices = np.zeros((B, max_pages), np.int32)
+    local_slots = np.zeros((B, T), np.int32) if hybrid else None
+    local_pages = np.zeros((B, max_pages), np.int32) if hybrid else None
     for b, row in enumerate(rows):
         if row is None:
             continue
@@ -47,14 +59,22 @@ def pack(rows, B: int, T: int, *, max_pages: int, page_size: int, config: ModelC
         slots[b, :n] = table[pos // page_size] * page_size + pos % page_size
         q_start[b], q_lens[b] = start, n
         page_indices[b, :len(pages)] = pages
-    return tokens, positions, PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices), q_lens - 1
+        if hybrid:
+            local = _local_table(row)
+            local_slots[b, :n] = local[pos // page_size] * page_size + pos % page_size
+            local_pages[b, :len(local)] = local
+    meta = PagedMeta(slots.reshape(-1), q_start, q_lens, page_indices,
+                     None if local_slots is None else local_slots.reshape(-1), local_pages)
+    return tokens, positions, meta, q_lens - 1
 
 
-def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int, config: ModelConfig | None = None):
+def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int, config: ModelConfig | None = None,
+                hybrid: bool = False):
     """`(tokens, positions, RaggedMeta, last)` of a mixed step: per group (a list of rows each,
     at most R rows and N tokens), its rows' tokens one after another in its block of N tokens
     (padding tokens write into the null page), the rows' lengths, page tables and bounds, and
-    `last` int32 [groups, R]: the index in the block of each row's last token (-1: padding)."""
+    `last` int32 [groups, R]: the index in the block of each row's last token (-1: padding).
+    `hybrid`: the sliding layers' slots and page tables too, as `pack`'s."""
     G = len(groups)
     tokens = np.zeros((G, N), np.int32)
     positions = np.zeros((G, N), np.int32)
@@ -64,6 +84,8 @@ def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int, confi
     cu_q_lens = np.zeros((G, R + 1), np.int32)
     num_rows = np.zeros((G,), np.int32)
     last = np.full((G, R), -1, np.int32)
+    local_slots = np.zeros((G, N), np.int32) if hybrid else None
+    local_pages = np.zeros((G, R, max_pages), np.int32) if hybrid else None
     for g, rows in enumerate(groups):
         if len(rows) > R or sum(r.num_tokens for r in rows) > N:
             raise ValueError(f"group {g}: {len(rows)} rows of {sum(r.num_tokens for r in rows)} tokens "
@@ -78,13 +100,18 @@ def pack_ragged(groups, R: int, N: int, *, max_pages: int, page_size: int, confi
             slots[g, t:t + n] = table[pos // page_size] * page_size + pos % page_size
             kv_lens[g, i] = row.start + n
             page_indices[g, i, :len(table)] = table
+            if hybrid:
+                local = _local_table(row)
+                local_slots[g, t:t + n] = local[pos // page_size] * page_size + pos % page_size
+                local_pages[g, i, :len(local)] = local
             t += n
             cu_q_lens[g, i + 1] = t
             last[g, i] = t - 1
         cu_q_lens[g, len(rows) + 1:] = t
         num_rows[g] = len(rows)
     meta = RaggedMeta(slots.reshape(-1), kv_lens.reshape(-1), page_indices.reshape(G * R, max_pages),
-                      cu_q_lens.reshape(-1), num_rows)
+                      cu_q_lens.reshape(-1), num_rows, None if local_slots is None else local_slots.reshape(-1),
+                      None if local_pages is None else local_pages.reshape(G * R, max_pages))
     return tokens, positions, meta, last
 
 

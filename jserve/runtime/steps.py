@@ -46,6 +46,8 @@ class StepRow:
         row's own end. A LongRoPE model rotates every token of a sequence longer than its original
         context by the long factors (`ModelConfig.long_rope`), a prompt's first chunks included:
         the runner flags their positions (`step_rows.pack`).
+      local_page_ids: with hybrid pages (`jserve.core.hybrid_pages`), the sliding layers' own
+        pages, as `page_ids` (the null page behind the window); None: every layer reads `page_ids`.
     """
 
     start: int
@@ -65,6 +67,7 @@ class StepRow:
     seq_len: int = 0
     banned_ids: Sequence[int] = ()
     lora_slot: int = 0
+    local_page_ids: Sequence[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +85,7 @@ class StepRow:
                    p.has_penalties else None,
                    dp_group=dp_group, decode_steps=chunk.decode_steps, stop_ids=stop_ids, min_new=min_new,
                    prompt_targets=prompt_targets, grammar_matcher=req.grammar if chunk.emits_token else None,
-                   seq_len=req.num_tokens, lora_slot=req.lora_slot,
+                   seq_len=req.num_tokens, lora_slot=req.lora_slot, local_page_ids=chunk.local_page_ids,
                    banned_ids=bad_words.banned_ids(p.bad_words_token_ids, req.output_token_ids)
                    if chunk.emits_token and p.bad_words_token_ids else ())
 

@@ -49,13 +49,15 @@ def padding_rows(runner, kind: str, B: int, T: int) -> list[list[StepRow]]:
     """Rows of one shape (B rows per group; a mixed step's T tokens in all) per group, writing
     only into the null page."""
     table = [0] * runner.max_pages
+    local = table if runner.hybrid else None  # hybrid pages: the sliding layers' table too
     if kind == "multi_decode":
-        return [[StepRow(0, [0], table, decode_steps=T)] * B]
+        return [[StepRow(0, [0], table, decode_steps=T, local_page_ids=local)] * B]
     if kind == "verify":
-        return [[StepRow(0, [0], table, draft_ids=[0] * (T - 1))] * B]
+        return [[StepRow(0, [0], table, draft_ids=[0] * (T - 1), local_page_ids=local)] * B]
     if kind == "mixed":  # B - 1 decode rows and a chunk of the other tokens
-        return [[StepRow(0, [0], table)] * (B - 1) + [StepRow(0, [0] * (T - B + 1), table)]] * runner.dp
-    return [[StepRow(0, [0] * T, table)] * B] * runner.dp
+        return [[StepRow(0, [0], table, local_page_ids=local)] * (B - 1)
+                + [StepRow(0, [0] * (T - B + 1), table, local_page_ids=local)]] * runner.dp
+    return [[StepRow(0, [0] * T, table, local_page_ids=local)] * B] * runner.dp
 
 
 def warm(runner, kind: str, B: int, T: int) -> None:
@@ -122,7 +124,8 @@ def compile_ahead(runner, kind: str, B: int, T: int, kv_spec) -> None:
         return
     placed = [r for g in groups for r in g]
     if kind == "mixed":
-        packed = step_rows.pack_ragged(groups, B, T, max_pages=runner.max_pages, page_size=runner.page_size)
+        packed = step_rows.pack_ragged(groups, B, T, max_pages=runner.max_pages, page_size=runner.page_size,
+                                       hybrid=runner.hybrid)
     else:
         packed = runner.pack(placed, B * runner.dp, T)
     B *= runner.dp

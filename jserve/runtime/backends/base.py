@@ -74,9 +74,12 @@ class Backend(abc.ABC):
             return params
         return model_params(config, params, self.param_layout)
 
-    def init_kv(self, config: ModelConfig, num_pages: int, page_size: int, dtype: Any, sharding: Any) -> Any:
-        """Zeroed KV pages in this backend's layout (`num_pages` per layer, page 0 the null page)."""
-        return init_kv_pages(config, num_pages, page_size, dtype, sharding, layout=self.kv_layout)
+    def init_kv(self, config: ModelConfig, num_pages: int, page_size: int, dtype: Any, sharding: Any, *,
+                local_pages: int | None = None) -> Any:
+        """Zeroed KV pages in this backend's layout (`num_pages` per layer, page 0 the null page;
+        `local_pages` per sliding layer with hybrid pages)."""
+        return init_kv_pages(config, num_pages, page_size, dtype, sharding, layout=self.kv_layout,
+                             local_pages=local_pages)
 
     def advise_memory(self, tree: Any) -> HugePagesAdvice:
         """Ask for huge pages under the CPU buffers of `tree`, in the background."""
