@@ -73,7 +73,6 @@ class Runner:
         self.param_bytes = quant.param_bytes(params)
         self.num_params = quant.param_count(params)
         self.params = self.backend.prepare_params(config, params)
-        self._device_for = self._params_device = None  # `device`'s params and their device
         self.lora = None if lora is None else LoraSlotWriter(config, lora)
         if self.lora is not None:  # over a mesh: sharded like their base linears
             self.params = self.lora.add_slots(self.params, self._put, mesh)
@@ -156,11 +155,7 @@ class Runner:
             raise ValueError(f"{what} runs on one data-parallel group in one process; this runner has "
                              f"dp={self.dp} over {jax.process_count()} processes")
 
-    @property
-    def launchable(self) -> bool:
-        """Whether `launch` may dispatch steps."""
-        return self.single_group
-
+    launchable = property(lambda self: self.single_group)  # whether `launch` may dispatch steps
     # The counters and records that stats, tests and benchmarks read, where their owners keep them.
     records = property(lambda self: self.step_log.records)
     num_compilations = property(lambda self: self.compiles.num_compilations)
@@ -171,7 +166,7 @@ class Runner:
     @property
     def device(self):
         """The device the params live on (one device; the default one if uncommitted)."""
-        if self._device_for is not self.params:  # cached: flattening the params was a large part of a step's host work
+        if getattr(self, "_device_for", None) is not self.params:  # flattening the params each step cost ms
             self._device_for, self._params_device = self.params, _device_of(self.params)
         return self._params_device
 
