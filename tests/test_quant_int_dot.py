@@ -155,7 +155,8 @@ def test_fused_layers_take_the_integer_path_as_the_model_does(quantized, monkeyp
     import test_decoder_layer as t
 
     monkeypatch.setattr(t, "INT8_ACTIVATIONS", True)
-    contexts = [5, 30, None, 0, 17, 3]
+    contexts = [5, 30, None, 0, 17, 3, 9, 12, 1]
+    assert len(contexts) >= native.DEFAULT_INT8_ROWS
     out, lens = t._run(t.QTINY, jnp.float32, contexts, quantized=quantized)
     live = lens > 0
     logits, pages = out["fused"]

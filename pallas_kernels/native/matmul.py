@@ -58,7 +58,7 @@ def int_dot_available() -> bool:
 
 # The default `int8_rows`: from this many rows of x on the integer path is faster (docs/performance.md,
 # Quantized matmul).
-DEFAULT_INT8_ROWS = 4
+DEFAULT_INT8_ROWS = 8
 
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 

@@ -45,7 +45,7 @@ def canonical_name(name: str | None) -> str:
 
 def create(name: str | Backend | None = None, *, mesh: Any = None, **options: Any) -> Backend:
     """The backend called `name` (a Backend passes through); `options` go to its constructor
-    (`huge_pages`, and `native_matmuls` and `int8_activations` for "native" or `scan` for the XLA ones). Another backend's
+    (`huge_pages`; `native_matmuls` and `int8_activations` for "native", `scan` for the XLA ones). Another backend's
     option at its default value is ignored (callers such as the Runner pass both); set to anything
     else it is a ValueError naming it."""
     if isinstance(name, Backend):
