@@ -78,12 +78,17 @@ def _step(config, params, ops, cache, tokens, positions, meta):
     return model(tokens, positions, cache, meta, ops, logits_index=jnp.zeros((tokens.shape[0], 1), jnp.int32))
 
 
+# Quantized weights' matmuls on the float path here (x @ the dequantized weight, to float32 rounding);
+# tests/test_quant_int_dot.py runs these steps with int8 activations.
+INT8_ACTIVATIONS = False
+
+
 def _run(config, dtype, contexts, *, seed=0, quantized=None):
     """Logits and pages from one decode step of rows with these cached lengths (None: a padded
     row), fused and not; `quantized` (scheme, group, symmetric): the weights quantized, and a
     third run, "float", of the float model they stand for on XLA's dots."""
     num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in contexts if c is not None) + 2
-    backend = NativeCpuBackend()
+    backend = NativeCpuBackend(int8_activations=INT8_ACTIVATIONS)
     params = _params(config, dtype) if quantized is None else quantized_params(config, dtype, *quantized)
     packed = backend.prepare_params(config, params)
     assert backend.native_matmuls and backend.native_head

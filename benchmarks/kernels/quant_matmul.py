@@ -43,13 +43,17 @@ SHAPES = {"q/o": (576, 576), "k/v": (576, 192), "gate/up": (576, 1536), "down": 
 # name: (scheme or a float dtype, group size, symmetric)
 FORMATS = {"float32": ("float32", 0, True), "bfloat16": ("bfloat16", 0, True), "int8": ("int8", 0, True),
            "int4-g32-sym": ("int4", 32, True), "int4-g32-asym": ("int4", 32, False)}
+# The quantized formats with int8 activations (quant_dot.h: integer dot products at every row count
+# here; the engine's default takes them from `native.DEFAULT_INT8_ROWS` rows on).
+FORMATS.update({f"{name}-a8": spec for name, spec in list(FORMATS.items()) if spec[0] in ("int8", "int4")})
 
 
 def packed_weight(w: np.ndarray, fmt: str):
     scheme, group, symmetric = FORMATS[fmt]
     if scheme in ("float32", "bfloat16"):
         return native.pack(jnp.asarray(w, scheme))
-    return native.pack_quantized(quant.quantize(w, scheme, group, symmetric))
+    return native.pack_quantized(quant.quantize(w, scheme, group, symmetric)).with_int8_rows(
+        1 if fmt.endswith("-a8") else 0)
 
 
 def nbytes(p) -> int:
@@ -167,7 +171,7 @@ def decode_step(config, params: dict, fmt: str, B: int, ctx: int, page: int) -> 
                      jnp.asarray(table))
     tokens = jnp.ones((B, 1), jnp.int32)
     positions = jnp.full((B, 1), ctx, jnp.int32)
-    backend = NativeCpuBackend()
+    backend = NativeCpuBackend(int8_activations=fmt.endswith("-a8"))
     params = backend.prepare_params(config, params)
     ops = backend.ops(config)
     assert ops.fused, f"{fmt}: the decode step would not run fused"
@@ -217,7 +221,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", default=[f for f in FORMATS if not f.endswith("-a8")],
+                        choices=list(FORMATS))
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--calls", type=int, default=64, help="matmuls per timed program (at most)")
     parser.add_argument("--working-set", type=float, default=96.0,

@@ -100,7 +100,8 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     config.scheduler_config(dp)  # validates the scheduling knobs early, naming the bad value
     weight_dtype = quant.float_dtype(params)
     kv_dtype = weight_dtype if config.kv_cache_dtype == "auto" else kv_page_dtype(config.kv_cache_dtype)
-    backend = backends.create(config.backend, mesh=mesh, batch_invariant=config.batch_invariant)  # resolved here, once
+    backend = backends.create(config.backend, mesh=mesh, batch_invariant=config.batch_invariant,
+                              int8_activations=config.int8_activations)  # resolved here, once
     page_size = config.page_size if config.page_size is not None else backend.default_page_size
     num_pages = config.num_pages
     if num_pages is None:

@@ -169,6 +169,10 @@ class EngineConfig:
     max_lora_rank: int = _setting(16, "the largest LoRA rank served (smaller ranks are padded to it)", parse=int)
     max_cpu_loras: int | None = _setting(None, "LoRA adapters kept read in host memory (least recently used "
                                                "dropped; default max_loras)", parse=int)
+    int8_activations: bool = _setting(True, "native CPU backend, quantized weights: from a few rows on "
+                                            "(decode batches, prefill) quantize each matmul's input to int8 "
+                                            "per block of 32 and use integer dot products (AVX512-VNNI); "
+                                            "off: dequantize the weights to float32 at every batch size")
     batch_invariant: bool = _setting(False, "a request's tokens and logprobs bitwise the same whatever it is "
                                             "batched with, chunked or cached (vLLM's VLLM_BATCH_INVARIANT): "
                                             "the native CPU backend's one code path per token, no fused decode")

@@ -25,7 +25,9 @@
 // scales after v_pages (packed_job.h).
 // Results: x_out f32 [M, D], then per layer k_pages and v_pages, aliased to the arguments
 // (written in place).
-// Attributes: num_heads, eps (RMSNorm), sm_scale, sliding_window (0 = off).
+// Attributes: num_heads, eps (RMSNorm), sm_scale, sliding_window (0 = off), int8_rows (quantized
+// weights: from this many rows on each matmul's input is quantized to int8 for integer dot
+// products, quant_dot.h; 0 = never).
 
 #include <algorithm>
 #include <cmath>
@@ -104,8 +106,8 @@ struct LayerArgs {
 };
 
 // The most phases Layers' body runs per layer: 8 (9 in the first), or 2 more where the attention
-// splits rows' keys.
-constexpr int kPhasesPerLayer = 10;
+// splits rows' keys, and 4 more where the matmuls' inputs are quantized to int8 (quant_dot.h).
+constexpr int kPhasesPerLayer = 14;
 
 template <typename T>
 ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
@@ -113,7 +115,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                   const ffi::Buffer<ffi::S32>& slots, const ffi::Buffer<ffi::S32>& q_start,
                   const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ffi::S32>& page_indices,
                   const std::vector<LayerArgs>& layers, float* x_out, const Shape& s, int64_t H,
-                  float eps, float sm_scale, int32_t window) {
+                  float eps, float sm_scale, int32_t window, int32_t int8_rows) {
   const int64_t M = s.batch, KVH = s.kv_heads, G = s.groups, hd = s.head_dim, L = layers.size();
   const LayerArgs& first = layers[0];
   const int64_t D = x.dimensions()[1], QD = H * hd, KD = KVH * hd;
@@ -174,6 +176,21 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   }
   if (Wu != Wf) return ffi::Error::InvalidArgument("decoder_layer: w_gate and w_up must have the same shape");
   if (M == 0) return ffi::Error::Success();
+  // Quantized weights from int8_rows rows on: each matmul's input quantized to int8 in a phase of its
+  // own (ActInt8), read by the integer dot products (quant_dot.h); else null.
+  const int64_t act_block = JSERVE_INT_DOT && int8_rows > 0 && M >= int8_rows && jobs[0].codes != Codes::kFloat &&
+                                    IntDotTakes(jobs[0].group, ActBlockFor(jobs[0].group))
+                                ? ActBlockFor(jobs[0].group)
+                                : 0;
+  thread_local ActQuant act_quant_buf[3];  // inputs of K = D, QD, F
+  ActQuant* act_quant = act_quant_buf;     // the caller's, for every member (a thread_local is per thread)
+  if (act_block) {
+    act_quant[0].Resize(M, D, act_block);
+    act_quant[1].Resize(M, QD, act_block);
+    act_quant[2].Resize(M, F, act_block);
+  }
+  const ActQuant *aq_d = act_block ? &act_quant[0] : nullptr, *aq_qd = act_block ? &act_quant[1] : nullptr,
+                 *aq_f = act_block ? &act_quant[2] : nullptr;
   const float *cp = cos.typed_data(), *sp = sin.typed_data();
   const int32_t* slot = slots.typed_data();
   const int64_t pq = Wq / kPanel, pk = Wk / kPanel, pqkv = (Wq + Wk + Wv) / kPanel;
@@ -187,9 +204,10 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
       T* v_pages = static_cast<T*>(layers[l].v_pages);
       DecodeWork<T>& work = attention[l];
       if (l == 0) t.For(M, [&](int64_t m) { RmsNormRow(xin + m * D, attn_norm, h + m * D, D, eps); });
+      if (aq_d) t.For(M, [&](int64_t m) { act_quant[0].QuantizeRow(m, h + m * D); });
       t.For(pqkv, [&](int64_t i) {
         const int j = i < pq ? 0 : i < pq + pk ? 1 : 2;
-        JobPanel(job[j], i - (j == 0 ? 0 : j == 1 ? pq : pq + pk), M, D, h);
+        JobPanel(job[j], i - (j == 0 ? 0 : j == 1 ? pq : pq + pk), M, D, h, aq_d);
       });
       // Rotary on the row's queries of KV head kv and on its key; the key and value into the pages.
       auto rotate_and_write = [&](int64_t m, int64_t kv) {
@@ -218,20 +236,23 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
         t.For(work.tasks(), [&](int64_t i) { work.Task(i); });
         t.For(work.merges(), [&](int64_t i) { work.Merge(i); });
       }
-      t.For(po, [&](int64_t p) { JobPanel(job[3], p, M, QD, attn); });
+      if (aq_qd) t.For(M, [&](int64_t m) { act_quant[1].QuantizeRow(m, attn + m * QD); });
+      t.For(po, [&](int64_t p) { JobPanel(job[3], p, M, QD, attn, aq_qd); });
       t.For(M, [&](int64_t m) {
         float* xo = x_out + m * D;
         for (int64_t d = 0; d < D; ++d) xo[d] = xin[m * D + d] + o[m * Wo + d];
         RmsNormRow(xo, mlp_norm, h2 + m * D, D, eps);
       });
-      t.For(2 * pf, [&](int64_t i) { JobPanel(job[4 + i / pf], i % pf, M, D, h2); });
+      if (aq_d) t.For(M, [&](int64_t m) { act_quant[0].QuantizeRow(m, h2 + m * D); });
+      t.For(2 * pf, [&](int64_t i) { JobPanel(job[4 + i / pf], i % pf, M, D, h2, aq_d); });
       t.For(M, [&](int64_t m) {
         const float *gm = gate + m * Wf, *um = up + m * Wu;
         float* am = act + m * F;
 #pragma omp simd
         for (int64_t f = 0; f < F; ++f) am[f] = gm[f] / (1.0f + std::exp(-gm[f])) * um[f];
       });
-      t.For(pd, [&](int64_t p) { JobPanel(job[6], p, M, F, act); });
+      if (aq_f) t.For(M, [&](int64_t m) { act_quant[2].QuantizeRow(m, act + m * F); });
+      t.For(pd, [&](int64_t p) { JobPanel(job[6], p, M, F, act, aq_f); });
       // The residual, and the next layer's first RMSNorm with it (one phase fewer a layer).
       const float* next_norm = l + 1 < L ? norms.data() + 2 * (l + 1) * D : nullptr;
       t.For(M, [&](int64_t m) {
@@ -255,7 +276,8 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
                          ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
                          ffi::Buffer<ffi::S32> page_indices, ffi::RemainingArgs args,
                          ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::RemainingRets rets,
-                         int32_t num_heads, float eps, float sm_scale, int32_t sliding_window) {
+                         int32_t num_heads, float eps, float sm_scale, int32_t sliding_window,
+                         int32_t int8_rows) {
   std::vector<ffi::AnyBuffer> in;
   for (size_t i = 0; i < args.size(); ++i) {
     auto a = args.get<ffi::AnyBuffer>(i);
@@ -339,10 +361,10 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   switch (page_type) {
     case ffi::F32:
       return Layers<float>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
-                           x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window);
+                           x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows);
     case ffi::BF16:
       return Layers<uint16_t>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
-                              x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window);
+                              x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows);
     default:
       return ffi::Error::InvalidArgument("decoder_layer: pages must be float32 or bfloat16");
   }
@@ -374,4 +396,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayers,
                                   .Attr<int32_t>("num_heads")
                                   .Attr<float>("eps")
                                   .Attr<float>("sm_scale")
-                                  .Attr<int32_t>("sliding_window"));
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<int32_t>("int8_rows"));

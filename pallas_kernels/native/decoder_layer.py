@@ -131,5 +131,12 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
     out, *new_pages = call(x.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32),
                            i32(slots), i32(q_start), i32(q_lens), i32(page_indices), *flat,
                            num_heads=np.int32(num_heads), eps=np.float32(eps),
-                           sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0))
+                           sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
+                           int8_rows=np.int32(_int8_rows(layers[0])))
     return out, list(zip(new_pages[::2], new_pages[1::2]))
+
+
+def _int8_rows(layer: LayerArgs) -> int:
+    """The quantized weights' `PackedQuantized.int8_rows` (0 for float weights): from this many rows on
+    the matmuls' inputs are quantized to int8 for integer dot products."""
+    return layer.weights[0].int8_rows if layer.quantized else 0

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.native.build import NativeLibrary
 
@@ -47,6 +48,17 @@ def panel() -> int:
         raise RuntimeError(f"native CPU matmul unavailable: {unavailable_reason()}")
     return _LIBRARY.function("JserveMatmulPanel")()
 
+
+@functools.cache
+def int_dot_available() -> bool:
+    """Whether this machine's build has the integer dot products over int8 activations
+    (quant_dot.h: AVX-512 with VNNI and VBMI); elsewhere `int8_rows` is ignored."""
+    return bool(available() and _LIBRARY.function("JserveMatmulIntDot")())
+
+
+# The default `int8_rows`: from this many rows of x on the integer path is faster (docs/performance.md,
+# Quantized matmul).
+DEFAULT_INT8_ROWS = 8
 
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -101,6 +113,9 @@ class PackedQuantized:
     scheme: str = dataclasses.field(default="int8", metadata=dict(static=True))
     group_size: int = dataclasses.field(default=0, metadata=dict(static=True))
     n: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # From this many rows of x on (0: never) the kernel quantizes x to int8 per block of 32 and
+    # takes integer dot products (`int_dot_available()`), else dequantizes to float32; see `with_int8_rows`.
+    int8_rows: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def symmetric(self) -> bool:
@@ -115,6 +130,12 @@ class PackedQuantized:
     @property
     def nbytes(self) -> int:
         return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in (self.codes, self.scales))
+
+    def with_int8_rows(self, rows: int) -> "PackedQuantized":
+        """This weight with `int8_rows` = rows (0: the float path at every row count)."""
+        if rows < 0:
+            raise ValueError(f"int8_rows must be >= 0 (0: never), got {rows}")
+        return dataclasses.replace(self, int8_rows=int(rows))
 
     def __getitem__(self, key):
         """`param[...]` (how the model reads a weight) is the weight itself."""
@@ -251,6 +272,8 @@ def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Arra
                                     * width), jnp.float32) for w in packed]
     many = target == TARGET_MANY
     target = _LIBRARY.target(target, any(isinstance(w, PackedQuantized) for w in packed))
-    outs = jax.ffi.ffi_call(target, shapes if many else shapes[0], vmap_method="sequential")(flat, *args)
+    attrs = {"int8_rows": np.int32(max((w.int8_rows for w in packed if isinstance(w, PackedQuantized)),
+                                       default=0))} if many else {}
+    outs = jax.ffi.ffi_call(target, shapes if many else shapes[0], vmap_method="sequential")(flat, *args, **attrs)
     outs = outs if many else (outs,)
     return tuple((o if o.shape[1] == n else o[:, :n]).reshape(*lead, n) for o, n in zip(outs, ns))

@@ -6,6 +6,7 @@
 #define JSERVE_PACKED_MATMUL_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -537,6 +538,8 @@ void PackedQuantPanel(int64_t M, int64_t K, const float* x, const uint8_t* codes
 #endif
 }
 
+#include "quant_dot.h"  // the integer dot products at several rows (ActQuant, PackedQuantPanelInt)
+
 // One weight of a call: its packed panels (float32 or bfloat16 values, or a quantized weight's
 // codes and scales), how many, and where its [M, panels * kPanel] output goes.
 struct Job {
@@ -553,9 +556,23 @@ struct Job {
 
 template <Codes C>
 inline void QuantJobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const float* x, float* o,
-                          int64_t ldo, int64_t code_rows) {
+                          int64_t ldo, int64_t code_rows, const ActQuant* aq) {
   const uint8_t* codes = static_cast<const uint8_t*>(job.w) + p * code_rows * kPanel;
   const int64_t per_panel = K / job.group * job.ns * kPanel;
+#if JSERVE_INT_DOT
+  if (aq && aq->M == M && aq->K == K && IntDotTakes(job.group, aq->B)) {
+    if (job.f16_scales) {
+      PackedQuantPanelInt<C>(*aq, codes, static_cast<const Half*>(job.scales) + p * per_panel, job.group,
+                             job.ns, o, ldo);
+    } else {
+      PackedQuantPanelInt<C>(*aq, codes, static_cast<const float*>(job.scales) + p * per_panel, job.group,
+                             job.ns, o, ldo);
+    }
+    return;
+  }
+#else
+  (void)aq;
+#endif
   if (job.f16_scales) {
     PackedQuantPanel<C>(M, K, x, codes, static_cast<const Half*>(job.scales) + p * per_panel, job.group,
                         job.ns, o, ldo);
@@ -565,8 +582,11 @@ inline void QuantJobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const
   }
 }
 
-// Panel p of a job: all M rows of x [M, K] into the panel's columns of job.out.
-inline void JobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const float* x) {
+// Panel p of a job: all M rows of x [M, K] into the panel's columns of job.out. `aq`: x quantized
+// (ActQuant, quant_dot.h) for a quantized weight's integer path where this build and the weight's
+// group take it; null, or a float weight: the float path.
+inline void JobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const float* x,
+                     const ActQuant* aq = nullptr) {
   float* o = job.out + p * kPanel;
   const int64_t ldo = job.panels * kPanel;
   switch (job.codes) {
@@ -579,13 +599,14 @@ inline void JobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const floa
       return;
 #if JSERVE_NATIVE_QUANT
     case Codes::kInt8:
-      return QuantJobPanel<Codes::kInt8>(job, p, M, K, x, o, ldo, K);
+      return QuantJobPanel<Codes::kInt8>(job, p, M, K, x, o, ldo, K, aq);
     case Codes::kInt4:
-      return QuantJobPanel<Codes::kInt4>(job, p, M, K, x, o, ldo, K / 2);
+      return QuantJobPanel<Codes::kInt4>(job, p, M, K, x, o, ldo, K / 2, aq);
     case Codes::kUint4:
-      return QuantJobPanel<Codes::kUint4>(job, p, M, K, x, o, ldo, K / 2);
+      return QuantJobPanel<Codes::kUint4>(job, p, M, K, x, o, ldo, K / 2, aq);
 #else
     default:  // never: PackedJob refuses quantized weights in this build
+      (void)aq;
       return;
 #endif
   }

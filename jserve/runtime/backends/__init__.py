@@ -45,7 +45,7 @@ def canonical_name(name: str | None) -> str:
 
 def create(name: str | Backend | None = None, *, mesh: Any = None, **options: Any) -> Backend:
     """The backend called `name` (a Backend passes through); `options` go to its constructor
-    (`huge_pages`, and `native_matmuls` for "native" or `scan` for the XLA ones). Another backend's
+    (`huge_pages`; `native_matmuls` and `int8_activations` for "native", `scan` for the XLA ones). Another backend's
     option at its default value is ignored (callers such as the Runner pass both); set to anything
     else it is a ValueError naming it."""
     if isinstance(name, Backend):
@@ -56,8 +56,9 @@ def create(name: str | Backend | None = None, *, mesh: Any = None, **options: An
             raise ValueError("scan is an option of the XLA backends; the native CPU backend ('native') runs its "
                              "layers unrolled")
         return NativeCpuBackend(mesh=mesh, **options)
-    if options.pop("native_matmuls", True) is not True:
-        raise ValueError(f"native_matmuls is an option of the native CPU backend ('native'), not of {name!r}")
+    for option in ("native_matmuls", "int8_activations"):
+        if options.pop(option, True) is not True:
+            raise ValueError(f"{option} is an option of the native CPU backend ('native'), not of {name!r}")
     # An alias names its kernel exactly ("tpu" lowers the Mosaic TPU kernel on any host, for export).
     kernel = "reference" if backend == "xla-reference" else (name if name in XLA_KERNELS else None)
     return XlaBackend(kernel, mesh=mesh, **options)

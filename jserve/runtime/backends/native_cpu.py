@@ -58,6 +58,11 @@ class NativeCpuBackend(Backend):
       native_matmuls: pack the layer weights and a tied embedding for the native matmul kernel
         (with a mesh, or without a compiler, they stay XLA dots); False keeps XLA's dots, for
         tests and benchmarks that compare the two.
+      int8_activations: quantized weights' matmuls (and a quantized head) at
+        `native_matmul.DEFAULT_INT8_ROWS` rows or more quantize their input to int8 per block of 32
+        and take integer dot products (`PackedQuantized.int8_rows`; where the build has them,
+        `native_matmul.int_dot_available()`); False, or batch_invariant (whose rows must not depend
+        on the batch's size), dequantizes the weights to float32 at every row count.
     """
 
     name = "native"
@@ -66,8 +71,9 @@ class NativeCpuBackend(Backend):
     default_page_size = 64  # scattered pages read faster in larger chunks (docs/performance.md)
 
     def __init__(self, kernel: str = "cpu", *, mesh: Any = None, huge_pages: bool = True,
-                 native_matmuls: bool = True, batch_invariant: bool = False):
+                 native_matmuls: bool = True, batch_invariant: bool = False, int8_activations: bool = True):
         super().__init__(kernel, mesh=mesh, huge_pages=huge_pages, batch_invariant=batch_invariant)
+        self.int8_rows = native_matmul.DEFAULT_INT8_ROWS if int8_activations and not batch_invariant else 0
         if batch_invariant and (mesh is not None or not native_matmuls):
             raise ValueError("batch_invariant needs the native matmuls, which run without a mesh (XLA's dots "
                              "pick their reduction order by the step's shape)")
@@ -95,7 +101,7 @@ class NativeCpuBackend(Backend):
 
         def packed(w):
             if quant.is_quantized(w):
-                return native_matmul.pack_quantized(w) if native_matmul.can_pack_quantized(w) else w
+                return self._pack_quantized(w) if native_matmul.can_pack_quantized(w) else w
             return native_matmul.pack(w) if pack_floats else w
 
         params = {**params, "layers": {
@@ -109,18 +115,21 @@ class NativeCpuBackend(Backend):
         if config.tie_word_embeddings:
             if quant.is_quantized(embed):  # held as its transpose [hidden, vocab]
                 if native_matmul.can_pack_quantized(embed):
-                    params = {**params, "embed": native_matmul.pack_quantized(embed)}
+                    params = {**params, "embed": self._pack_quantized(embed)}
                     self.native_head = True
             elif embed.ndim == 2 and embed.dtype in native_matmul.WEIGHT_DTYPES:
                 params = {**params, "embed": native_matmul.pack(embed.T)}
                 self.native_head = True
         elif native_matmul.can_pack_quantized(params.get("lm_head")):
-            params = {**params, "lm_head": native_matmul.pack_quantized(params["lm_head"])}
+            params = {**params, "lm_head": self._pack_quantized(params["lm_head"])}
             self.native_head = True
         elif self.batch_invariant and params["lm_head"].dtype in native_matmul.WEIGHT_DTYPES:
             params = {**params, "lm_head": native_matmul.pack(params["lm_head"])}  # XLA's dot is not invariant
             self.native_head = True
         return params
+
+    def _pack_quantized(self, w) -> native_matmul.PackedQuantized:
+        return native_matmul.pack_quantized(w).with_int8_rows(self.int8_rows)
 
     def ops(self, config: ModelConfig) -> "NativeCpuOps":
         attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout)
@@ -157,7 +166,8 @@ class NativeCpuBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "native_attention": self.native_attention,
-                "native_matmuls": self.native_matmuls, "native_head": self.native_head}
+                "native_matmuls": self.native_matmuls, "native_head": self.native_head,
+                "int8_rows": self.int8_rows if native_matmul.int_dot_available() else 0}
 
 
 def fused_layers_supported(config: ModelConfig) -> bool:

@@ -1,0 +1,237 @@
+// Integer dot products for quantized panels (packed_matmul.h's "quantized panels") at several rows of
+// x: the activations quantized once per call to int8 per block of kActBlock columns of K
+// (ActQuant), then, per panel, each block of the panel's codes rearranged once into the VNNI layout
+// (4 consecutive k of a column in one 32-bit lane, as unsigned bytes) for all M rows, and
+// AVX512-VNNI's VPDPBUSD (unsigned weight bytes x signed activation bytes, int32 sums):
+//   o[m, n] = sum_g w_scale[g, n] * sum_{b in g} x_scale[m, b] * (sum_{k in b} q[m, k] * u[k, n]
+//             - bias * qsum[m, b])  (+ (w_offset[g, n] + 8 w_scale[g, n]) * xsum[m, b])
+// where u is the weight's unsigned code (int8: code + 128, bias 128; int4: the nibble as packed,
+// bias 8: a symmetric code + 8, or an unsigned code, then centred), qsum the block's sum of q and
+// xsum its float sum of x. The offset term is not quantized, and unsigned codes are centred so that
+// the activations' rounding multiplies |code - 8| * scale (about |w|), not the code's up to 15. Numerics differ from the float path by the activations'
+// rounding: |q * x_scale - x| <= x_scale / 2 per element, x_scale = max |x| over the block / 127.
+// JSERVE_INT_DOT: this build has the kernel (AVX-512 with VNNI and VBMI); elsewhere the float path
+// runs whatever is asked. Included by packed_matmul.h inside namespace jserve_native, after Simd
+// and kPanel, before Job.
+
+#if defined(JSERVE_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VBMI__)
+#define JSERVE_INT_DOT 1
+#else
+#define JSERVE_INT_DOT 0
+#endif
+
+// Columns of K per activation scale: a weight group's own size where it is smaller (a multiple of
+// 4), else 32 (llama.cpp's Q8_0 block); a group larger than 32 must be a multiple of it.
+constexpr int64_t kActBlock = 32;
+
+inline int64_t ActBlockFor(int64_t group) { return group < kActBlock ? group : kActBlock; }
+
+// Whether the integer path takes a weight of this group size with activation blocks of `block`.
+inline bool IntDotTakes(int64_t group, int64_t block) {
+  return JSERVE_INT_DOT && block > 0 && block % 4 == 0 && group % block == 0;
+}
+
+// x [M, K] quantized per row and block of B columns: q = round(x / scale) in [-127, 127] (nearest,
+// ties to even), scale = max |x| / 127 (0 for an all-zero block, whose q are 0).
+struct ActQuant {
+  int64_t M = 0, K = 0, B = 0;
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> scale;    // [M, K / B]
+  std::vector<int32_t> qsum;   // [M, K / B]: the block's sum of q
+  std::vector<float> xsum;     // [M, K / B]: the block's float sum of x (offsets)
+
+  void Resize(int64_t m, int64_t k, int64_t b) {
+    M = m, K = k, B = b;
+    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+    const int64_t nb = M * (K / B);
+    if (static_cast<int64_t>(scale.size()) < nb) {
+      scale.resize(nb);
+      qsum.resize(nb);
+      xsum.resize(nb);
+    }
+  }
+
+  // Row m of x (K floats).
+  void QuantizeRow(int64_t m, const float* x) {
+    const int64_t nb = K / B;
+    int8_t* qm = q.data() + m * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * B;
+      float amax = 0.0f, sum = 0.0f;
+#pragma omp simd reduction(max : amax) reduction(+ : sum)
+      for (int64_t k = 0; k < B; ++k) {
+        amax = std::max(amax, std::fabs(xb[k]));
+        sum += xb[k];
+      }
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t qs = 0;
+#pragma omp simd reduction(+ : qs)
+      for (int64_t k = 0; k < B; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
+        const int32_t c = std::min(127, std::max(-127, v));
+        qm[b * B + k] = static_cast<int8_t>(c);
+        qs += c;
+      }
+      scale[m * nb + b] = amax / 127.0f;
+      qsum[m * nb + b] = qs;
+      xsum[m * nb + b] = sum;
+    }
+  }
+};
+
+#if JSERVE_INT_DOT
+constexpr int64_t kIntChunk = 128;  // rows of K rearranged at a time (a multiple of every block)
+constexpr int kIntMR = 4;           // rows of x per micro-kernel: 12 int32 + 12 float accumulators
+
+// Rows [k0, k0 + kl) of a panel's codes (kl a multiple of 4) into buf [kl / 4][kPanel][4] unsigned
+// bytes: lane j of quad r holds column j's rows 4r .. 4r + 3, in order.
+template <Codes C>
+inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
+  if constexpr (C == Codes::kInt8) {
+    // Four rows' 16 bytes of a vector's columns as the 4 lanes of a zmm, then byte 4j + i <- row
+    // i's byte j; + 128 makes the signed codes unsigned.
+    alignas(64) static const uint8_t kIdx[64] = {
+        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+    const __m512i idx = _mm512_load_si512(kIdx);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t r = 0; r < kl / 4; ++r) {
+      const uint8_t* c = codes + (k0 + 4 * r) * kPanel;
+      for (int v = 0; v < 3; ++v) {
+        const uint8_t* cv = c + 16 * v;
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cv)));
+        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(cv + kPanel)), 1);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(cv + 2 * kPanel)), 2);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(cv + 3 * kPanel)), 3);
+        z = _mm512_xor_si512(_mm512_permutexvar_epi8(idx, z), flip);
+        _mm512_store_si512(buf + (r * 3 + v) * 64, z);
+      }
+    }
+  } else {
+    // Byte rows 2r (rows 4r, 4r + 1 as low / high nibbles) and 2r + 1 (4r + 2, 4r + 3): each
+    // column's two bytes as [b0, b0, b1, b1], then the even bytes' low nibbles, the odd bytes' high.
+    alignas(64) static const uint8_t kIdx[64] = {
+        0, 0, 16, 16, 1, 1, 17, 17, 2, 2, 18, 18, 3, 3, 19, 19, 4, 4, 20, 20, 5, 5, 21, 21,
+        6, 6, 22, 22, 7, 7, 23, 23, 8, 8, 24, 24, 9, 9, 25, 25, 10, 10, 26, 26, 11, 11, 27, 27,
+        12, 12, 28, 28, 13, 13, 29, 29, 14, 14, 30, 30, 15, 15, 31, 31};
+    const __m512i idx = _mm512_load_si512(kIdx);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t r = 0; r < kl / 4; ++r) {
+      const uint8_t* c = codes + (k0 / 2 + 2 * r) * kPanel;
+      for (int v = 0; v < 3; ++v) {
+        const uint8_t* cv = c + 16 * v;
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cv)));
+        z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(cv + kPanel)), 1);
+        const __m512i d = _mm512_permutexvar_epi8(idx, z);
+        const __m512i lo = _mm512_and_si512(d, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
+        _mm512_store_si512(buf + (r * 3 + v) * 64, _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, lo, hi));
+      }
+    }
+  }
+}
+
+// MR rows of x against [kl, kPanel] rearranged codes (buf) starting at row k0 of K: the float
+// sums o[MR][kPanel] (rows ldo apart) accumulated (or started, `init`) over the chunk's blocks.
+template <int MR, Codes C, typename S>
+inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl,
+                                                     const uint8_t* __restrict buf, const S* __restrict scales,
+                                                     int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
+                                                     bool init) {
+  constexpr int L = Simd::kLanes;
+  constexpr int32_t kBias = C == Codes::kInt8 ? 128 : 8;
+  const int64_t B = aq.B, K = aq.K, nb = K / B;
+  __m512 f[MR][3];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) f[m][v] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(o + m * ldo + L * v);
+  for (int64_t kb = 0; kb < kl; kb += B) {
+    const int64_t b = (k0 + kb) / B, g = (k0 + kb) / G;
+    __m512i acc[MR][3];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m512i start = _mm512_set1_epi32(-kBias * aq.qsum[(m0 + m) * nb + b]);
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) acc[m][v] = start;
+    }
+    const uint8_t* wb = buf + kb / 4 * 3 * 64;
+    const int8_t* qb = aq.q.data() + m0 * K + k0 + kb;
+    for (int64_t r = 0; r < B / 4; ++r) {
+      __m512i w[3];
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) w[v] = _mm512_load_si512(wb + (r * 3 + v) * 64);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, qb + m * K + 4 * r, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], w[v], xb);
+      }
+    }
+    const S* sg = scales + g * ns * kPanel;
+    __m512 ws[3];
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) ws[v] = Simd::Load(sg + L * v);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m512 sx = _mm512_set1_ps(aq.scale[(m0 + m) * nb + b]);
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) {
+        f[m][v] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[m][v]), sx), ws[v], f[m][v]);
+      }
+    }
+    if (ns == 2) {  // offsets: (offset + 8 scale, the codes' centring) * the block's float sum of x
+      const __m512 eight = _mm512_set1_ps(8.0f);
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) ws[v] = _mm512_fmadd_ps(eight, ws[v], Simd::Load(sg + kPanel + L * v));
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xs = _mm512_set1_ps(aq.xsum[(m0 + m) * nb + b]);
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; ++v) f[m][v] = _mm512_fmadd_ps(ws[v], xs, f[m][v]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) _mm512_storeu_ps(o + m * ldo + L * v, f[m][v]);
+}
+
+template <int R, Codes C, typename S>
+inline void IntRows(int rows, const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl, const uint8_t* buf,
+                    const S* scales, int64_t G, int64_t ns, float* o, int64_t ldo, bool init) {
+  if constexpr (R > 1) {
+    if (rows < R) return IntRows<R - 1, C, S>(rows, aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init);
+  }
+  IntKernel<R, C, S>(aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init);
+}
+
+// All aq.M rows against one quantized panel (codes and scales as PackedQuantPanel's) into
+// o[:, 0:kPanel], rows ldo apart. Needs IntDotTakes(G, aq.B).
+template <Codes C, typename S>
+void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scales, int64_t G, int64_t ns,
+                         float* o, int64_t ldo) {
+  const int64_t M = aq.M, K = aq.K;
+  // Chunks of whole blocks: kIntChunk rows, or fewer at K's end.
+  const int64_t chunk = kIntChunk / aq.B * aq.B;
+  alignas(64) uint8_t buf[kIntChunk * kPanel];
+  // The sums go to a tile of rows kPanel apart, copied to o at the end (PackedQuantPanel's reason).
+  thread_local std::vector<float> tile_buf;
+  if (static_cast<int64_t>(tile_buf.size()) < M * kPanel) tile_buf.resize(M * kPanel);
+  float* tile = tile_buf.data();
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t kl = std::min(chunk, K - k0);
+    ToVnni<C>(codes, k0, kl, buf);
+    for (int64_t m = 0; m < M; m += kIntMR) {
+      IntRows<kIntMR, C, S>(static_cast<int>(std::min<int64_t>(kIntMR, M - m)), aq, m, k0, kl, buf, scales, G,
+                            ns, tile + m * kPanel, kPanel, k0 == 0);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * ldo, tile + m * kPanel, kPanel * sizeof(float));
+}
+#endif  // JSERVE_INT_DOT
