@@ -73,7 +73,8 @@ _PER_QUANTIZED_LAYER, _SCALES = len(_SHAPE_Q), _SHAPE_Q.index("scales")
 assert _SHAPE_Q.index("k_pages") == _K_PAGES
 LORA_ARGS = 4 + NUM_WEIGHTS  # a layer's LoRA stacks: A of the 4 groups, B of the 7 targets
 _LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("decoder_layer.cc"),
-                         {TARGET: "JserveDecoderLayers", TARGET_LORA: "JserveDecoderLayersLora"}, what="native CPU decoder layer",
+                         {TARGET: "JserveDecoderLayers", TARGET_LORA: "JserveDecoderLayersLora"},
+                         what="native CPU decoder layer",
                          fallback="running the layers as XLA ops and native matmul/attention calls",
                          constants={"JserveArgsPerLayer": _PER_LAYER, "JserveKPagesArg": _K_PAGES,
                                     "JserveArgsPerQuantizedLayer": _PER_QUANTIZED_LAYER,
@@ -137,7 +138,8 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
         aliases[meta + per_layer * i + _K_PAGES] = 1 + 2 * i
         aliases[meta + per_layer * i + _K_PAGES + 1] = 2 + 2 * i
     call = jax.ffi.ffi_call(
-        _LIBRARY.target(TARGET if lora_ids is None else TARGET_LORA, layers[0].quantized), (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
+        _LIBRARY.target(TARGET if lora_ids is None else TARGET_LORA, layers[0].quantized),
+        (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
                  *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),
         input_output_aliases=aliases, vmap_method="sequential")
     i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
