@@ -140,7 +140,7 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
     call = jax.ffi.ffi_call(
         _LIBRARY.target(TARGET if lora_ids is None else TARGET_LORA, layers[0].quantized),
         (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
-                 *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),
+         *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),
         input_output_aliases=aliases, vmap_method="sequential")
     i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
     out, *new_pages = call(x.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32),
