@@ -28,6 +28,12 @@
 // Attributes: num_heads, eps (RMSNorm), sm_scale, sliding_window (0 = off), int8_rows (quantized
 // weights: from this many rows on each matmul's input is quantized to int8 for integer dot
 // products, quant_dot.h; 0 = never).
+//
+//   JserveDecoderLayersLora  the same with LoRA adapters: after page_indices, lora_ids s32 [M]
+//                        (each row's slot: 0 none, s in 1 .. S), and after each layer's arguments
+//                        its kLoraArgsPerLayer stacks: A [K, G, S, r] for q/k/v, o, gate/up and
+//                        down, then B [S, r, N] for the seven targets (lora_delta.h says where the
+//                        deltas are computed).
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +47,7 @@
 #include "packed_matmul.h"
 #include "decode_attention.h"
 #include "packed_job.h"
+#include "lora_delta.h"
 
 namespace ffi = xla::ffi;
 
@@ -115,7 +122,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                   const ffi::Buffer<ffi::S32>& slots, const ffi::Buffer<ffi::S32>& q_start,
                   const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ffi::S32>& page_indices,
                   const std::vector<LayerArgs>& layers, float* x_out, const Shape& s, int64_t H,
-                  float eps, float sm_scale, int32_t window, int32_t int8_rows) {
+                  float eps, float sm_scale, int32_t window, int32_t int8_rows, const Lora* lora) {
   const int64_t M = s.batch, KVH = s.kv_heads, G = s.groups, hd = s.head_dim, L = layers.size();
   const LayerArgs& first = layers[0];
   const int64_t D = x.dimensions()[1], QD = H * hd, KD = KVH * hd;
@@ -195,6 +202,9 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   const int32_t* slot = slots.typed_data();
   const int64_t pq = Wq / kPanel, pk = Wk / kPanel, pqkv = (Wq + Wk + Wv) / kPanel;
   const int64_t po = Wo / kPanel, pf = Wf / kPanel, pd = Wd / kPanel;
+  // LoRA (lora_delta.h): one more task per used slot in each matmul phase, the rows' deltas added
+  // where the phases after read the outputs.
+  const int64_t nl = lora ? lora->tasks() : 0;
   Team::Run(pool, kPhasesPerLayer * L + 1, [&](TeamMember& t) {
     for (int64_t l = 0; l < L; ++l) {
       const float* xin = l == 0 ? x.typed_data() : x_out;
@@ -205,13 +215,19 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
       DecodeWork<T>& work = attention[l];
       if (l == 0) t.For(M, [&](int64_t m) { RmsNormRow(xin + m * D, attn_norm, h + m * D, D, eps); });
       if (aq_d) t.For(M, [&](int64_t m) { act_quant[0].QuantizeRow(m, h + m * D); });
-      t.For(pqkv, [&](int64_t i) {
+      t.For(pqkv + nl, [&](int64_t i) {
+        if (i >= pqkv) return LoraXa(*lora, l, 0, i - pqkv, h, D, D);
         const int j = i < pq ? 0 : i < pq + pk ? 1 : 2;
         JobPanel(job[j], i - (j == 0 ? 0 : j == 1 ? pq : pq + pk), M, D, h, aq_d);
       });
       // Rotary on the row's queries of KV head kv and on its key; the key and value into the pages.
       auto rotate_and_write = [&](int64_t m, int64_t kv) {
         const float *c = cp + m * hd, *sn = sp + m * hd;
+        if (lora) {
+          LoraAddB(*lora, l, 0, m, QD, q + m * Wq, kv * G * hd, (kv + 1) * G * hd);
+          LoraAddB(*lora, l, 1, m, KD, k + m * Wk, kv * hd, (kv + 1) * hd);
+          LoraAddB(*lora, l, 2, m, KD, v + m * Wv, kv * hd, (kv + 1) * hd);
+        }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t head = kv * G + g;
           Rotate(q + m * Wq + head * hd, c, sn, qr + m * QD + head * hd, hd);
@@ -237,26 +253,41 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
         t.For(work.merges(), [&](int64_t i) { work.Merge(i); });
       }
       if (aq_qd) t.For(M, [&](int64_t m) { act_quant[1].QuantizeRow(m, attn + m * QD); });
-      t.For(po, [&](int64_t p) { JobPanel(job[3], p, M, QD, attn, aq_qd); });
+      t.For(po + nl, [&](int64_t p) {
+        if (p >= po) return LoraXa(*lora, l, 1, p - po, attn, QD, QD);
+        JobPanel(job[3], p, M, QD, attn, aq_qd);
+      });
       t.For(M, [&](int64_t m) {
         float* xo = x_out + m * D;
+        if (lora) LoraAddB(*lora, l, 3, m, D, o + m * Wo, 0, D);
         for (int64_t d = 0; d < D; ++d) xo[d] = xin[m * D + d] + o[m * Wo + d];
         RmsNormRow(xo, mlp_norm, h2 + m * D, D, eps);
       });
       if (aq_d) t.For(M, [&](int64_t m) { act_quant[0].QuantizeRow(m, h2 + m * D); });
-      t.For(2 * pf, [&](int64_t i) { JobPanel(job[4 + i / pf], i % pf, M, D, h2, aq_d); });
+      t.For(2 * pf + nl, [&](int64_t i) {
+        if (i >= 2 * pf) return LoraXa(*lora, l, 2, i - 2 * pf, h2, D, D);
+        JobPanel(job[4 + i / pf], i % pf, M, D, h2, aq_d);
+      });
       t.For(M, [&](int64_t m) {
+        if (lora) {
+          LoraAddB(*lora, l, 4, m, F, gate + m * Wf, 0, F);
+          LoraAddB(*lora, l, 5, m, F, up + m * Wu, 0, F);
+        }
         const float *gm = gate + m * Wf, *um = up + m * Wu;
         float* am = act + m * F;
 #pragma omp simd
         for (int64_t f = 0; f < F; ++f) am[f] = gm[f] / (1.0f + std::exp(-gm[f])) * um[f];
       });
       if (aq_f) t.For(M, [&](int64_t m) { act_quant[2].QuantizeRow(m, act + m * F); });
-      t.For(pd, [&](int64_t p) { JobPanel(job[6], p, M, F, act, aq_f); });
+      t.For(pd + nl, [&](int64_t p) {
+        if (p >= pd) return LoraXa(*lora, l, 3, p - pd, act, F, F);
+        JobPanel(job[6], p, M, F, act, aq_f);
+      });
       // The residual, and the next layer's first RMSNorm with it (one phase fewer a layer).
       const float* next_norm = l + 1 < L ? norms.data() + 2 * (l + 1) * D : nullptr;
       t.For(M, [&](int64_t m) {
         float* xo = x_out + m * D;
+        if (lora) LoraAddB(*lora, l, 6, m, D, down + m * Wd, 0, D);
         for (int64_t d = 0; d < D; ++d) xo[d] += down[m * Wd + d];
         if (next_norm) RmsNormRow(xo, next_norm, h + m * D, D, eps);
       });
@@ -270,14 +301,65 @@ constexpr size_t kKPagesArg = 9;      // the layer's k_pages among them (v_pages
 // Quantized layers: the same, each weight's codes in its place, then the 7 weights' scales.
 constexpr size_t kArgsPerQuantizedLayer = 18;
 constexpr size_t kScalesArg = 11;
+// With LoRA (JserveDecoderLayersLora): after a layer's arguments, its 4 A stacks (q/k/v, o,
+// gate/up, down) and 7 B stacks (lora_delta.h).
+constexpr size_t kLoraArgsPerLayer = kLoraGroups + kLoraTargets;
 
-ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
-                         ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots,
-                         ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
-                         ffi::Buffer<ffi::S32> page_indices, ffi::RemainingArgs args,
-                         ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::RemainingRets rets,
-                         int32_t num_heads, float eps, float sm_scale, int32_t sliding_window,
-                         int32_t int8_rows) {
+// The LoRA arguments of the layers (`lora_ids` [M] given): checked and grouped into `lora`.
+ffi::Error ReadLora(const ffi::AnyBuffer* a, size_t L, size_t per_layer, size_t base, const int64_t* ks,
+                    const int64_t* ns, const ffi::Buffer<ffi::S32>& lora_ids, int64_t M, Lora& lora) {
+  const ffi::AnyBuffer& a0 = a[base];
+  auto ad = a0.dimensions();
+  if (ad.size() != 4 || (a0.element_type() != ffi::F32 && a0.element_type() != ffi::BF16)) {
+    return ffi::Error::InvalidArgument("decoder_layer: LoRA A stacks must be float32 or bfloat16 [K, G, S, r]");
+  }
+  lora.bf16 = a0.element_type() == ffi::BF16;
+  lora.S = ad[2];
+  lora.r = ad[3];
+  lora.layers.resize(L);
+  for (size_t l = 0; l < L; ++l) {
+    const ffi::AnyBuffer* la = a + per_layer * l + base;
+    for (int i = 0; i < kLoraGroups + kLoraTargets; ++i) {
+      const bool is_a = i < kLoraGroups;
+      const int t = is_a ? kLoraFirst[i] : i - kLoraGroups;
+      auto d = la[i].dimensions();
+      const bool ok = la[i].element_type() == a0.element_type() && d.size() == (is_a ? 4u : 3u) &&
+                      (is_a ? d[0] == ks[t] && d[1] == kLoraGroupSize[i] && d[2] == lora.S && d[3] == lora.r
+                            : d[0] == lora.S && d[1] == lora.r && d[2] == ns[t]);
+      if (!ok) {
+        return ffi::Error::InvalidArgument(
+            "decoder_layer: every layer's LoRA stacks must be A [K, G, S, r] per group (q/k/v, o, gate/up, "
+            "down) and B [S, r, N] per target, of one dtype, S and r");
+      }
+      if (is_a) {
+        lora.layers[l].a[i] = la[i].untyped_data();
+      } else {
+        lora.layers[l].b[t] = la[i].untyped_data();
+      }
+    }
+  }
+  if (lora_ids.dimensions().size() != 1 || lora_ids.dimensions()[0] != M) {
+    return ffi::Error::InvalidArgument("decoder_layer: lora_ids must be [M]");
+  }
+  lora.ids = lora_ids.typed_data();
+  for (int64_t m = 0; m < M; ++m) {
+    if (lora.ids[m] < 0 || lora.ids[m] > lora.S) {
+      return ffi::Error::InvalidArgument("decoder_layer: lora_ids must be in 0 .. " + std::to_string(lora.S) +
+                                         ", got " + std::to_string(lora.ids[m]));
+    }
+  }
+  lora.Group(M);
+  thread_local std::vector<float> xa;
+  xa.resize(std::max<int64_t>(1, M * lora.ldxa()));
+  lora.xa = xa.data();
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
+               ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> q_start,
+               ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_indices, const ffi::Buffer<ffi::S32>* lora_ids,
+               ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::RemainingRets rets,
+               int32_t num_heads, float eps, float sm_scale, int32_t sliding_window, int32_t int8_rows) {
   std::vector<ffi::AnyBuffer> in;
   for (size_t i = 0; i < args.size(); ++i) {
     auto a = args.get<ffi::AnyBuffer>(i);
@@ -286,13 +368,14 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   }
   // Quantized layers where the first layer's wq is quantized codes (every layer must be alike).
   const bool quantized = in.size() > 2 && IsQuantizedCodes(in[2]);
-  const size_t per_layer = quantized ? kArgsPerQuantizedLayer : kArgsPerLayer;
+  const size_t base = quantized ? kArgsPerQuantizedLayer : kArgsPerLayer;
+  const size_t per_layer = base + (lora_ids ? kLoraArgsPerLayer : 0);
   const size_t L = args.size() / per_layer;
   if (L == 0 || args.size() != L * per_layer || rets.size() != 2 * L) {
     return ffi::Error::InvalidArgument(
         "decoder_layer: needs, per layer, 11 arguments (attn_norm, mlp_norm, wq, wk, wv, wo, "
         "w_gate, w_up, w_down, k_pages, v_pages; quantized weights: their codes, and their 7 "
-        "scales after v_pages) and 2 results (k_pages, v_pages)");
+        "scales after v_pages; with LoRA, its 4 A and 7 B stacks after those) and 2 results (k_pages, v_pages)");
   }
   std::vector<ffi::AnyBuffer> out;
   for (size_t i = 0; i < rets.size(); ++i) {
@@ -358,16 +441,51 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     }
   }
   Shape s{M, KVH, 1, num_heads / KVH, hd, kd[1], kd[2], pd[1]};
+  Lora lora;
+  if (lora_ids) {
+    // Each target's K and N: its packed weight's rows (int4: two per byte) and the attention's widths.
+    const int64_t D = xd[1], QD = num_heads * hd, KD = KVH * hd;
+    const ffi::AnyBuffer& down = in[8];
+    const int64_t F = down.dimensions().size() == 3 ? down.dimensions()[1] * (down.element_type() == ffi::U8 ? 2 : 1)
+                                                   : 0;
+    const int64_t ks[] = {D, D, D, QD, D, D, F}, ns[] = {QD, KD, KD, D, F, F, D};
+    auto error = ReadLora(in.data(), L, per_layer, base, ks, ns, *lora_ids, M, lora);
+    if (error.failure()) return error;
+  }
+  const Lora* lp = lora_ids ? &lora : nullptr;
   switch (page_type) {
     case ffi::F32:
       return Layers<float>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
-                           x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows);
+                           x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows, lp);
     case ffi::BF16:
       return Layers<uint16_t>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
-                              x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows);
+                              x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows, lp);
     default:
       return ffi::Error::InvalidArgument("decoder_layer: pages must be float32 or bfloat16");
   }
+}
+
+ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
+                         ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots,
+                         ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
+                         ffi::Buffer<ffi::S32> page_indices, ffi::RemainingArgs args,
+                         ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::RemainingRets rets,
+                         int32_t num_heads, float eps, float sm_scale, int32_t sliding_window,
+                         int32_t int8_rows) {
+  return Run(pool, x, cos, sin, slots, q_start, q_lens, page_indices, nullptr, args, x_out, rets, num_heads, eps,
+             sm_scale, sliding_window, int8_rows);
+}
+
+// The same, each row with a LoRA slot (lora_ids [M]: 0 none, s: slot s) and each layer's stacks.
+ffi::Error DecoderLayersLora(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
+                             ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots,
+                             ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_lens,
+                             ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> lora_ids,
+                             ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> x_out,
+                             ffi::RemainingRets rets, int32_t num_heads, float eps, float sm_scale,
+                             int32_t sliding_window, int32_t int8_rows) {
+  return Run(pool, x, cos, sin, slots, q_start, q_lens, page_indices, &lora_ids, args, x_out, rets, num_heads, eps,
+             sm_scale, sliding_window, int8_rows);
 }
 
 }  // namespace
@@ -377,6 +495,7 @@ extern "C" int JserveArgsPerLayer() { return static_cast<int>(kArgsPerLayer); }
 extern "C" int JserveKPagesArg() { return static_cast<int>(kKPagesArg); }
 extern "C" int JserveArgsPerQuantizedLayer() { return static_cast<int>(kArgsPerQuantizedLayer); }
 extern "C" int JserveScalesArg() { return static_cast<int>(kScalesArg); }
+extern "C" int JserveLoraArgsPerLayer() { return static_cast<int>(kLoraArgsPerLayer); }
 extern "C" int JserveMaxGroups() { return kMaxGroups; }
 extern "C" int JserveMaxHeadDim() { return kMaxHeadDim; }
 
@@ -391,6 +510,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayers,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_lens [M]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices [M, max_pages]
                                   .RemainingArgs()               // per layer: kArgsPerLayer
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // x_out [M, D]
+                                  .RemainingRets()               // per layer: k_pages, v_pages
+                                  .Attr<int32_t>("num_heads")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<int32_t>("int8_rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayersLora, DecoderLayersLora,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos [M, head_dim]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin [M, head_dim]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_start [M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lens [M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices [M, max_pages]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lora_ids [M]
+                                  .RemainingArgs()               // per layer: its args, then its LoRA stacks
                                   .Ret<ffi::Buffer<ffi::F32>>()  // x_out [M, D]
                                   .RemainingRets()               // per layer: k_pages, v_pages
                                   .Attr<int32_t>("num_heads")

@@ -6,7 +6,9 @@ decode attention, o, RMSNorm, gate/up, SiLU, down, both residuals) for one new t
 over weights packed by `pallas_kernels.native.matmul.pack` (or quantized ones packed by
 `pack_quantized`: all seven of a layer, every layer alike), as one call: the paged runner's
 decode steps on CPU (`jserve.runtime.backends.native_cpu`). Layers with biases or q/k norms, and
-prefill chunks, stay on the model's own path.
+prefill chunks, stay on the model's own path. With `lora_ids`, each layer also takes its LoRA
+slot stacks (`LayerArgs.lora`, `jserve.model.lora`'s layout) and each row gets its slot's delta,
+reading only the slots the step's rows use (`lora_delta.h`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pallas_kernels.native.build import NativeLibrary
 from pallas_kernels.native.matmul import PackedQuantized
 
 TARGET = "jserve_decoder_layers"
+TARGET_LORA = "jserve_decoder_layers_lora"
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 NUM_WEIGHTS = 7  # a layer's matmul weights: wq, wk, wv, wo, w_gate, w_up, w_down
 _META = 7  # the call's arguments before the layers': x, cos, sin, slots, q_start, q_lens, page_indices
@@ -39,6 +42,9 @@ class LayerArgs(NamedTuple):
     weights: tuple
     k_pages: jax.Array  # [num_kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array
+    # LoRA slots, where the call has `lora_ids`: A [K, G, S, r] of the groups (q/k/v, o, gate/up,
+    # down), then B [S, r, N] of the seven targets, all float32 or all bfloat16 (`jserve.model.lora`)
+    lora: tuple = ()
 
     @property
     def quantized(self) -> bool:
@@ -53,8 +59,8 @@ class LayerArgs(NamedTuple):
         their scales after the pages."""
         if self.quantized:
             return (self.attn_norm, self.mlp_norm, *(w.codes for w in self.weights), self.k_pages, self.v_pages,
-                    *(w.scales for w in self.weights))
-        return (self.attn_norm, self.mlp_norm, *self.weights, self.k_pages, self.v_pages)
+                    *(w.scales for w in self.weights), *self.lora)
+        return (self.attn_norm, self.mlp_norm, *self.weights, self.k_pages, self.v_pages, *self.lora)
 
 
 # Where each layer's arguments sit, from the structure above (the C++ side's kArgsPerLayer,
@@ -65,12 +71,14 @@ _SHAPE_Q = LayerArgs("attn_norm", "mlp_norm", (PackedQuantized("codes", "scales"
                      "k_pages", "v_pages").flat()
 _PER_QUANTIZED_LAYER, _SCALES = len(_SHAPE_Q), _SHAPE_Q.index("scales")
 assert _SHAPE_Q.index("k_pages") == _K_PAGES
+LORA_ARGS = 4 + NUM_WEIGHTS  # a layer's LoRA stacks: A of the 4 groups, B of the 7 targets
 _LIBRARY = NativeLibrary("decoder_layer", Path(__file__).with_name("decoder_layer.cc"),
-                         {TARGET: "JserveDecoderLayers"}, what="native CPU decoder layer",
+                         {TARGET: "JserveDecoderLayers", TARGET_LORA: "JserveDecoderLayersLora"},
+                         what="native CPU decoder layer",
                          fallback="running the layers as XLA ops and native matmul/attention calls",
                          constants={"JserveArgsPerLayer": _PER_LAYER, "JserveKPagesArg": _K_PAGES,
                                     "JserveArgsPerQuantizedLayer": _PER_QUANTIZED_LAYER,
-                                    "JserveScalesArg": _SCALES,
+                                    "JserveScalesArg": _SCALES, "JserveLoraArgsPerLayer": LORA_ARGS,
                                     "JserveMaxGroups": native_attention.MAX_GROUPS,
                                     "JserveMaxHeadDim": native_attention.MAX_HEAD_DIM})
 
@@ -94,8 +102,8 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 
 def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequence[LayerArgs],
                    slots: jax.Array, q_start: jax.Array, q_lens: jax.Array, page_indices: jax.Array, *,
-                   num_heads: int, eps: float, sm_scale: float, sliding_window: int | None
-                   ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+                   num_heads: int, eps: float, sm_scale: float, sliding_window: int | None,
+                   lora_ids: jax.Array | None = None) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
     """The decoder layers, one after the other, for rows x [M, hidden] at one new token each.
 
     Args:
@@ -105,6 +113,8 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
         caller donates them).
       slots, q_start, q_lens, page_indices: as `jserve.runtime.paged_attention.PagedMeta` for a
         decode step (q_lens 1 for a live row, 0 for a padded one).
+      lora_ids: int [M], each row's LoRA slot (0: none; s: slot s of every layer's `lora` stacks),
+        or None (the layers' `lora` must then be empty).
     Returns:
       (x_out [M, hidden] float32, [(k_pages, v_pages) per layer]).
     """
@@ -116,20 +126,26 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
     if len({layer.quantized for layer in layers}) > 1:
         raise ValueError("decoder_layers needs every layer's weights alike: all quantized or all float")
     per_layer = _PER_QUANTIZED_LAYER if layers[0].quantized else _PER_LAYER
+    if any(len(layer.lora) != (0 if lora_ids is None else LORA_ARGS) for layer in layers):
+        raise ValueError(f"decoder_layers needs {LORA_ARGS} LoRA stacks per layer with lora_ids, none without")
+    meta = _META + (lora_ids is not None)
+    per_layer += 0 if lora_ids is None else LORA_ARGS
     M = x.shape[0]
     pages = [p for layer in layers for p in (layer.k_pages, layer.v_pages)]
     flat = [a for layer in layers for a in layer.flat()]
     aliases = {}
     for i in range(len(layers)):  # each layer's k_pages and v_pages are written in place
-        aliases[_META + per_layer * i + _K_PAGES] = 1 + 2 * i
-        aliases[_META + per_layer * i + _K_PAGES + 1] = 2 + 2 * i
+        aliases[meta + per_layer * i + _K_PAGES] = 1 + 2 * i
+        aliases[meta + per_layer * i + _K_PAGES + 1] = 2 + 2 * i
     call = jax.ffi.ffi_call(
-        _LIBRARY.target(TARGET, layers[0].quantized), (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
-                 *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),
+        _LIBRARY.target(TARGET if lora_ids is None else TARGET_LORA, layers[0].quantized),
+        (jax.ShapeDtypeStruct((M, x.shape[1]), jnp.float32),
+         *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages)),
         input_output_aliases=aliases, vmap_method="sequential")
     i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
     out, *new_pages = call(x.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32),
-                           i32(slots), i32(q_start), i32(q_lens), i32(page_indices), *flat,
+                           i32(slots), i32(q_start), i32(q_lens), i32(page_indices),
+                           *(() if lora_ids is None else (i32(lora_ids),)), *flat,
                            num_heads=np.int32(num_heads), eps=np.float32(eps),
                            sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                            int8_rows=np.int32(_int8_rows(layers[0])))

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from jserve.model import lora as lora_model
 from jserve.model import quant
 from jserve.model.config import ModelConfig
 from jserve.model.llama import LAYER_MATMULS, XlaOps, unrolled_layers, xla_linear
@@ -243,28 +244,45 @@ class NativeCpuOps(XlaOps):
     def with_attention(self, attention):
         return dataclasses.replace(self, attention=attention, fused=False)
 
-    def takes_fused(self, x, cache) -> bool:
-        """Whether this step runs the fused layers: one token per row, float32 or bfloat16 pages, no
-        LoRA slots (the fused call has no place for their deltas)."""
-        return (self.fused and self.lora_ids is None and x.shape[1] == 1
+    def takes_fused(self, x, cache, layers=()) -> bool:
+        """Whether this step runs the fused layers: one token per row, float32 or bfloat16 pages;
+        with LoRA slots (`lora_ids`), slots on all seven linears of every layer (the fused call
+        takes each layer's stacks; a subset of targets runs unfused)."""
+        return (self.fused and x.shape[1] == 1 and (self.lora_ids is None or fused_lora_slots(layers))
                 and all(p.dtype in native_layer.PAGE_DTYPES for kv in cache for p in kv))
 
     def run_layers(self, layers, x, cos, sin, cache, meta):
-        if self.takes_fused(x, cache):
-            return fused_decoder_layers(self.config, layers, x, cos, sin, cache, meta)
+        if self.takes_fused(x, cache, layers):
+            return fused_decoder_layers(self.config, layers, x, cos, sin, cache, meta, self.lora_ids)
         return unrolled_layers(layers, x, cos, sin, cache, meta, self)
 
 
-def fused_decoder_layers(config: ModelConfig, layers, x, cos, sin, cache, meta):
+def _lora_stacks(layer) -> tuple:
+    """A layer's LoRA stacks in the fused call's order (`native_layer.LayerArgs.lora`): A of each
+    group, then B of each target; () where it lacks any."""
+    names = [lora_model.group_name(g) for g in lora_model.GROUPS] + [f"lora_b_{t}" for t in LAYER_MATMULS]
+    stacks = [getattr(layer, n, None) for n in names]
+    return () if any(s is None for s in stacks) else tuple(s[...] for s in stacks)
+
+
+def fused_lora_slots(layers) -> bool:
+    """Whether the layers' LoRA slots fit the fused call: every group's, of a dtype it reads."""
+    stacks = [_lora_stacks(layer) for layer in layers]
+    return bool(stacks) and all(s and all(a.dtype in native_layer.PAGE_DTYPES for a in s) for s in stacks)
+
+
+def fused_decoder_layers(config: ModelConfig, layers, x, cos, sin, cache, meta, lora_ids=None):
     """All the layers of a one-token-per-row step as one native call, over the layers' packed
-    weights (`DecoderLayer.matmul_weights`) and per-layer pages."""
+    weights (`DecoderLayer.matmul_weights`) and per-layer pages; with `lora_ids` [M, 1] (the rows'
+    LoRA slots), each layer's slot stacks too."""
     c = config
-    args = [native_layer.LayerArgs(layer.attn_norm[...], layer.mlp_norm[...], layer.matmul_weights(), *cache[i])
+    args = [native_layer.LayerArgs(layer.attn_norm[...], layer.mlp_norm[...], layer.matmul_weights(), *cache[i],
+                                   lora=() if lora_ids is None else _lora_stacks(layer))
             for i, layer in enumerate(layers)]
     out, pages = native_layer.decoder_layers(
         x[:, 0], cos[:, 0, 0], sin[:, 0, 0], args, meta.slots, meta.q_start, meta.q_lens,
         meta.page_indices, num_heads=c.num_heads, eps=c.rms_norm_eps, sm_scale=c.head_dim ** -0.5,
-        sliding_window=c.sliding_window)
+        sliding_window=c.sliding_window, lora_ids=None if lora_ids is None else lora_ids[:, 0])
     return out[:, None].astype(x.dtype), tuple(pages) + tuple(cache[len(args):])
 
 

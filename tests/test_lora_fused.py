@@ -1,0 +1,162 @@
+"""LoRA deltas inside the fused native decode layers (`pallas_kernels/native/lora_delta.h`) against
+the model's own layers with the XLA delta (`jserve.model.lora.apply`, the reference), on the same
+packed weights, slots and pages: several mixes of slots, rows without an adapter (slot 0) and
+padded rows among them; no compilation when the mix changes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jserve.model import lora, model_graphdef
+from jserve.runtime.backends import NativeCpuBackend
+from jserve.runtime.backends.native_cpu import fused_lora_slots
+from jserve.runtime.paged_attention import PagedMeta
+from pallas_kernels.native import decoder_layer as native
+from test_decoder_layer import PAGE, QTINY, TINY, _pages, _params, quantized_params
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU decoder layer (no compiler)")
+
+SPEC = lora.LoraSpec(max_loras=3, max_rank=8)
+
+
+def _with_slots(config, params, dtype, seed=0):
+    """`params` with random slots: every slot's A and B filled (rank 8 in slots 1 and 3, rank 4
+    padded with zeros in slot 2), large enough to move the logits; smaller in bfloat16, where the
+    model rounds x @ A and the delta to bfloat16 and the fused call does not."""
+    scale = 0.5 if dtype == jnp.float32 else 0.25
+    params = lora.add_slots(params, config, SPEC, dtype)
+    rng = np.random.default_rng(seed)
+    layers = {}
+    for i, layer in params["layers"].items():
+        new = dict(layer)
+        for name, stack in layer.items():
+            if name.startswith("lora_"):
+                values = rng.normal(0, scale, stack.shape).astype(np.float32)
+                if name.startswith("lora_a_"):
+                    values[..., 1, 4:] = 0  # [in, G, S, r]: slot 2 of rank 4
+                else:
+                    values[1, 4:] = 0  # [S, r, out]
+                new[name] = jnp.asarray(values, dtype)
+        layers[i] = new
+    return {**params, "layers": layers}
+
+
+def _setup(config, dtype, quantized=None):
+    backend = NativeCpuBackend()
+    params = _params(config, dtype) if quantized is None else quantized_params(config, dtype, *quantized)
+    packed = backend.prepare_params(config, _with_slots(config, params, dtype))
+    ops = backend.ops(config)
+    assert ops.fused
+    return packed, ops
+
+
+def _meta(contexts, num_pages, seed):
+    B, max_pages = len(contexts), max(-(-(c + 1) // PAGE) for c in contexts if c is not None)
+    rng = np.random.RandomState(seed)
+    table = np.zeros((B, max_pages), np.int32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    slots, starts, lens = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    for b, c in enumerate(contexts):
+        if c is None:
+            continue
+        n = -(-(c + 1) // PAGE)
+        table[b, :n] = [free.pop() for _ in range(n)]
+        slots[b], starts[b], lens[b] = table[b, c // PAGE] * PAGE + c % PAGE, c, 1
+    tokens = jnp.asarray(rng.randint(0, TINY.vocab_size, (B, 1)), jnp.int32)
+    meta = PagedMeta(jnp.asarray(slots), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(table))
+    return tokens, jnp.asarray(starts[:, None]), meta, lens
+
+
+def _stepper(config, ops):
+    graphdef = model_graphdef(config, lora=SPEC)
+
+    def step(params, cache, tokens, positions, meta, ids):
+        model = nnx.merge(graphdef, params)
+        o = dataclasses.replace(ops, lora_ids=ids[:, None])
+        return model(tokens, positions, cache, meta, o, logits_index=jnp.zeros((tokens.shape[0], 1), jnp.int32))
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+CONTEXTS = [5, 30, None, 0, 17, 9, 3]  # one padded row
+MIXES = {
+    "all slots and slot 0": [1, 2, 0, 3, 0, 1, 2],
+    "slot 0 only": [0] * 7,
+    "one slot": [2] * 7,
+    "one row with an adapter": [0, 0, 0, 0, 3, 0, 0],
+    "two slots, none": [3, 3, 0, 1, 1, 0, 3],
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_lora_matches_the_xla_delta_for_every_mix_without_compiling(dtype):
+    config = TINY
+    packed, fused = _setup(config, dtype)
+    steps = {"fused": _stepper(config, fused), "xla": _stepper(config, dataclasses.replace(fused, fused=False))}
+    num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in CONTEXTS if c is not None) + 2
+    tokens, positions, meta, lens = _meta(CONTEXTS, num_pages, 0)
+    live = lens > 0
+    ids0 = jnp.zeros(len(CONTEXTS), jnp.int32)
+    hlo = steps["fused"].lower(packed, _pages(config, num_pages, dtype, 0), tokens, positions, meta, ids0).as_text()
+    assert native.TARGET_LORA in hlo  # the step runs the fused call with the deltas
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == jnp.float32 else dict(rtol=0.05, atol=0.15)
+    base = None
+    for name, mix in MIXES.items():
+        ids = jnp.asarray(mix, jnp.int32)
+        out = {}
+        for kind, step in steps.items():
+            logits, cache = step(packed, _pages(config, num_pages, dtype, 0), tokens, positions, meta, ids)
+            out[kind] = (np.asarray(logits, np.float32), [np.asarray(p, np.float32) for kv in cache for p in kv])
+        (got, got_pages), (want, want_pages) = out["fused"], out["xla"]
+        np.testing.assert_allclose(got[live], want[live], **tol, err_msg=name)
+        for g, w in zip(got_pages, want_pages):  # the new K/V (page 0: padded rows' writes)
+            np.testing.assert_allclose(g[:, 1:], w[:, 1:], **tol, err_msg=name)
+        if name == "slot 0 only":
+            base = got
+    for name, mix in MIXES.items():  # the adapters change their rows' logits, slot 0 rows stay the base's
+        logits, _ = steps["fused"](packed, _pages(config, num_pages, dtype, 0), tokens, positions, meta,
+                                   jnp.asarray(mix, jnp.int32))
+        logits = np.asarray(logits, np.float32)
+        for row, slot in enumerate(mix):
+            if live[row]:
+                assert (np.abs(logits[row] - base[row]).max() > 0.1) == (slot > 0), (name, row)
+    assert steps["fused"]._cache_size() == 1 and steps["xla"]._cache_size() == 1  # one program for every mix
+
+
+def test_fused_lora_beside_quantized_weights():
+    packed, fused = _setup(QTINY, jnp.float32, quantized=("int4", 32, False))
+    contexts = [4, 11, 2]
+    num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in contexts) + 2
+    tokens, positions, meta, _ = _meta(contexts, num_pages, 1)
+    ids = jnp.asarray([2, 0, 1], jnp.int32)
+    got, want = (np.asarray(_stepper(QTINY, ops)(packed, _pages(QTINY, num_pages, jnp.float32, 1), tokens, positions,
+                                                 meta, ids)[0])
+                 for ops in (fused, dataclasses.replace(fused, fused=False)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_slots_on_some_targets_only_run_unfused():
+    config = TINY
+    params = lora.add_slots(_params(config, jnp.float32), config, lora.LoraSpec(2, 4, ("wq", "wk", "wv", "wo")),
+                            jnp.float32)
+    model = nnx.merge(model_graphdef(config, lora=lora.LoraSpec(2, 4, ("wq", "wk", "wv", "wo"))), params)
+    assert not fused_lora_slots(list(model.layers))
+    full = nnx.merge(model_graphdef(config, lora=SPEC), lora.add_slots(_params(config, jnp.float32), config, SPEC,
+                                                                        jnp.float32))
+    assert fused_lora_slots(list(full.layers))
+
+
+def test_bad_lora_ids_are_refused():
+    config = TINY
+    packed, fused = _setup(config, jnp.float32)
+    tokens, positions, meta, _ = _meta([3, 5], 6, 2)
+    step = _stepper(config, fused)
+    with pytest.raises(Exception, match="lora_ids must be in 0 .. 3, got 4"):
+        jax.block_until_ready(step(packed, _pages(config, 6, jnp.float32, 2), tokens, positions, meta,
+                                   jnp.asarray([4, 0], jnp.int32)))
