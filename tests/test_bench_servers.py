@@ -142,7 +142,7 @@ def test_versus_llamacpp_alternates_servers_and_takes_medians(tmp_path, monkeypa
     args = versus.argparse.Namespace(cache_dir=tmp_path, concurrency=16, jserve_arg=[], llama_ctx=16384, threads=2)
     assert versus.server_command("jserve", "F32", args)[-4:] == ["--max-num-seqs", "16", "--served-model-name",
                                                                  "smollm2"]
-    assert versus.server_command("jserve", "Q4_1", args)[-2:] == ["--quantization", "gguf"]
+    assert versus.server_command("jserve", "Q4_1", args)[-4:] == ["--quantization", "gguf", "--quality-gate", "warn"]
     assert str(tmp_path / "m.Q8_0.gguf") in versus.server_command("llama.cpp", "Q8_0", args)
     calls = []
     speed = {("jserve", "ready"): 10.0, ("jserve", "steady"): 20.0, ("llama.cpp", "ready"): 16.0}

@@ -8,8 +8,9 @@ The default model's GGUF (SmolLM2-135M-Instruct, Q4_1 as shipped) and llama.cpp'
 copies of it (`llama-quantize`; llama.cpp built once from the llama-cpp-python sdist:
 benchmarks.serving.compare). At each precision both servers read the same file:
 `llama-server -m FILE -np 16 -c 16384 -t 2 -tb 2 --cont-batching`, and `jserve serve --model FILE`
-(F32: converted to float32; Q8_0 and Q4_1 with `--quantization gguf`: the file's codes kept, Q8_0 as
-int8 g32, Q4_1 as uint4 g32), `--max-num-seqs 16`.
+(F32: converted to float32; Q8_0 and Q4_1 with `--quantization gguf --quality-gate warn`: the
+file's codes kept, Q8_0 as int8 g32, Q4_1 as uint4 g32, served whether or not a quality report was
+stored; their quality is benchmarks.quality's subject), `--max-num-seqs 16`.
 
 Each round runs every precision's two servers, one after the other (which one first alternates by
 round and precision), and on each: c1, `--single-requests` requests one at a time, then c16,
@@ -54,7 +55,8 @@ def server_command(server: str, precision: str, args: argparse.Namespace) -> lis
     if server == "jserve":
         return [compare.jserve_exe(), "serve", "--port", "{port}", "--model", gguf, "--max-num-seqs",
                 str(args.concurrency), "--served-model-name", ALIAS,
-                *(["--quantization", "gguf"] if precision != "F32" else []), *args.jserve_arg]
+                *(["--quantization", "gguf", "--quality-gate", "warn"] if precision != "F32" else []),
+                *args.jserve_arg]
     return [str(compare.llama_bin(args.cache_dir) / "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port",
             "{port}", "-np", str(args.concurrency), "-c", str(args.llama_ctx), "-t", str(args.threads), "-tb",
             str(args.threads), "--cont-batching", "-a", ALIAS]
