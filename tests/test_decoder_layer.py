@@ -83,6 +83,26 @@ def _step(config, params, ops, cache, tokens, positions, meta):
 INT8_ACTIVATIONS = False
 
 
+def decode_rows(contexts, num_pages: int, seed: int, vocab_size: int):
+    """A decode step's rows with these cached lengths (None: a padded row) over scattered pages:
+    (tokens [B, 1], positions [B, 1], PagedMeta, q_lens)."""
+    B, max_pages = len(contexts), max(-(-(c + 1) // PAGE) for c in contexts if c is not None)
+    rng = np.random.RandomState(seed)
+    table = np.zeros((B, max_pages), np.int32)
+    free = list(rng.permutation(np.arange(1, num_pages)))  # scattered pages
+    slots, starts, lens = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    for b, c in enumerate(contexts):
+        if c is None:
+            continue
+        n = -(-(c + 1) // PAGE)
+        table[b, :n] = [free.pop() for _ in range(n)]
+        slots[b] = table[b, c // PAGE] * PAGE + c % PAGE
+        starts[b], lens[b] = c, 1
+    tokens = jnp.asarray(rng.randint(0, vocab_size, (B, 1)), jnp.int32)
+    meta = PagedMeta(jnp.asarray(slots), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(table))
+    return tokens, jnp.asarray(starts[:, None]), meta, lens
+
+
 def _run(config, dtype, contexts, *, seed=0, quantized=None):
     """Logits and pages from one decode step of rows with these cached lengths (None: a padded
     row), fused and not; `quantized` (scheme, group, symmetric): the weights quantized, and a
@@ -99,21 +119,7 @@ def _run(config, dtype, contexts, *, seed=0, quantized=None):
         plain = NativeCpuBackend(native_matmuls=False)
         floats = plain.prepare_params(config, dequantized_params(params, dtype))
         runs["float"] = (plain.ops(config), floats)
-    B, max_pages = len(contexts), max(-(-(c + 1) // PAGE) for c in contexts if c is not None)
-    rng = np.random.RandomState(seed)
-    table = np.zeros((B, max_pages), np.int32)
-    free = list(rng.permutation(np.arange(1, num_pages)))  # scattered pages
-    slots, starts, lens = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-    for b, c in enumerate(contexts):
-        if c is None:
-            continue
-        n = -(-(c + 1) // PAGE)
-        table[b, :n] = [free.pop() for _ in range(n)]
-        slots[b] = table[b, c // PAGE] * PAGE + c % PAGE
-        starts[b], lens[b] = c, 1
-    tokens = jnp.asarray(rng.randint(0, config.vocab_size, (B, 1)), jnp.int32)
-    positions = jnp.asarray(starts[:, None])
-    meta = PagedMeta(jnp.asarray(slots), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(table))
+    tokens, positions, meta, lens = decode_rows(contexts, num_pages, seed, config.vocab_size)
     out = {}
     for name, (ops, weights) in runs.items():
         cache = _pages(config, num_pages, dtype, seed)

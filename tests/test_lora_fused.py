@@ -16,9 +16,8 @@ from flax import nnx
 from jserve.model import lora, model_graphdef
 from jserve.runtime.backends import NativeCpuBackend
 from jserve.runtime.backends.native_cpu import fused_lora_slots
-from jserve.runtime.paged_attention import PagedMeta
 from pallas_kernels.native import decoder_layer as native
-from test_decoder_layer import PAGE, QTINY, TINY, _pages, _params, quantized_params
+from test_decoder_layer import PAGE, QTINY, TINY, _pages, _params, decode_rows, quantized_params
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU decoder layer (no compiler)")
 
@@ -56,23 +55,6 @@ def _setup(config, dtype, quantized=None):
     return packed, ops
 
 
-def _meta(contexts, num_pages, seed):
-    B, max_pages = len(contexts), max(-(-(c + 1) // PAGE) for c in contexts if c is not None)
-    rng = np.random.RandomState(seed)
-    table = np.zeros((B, max_pages), np.int32)
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    slots, starts, lens = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-    for b, c in enumerate(contexts):
-        if c is None:
-            continue
-        n = -(-(c + 1) // PAGE)
-        table[b, :n] = [free.pop() for _ in range(n)]
-        slots[b], starts[b], lens[b] = table[b, c // PAGE] * PAGE + c % PAGE, c, 1
-    tokens = jnp.asarray(rng.randint(0, TINY.vocab_size, (B, 1)), jnp.int32)
-    meta = PagedMeta(jnp.asarray(slots), jnp.asarray(starts), jnp.asarray(lens), jnp.asarray(table))
-    return tokens, jnp.asarray(starts[:, None]), meta, lens
-
-
 def _stepper(config, ops):
     graphdef = model_graphdef(config, lora=SPEC)
 
@@ -100,7 +82,7 @@ def test_fused_lora_matches_the_xla_delta_for_every_mix_without_compiling(dtype)
     packed, fused = _setup(config, dtype)
     steps = {"fused": _stepper(config, fused), "xla": _stepper(config, dataclasses.replace(fused, fused=False))}
     num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in CONTEXTS if c is not None) + 2
-    tokens, positions, meta, lens = _meta(CONTEXTS, num_pages, 0)
+    tokens, positions, meta, lens = decode_rows(CONTEXTS, num_pages, 0, TINY.vocab_size)
     live = lens > 0
     ids0 = jnp.zeros(len(CONTEXTS), jnp.int32)
     hlo = steps["fused"].lower(packed, _pages(config, num_pages, dtype, 0), tokens, positions, meta, ids0).as_text()
@@ -133,7 +115,7 @@ def test_fused_lora_beside_quantized_weights():
     packed, fused = _setup(QTINY, jnp.float32, quantized=("int4", 32, False))
     contexts = [4, 11, 2]
     num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in contexts) + 2
-    tokens, positions, meta, _ = _meta(contexts, num_pages, 1)
+    tokens, positions, meta, _ = decode_rows(contexts, num_pages, 1, TINY.vocab_size)
     ids = jnp.asarray([2, 0, 1], jnp.int32)
     got, want = (np.asarray(_stepper(QTINY, ops)(packed, _pages(QTINY, num_pages, jnp.float32, 1), tokens, positions,
                                                  meta, ids)[0])
@@ -155,7 +137,7 @@ def test_slots_on_some_targets_only_run_unfused():
 def test_bad_lora_ids_are_refused():
     config = TINY
     packed, fused = _setup(config, jnp.float32)
-    tokens, positions, meta, _ = _meta([3, 5], 6, 2)
+    tokens, positions, meta, _ = decode_rows([3, 5], 6, 2, TINY.vocab_size)
     step = _stepper(config, fused)
     with pytest.raises(Exception, match="lora_ids must be in 0 .. 3, got 4"):
         jax.block_until_ready(step(packed, _pages(config, 6, jnp.float32, 2), tokens, positions, meta,
