@@ -2,7 +2,7 @@
 block of 32 (or the group, if smaller), integer dot products against the weight's codes. Checked
 against a numpy reference of exactly that math (tightly), against the float path within the
 activations' rounding, at every code type, odd shapes and row tails; the row threshold
-(`int8_rows`), the fused decoder layers, the backend option and the build without the ISA."""
+(`int8_rows`), the fused decoder layers, the backend option and an AVX2 build's kernel."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU matmul (no compiler)")
 needs_int_dot = pytest.mark.skipif(not native.int_dot_available(),
-                                   reason="this build has no integer dot products (needs AVX512-VNNI and VBMI)")
+                                   reason="this build has no integer dot products (needs AVX2, or AVX512-VNNI and VBMI)")
 
 # (scheme, group size (0: per channel), symmetric): int8 (its codes + 128 unsigned), symmetric int4
 # (codes + 8), int4 with offsets (unsigned codes); groups below, at and above the 32-column block.
@@ -174,20 +174,33 @@ def test_fused_layers_take_the_integer_path_as_the_model_does(quantized, monkeyp
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="needs an x86 CPU")
-def test_the_avx2_build_ignores_int8_rows():
-    """A build without AVX-512 VNNI (x86-64-v3): no integer path; int8_rows changes nothing."""
+def test_the_avx2_build_takes_the_integer_path():
+    """An x86-64-v3 build (AVX2, no AVX-512: the VPMADDUBSW kernel, whatever this machine's own build
+    is) against the numpy reference, exactly as the native build's test: int8 (an int8 code of -128
+    included, which VPSIGNB alone would get wrong), symmetric and unsigned int4, row tails."""
     from conftest import run_python
 
-    run_python("""
+    run_python(f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
 import jax.numpy as jnp, numpy as np
 from jserve.model import quant
 from pallas_kernels.native import matmul as native
-assert not native.int_dot_available() and native.panel() == 24
-w = native.pack_quantized(quant.quantize(np.random.default_rng(0).standard_normal((64, 50)).astype(np.float32),
-                                         "int4", 32, False))
-x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 64)), jnp.float32)
-np.testing.assert_array_equal(np.asarray(native.matmul_packed(x, w.with_int8_rows(1))),
-                              np.asarray(native.matmul_packed(x, w)))
+from test_quant_int_dot import _weight, _x, reference
+assert native.int_dot_available() and native.panel() == 24
+rng = np.random.default_rng(4)
+for fmt in [("int8", 32, True), ("int8", 0, True), ("int4", 32, True), ("int4", 32, False), ("int4", 16, True)]:
+    w = _weight(rng, 192, 50, *fmt)
+    if fmt[0] == "int8":
+        values = np.asarray(w.values).copy()
+        values[3, :] = -128
+        w = quant.QuantizedWeight(values, w.scales, w.offsets, w.scheme, w.group_size)
+    packed = native.pack_quantized(w).with_int8_rows(1)
+    for m in (1, 5, 16):
+        x = _x(rng, m, 192)
+        got = np.asarray(native.matmul_packed(jnp.asarray(x), packed))
+        want, bound, _, _ = reference(x, w)
+        assert np.all(np.abs(got - want) <= bound), (fmt, m, np.abs(got - want).max())
 """, os.environ["JSERVE_KERNEL_CACHE"], JSERVE_NATIVE_ARCH="x86-64-v3")
 
 

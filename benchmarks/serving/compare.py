@@ -111,6 +111,11 @@ def llama_cpp_source(cache: Path) -> Path | None:
     return trees[-1] if trees else None
 
 
+# A VM whose CPU reports AMX may not let a process use it: a GGML_NATIVE build then dies with SIGILL
+# on quantized models (seen on 2026-12-06). GCC's explicit -mno-* flags win over -march=native's.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def ensure_llama_cpp(cache: Path, jobs: int = 2) -> Path:
     """LLAMA_TARGETS, built once from the llama-cpp-python sdist's vendored llama.cpp (a target that is
     missing is built into the existing build folder, so an older build gains llama-perplexity)."""
@@ -138,7 +143,8 @@ def ensure_llama_cpp(cache: Path, jobs: int = 2) -> Path:
     subprocess.run(["nice", "-n", "10", "cmake", "-S", str(src), "-B", str(build), *generator,
                     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
-                    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"], check=True)
+                    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}",
+                    f"-DCMAKE_CXX_FLAGS={NO_AMX}"], check=True)
     subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", *LLAMA_TARGETS,
                     "-j", str(jobs)], check=True)
     return bindir

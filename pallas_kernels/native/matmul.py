@@ -50,15 +50,29 @@ def panel() -> int:
 
 
 @functools.cache
+def int_dot_isa() -> str | None:
+    """The integer dot products over int8 activations this machine's build has (quant_dot.h):
+    "avx512-vnni" (AVX-512 with VNNI and VBMI), "avx2", or None (`int8_rows` is ignored)."""
+    if not available():
+        return None
+    return {1: "avx512-vnni", 2: "avx2"}.get(_LIBRARY.function("JserveMatmulIntDot")())
+
+
 def int_dot_available() -> bool:
-    """Whether this machine's build has the integer dot products over int8 activations
-    (quant_dot.h: AVX-512 with VNNI and VBMI); elsewhere `int8_rows` is ignored."""
-    return bool(available() and _LIBRARY.function("JserveMatmulIntDot")())
+    """Whether this machine's build has the integer dot products (`int_dot_isa()`)."""
+    return int_dot_isa() is not None
 
 
-# The default `int8_rows`: from this many rows of x on the integer path is faster (docs/performance.md,
-# Quantized matmul).
+# From how many rows of x on the integer path is faster (docs/performance.md, Quantized matmul):
+# with AVX-512 VNNI 8 (below, the per-panel rearrangement costs more than the cheaper sums save);
+# with AVX2 int4 from one row, int8 from 8.
 DEFAULT_INT8_ROWS = 8
+
+
+def default_int8_rows(scheme: str) -> int:
+    """The engine's `int8_rows` for a weight of this scheme ("int8" or "int4") on this build."""
+    return 1 if scheme == "int4" and int_dot_isa() == "avx2" else DEFAULT_INT8_ROWS
+
 
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 

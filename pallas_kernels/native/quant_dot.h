@@ -1,22 +1,26 @@
 // Integer dot products for quantized panels (packed_matmul.h's "quantized panels") at several rows of
 // x: the activations quantized once per call to int8 per block of kActBlock columns of K
 // (ActQuant), then, per panel, each block of the panel's codes rearranged once into the VNNI layout
-// (4 consecutive k of a column in one 32-bit lane, as unsigned bytes) for all M rows, and
-// AVX512-VNNI's VPDPBUSD (unsigned weight bytes x signed activation bytes, int32 sums):
+// (4 consecutive k of a column in one 32-bit lane, as bytes) for all M rows, and integer sums:
 //   o[m, n] = sum_g w_scale[g, n] * sum_{b in g} x_scale[m, b] * (sum_{k in b} q[m, k] * u[k, n]
 //             - bias * qsum[m, b])  (+ (w_offset[g, n] + 8 w_scale[g, n]) * xsum[m, b])
-// where u is the weight's unsigned code (int8: code + 128, bias 128; int4: the nibble as packed,
-// bias 8: a symmetric code + 8, or an unsigned code, then centred), qsum the block's sum of q and
-// xsum its float sum of x. The offset term is not quantized, and unsigned codes are centred so that
-// the activations' rounding multiplies |code - 8| * scale (about |w|), not the code's up to 15. Numerics differ from the float path by the activations'
-// rounding: |q * x_scale - x| <= x_scale / 2 per element, x_scale = max |x| over the block / 127.
-// JSERVE_INT_DOT: this build has the kernel (AVX-512 with VNNI and VBMI); elsewhere the float path
-// runs whatever is asked. Included by packed_matmul.h inside namespace jserve_native, after Simd
-// and kPanel, before Job.
+// where u is the weight's code as the kernel reads it (int4: the nibble as packed, bias 8: a
+// symmetric code + 8, or an unsigned code, then centred; int8: with AVX-512 code + 128, bias 128;
+// with AVX2 the signed code, bias 0), qsum the block's sum of q and xsum its float sum of x. The
+// offset term is not quantized, and unsigned codes are centred so that the activations' rounding
+// multiplies |code - 8| * scale (about |w|), not the code's up to 15. Every integer sum is exact,
+// so numerics differ from the float path by the activations' rounding only:
+// |q * x_scale - x| <= x_scale / 2 per element, x_scale = max |x| over the block / 127.
+// JSERVE_INT_DOT: 1, AVX-512 with VNNI and VBMI (VPDPBUSD: unsigned x signed bytes to int32);
+// 2, AVX2 (VPMADDUBSW: unsigned x signed byte pairs to int16, then VPMADDWD by ones to int32);
+// 0, neither: the float path runs whatever is asked. Included by packed_matmul.h inside namespace
+// jserve_native, after Simd and kPanel, before Job.
 
 #if defined(JSERVE_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VBMI__)
 #define JSERVE_INT_DOT 1
+#elif defined(JSERVE_SIMD) && !defined(__AVX512F__) && defined(__AVX2__)
+#define JSERVE_INT_DOT 2
 #else
 #define JSERVE_INT_DOT 0
 #endif
@@ -82,7 +86,16 @@ struct ActQuant {
 
 #if JSERVE_INT_DOT
 constexpr int64_t kIntChunk = 128;  // rows of K rearranged at a time (a multiple of every block)
-constexpr int kIntMR = 4;           // rows of x per micro-kernel: 12 int32 + 12 float accumulators
+// Rows of x per micro-kernel: AVX-512, 12 int32 + 12 float sums of 32 registers; AVX2 (one vector
+// of columns at a time), int4 6 integer + 6 float sums of 16, int8 (two more vectors) 5.
+template <Codes C>
+constexpr int kIntMR = JSERVE_INT_DOT == 2 ? (C == Codes::kInt8 ? 5 : 6) : 4;
+constexpr int64_t kQuad = 4 * Simd::kLanes;  // bytes of a vector of quads: kLanes columns x 4 k
+// ToVnni's copies of a chunk: AVX2's int8 codes take two, the signed codes and their absolute values.
+constexpr int64_t kIntCopies = JSERVE_INT_DOT == 2 ? 2 : 1;
+#endif
+
+#if JSERVE_INT_DOT == 1
 
 // Rows [k0, k0 + kl) of a panel's codes (kl a multiple of 4) into buf [kl / 4][kPanel][4] unsigned
 // bytes: lane j of quad r holds column j's rows 4r .. 4r + 3, in order.
@@ -106,7 +119,7 @@ inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
         z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(cv + 2 * kPanel)), 2);
         z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(cv + 3 * kPanel)), 3);
         z = _mm512_xor_si512(_mm512_permutexvar_epi8(idx, z), flip);
-        _mm512_store_si512(buf + (r * 3 + v) * 64, z);
+        _mm512_store_si512(buf + (r * 3 + v) * kQuad, z);
       }
     }
   } else {
@@ -127,7 +140,7 @@ inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
         const __m512i d = _mm512_permutexvar_epi8(idx, z);
         const __m512i lo = _mm512_and_si512(d, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(d, 4), low);
-        _mm512_store_si512(buf + (r * 3 + v) * 64, _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, lo, hi));
+        _mm512_store_si512(buf + (r * 3 + v) * kQuad, _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, lo, hi));
       }
     }
   }
@@ -157,12 +170,12 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
 #pragma GCC unroll 3
       for (int v = 0; v < 3; ++v) acc[m][v] = start;
     }
-    const uint8_t* wb = buf + kb / 4 * 3 * 64;
+    const uint8_t* wb = buf + kb / 4 * 3 * kQuad;
     const int8_t* qb = aq.q.data() + m0 * K + k0 + kb;
     for (int64_t r = 0; r < B / 4; ++r) {
       __m512i w[3];
 #pragma GCC unroll 3
-      for (int v = 0; v < 3; ++v) w[v] = _mm512_load_si512(wb + (r * 3 + v) * 64);
+      for (int v = 0; v < 3; ++v) w[v] = _mm512_load_si512(wb + (r * 3 + v) * kQuad);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         int32_t quad;
@@ -202,6 +215,110 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
     for (int v = 0; v < 3; ++v) _mm512_storeu_ps(o + m * ldo + L * v, f[m][v]);
 }
 
+#elif JSERVE_INT_DOT == 2
+// Rows [k0, k0 + kl) of a panel's codes (kl a multiple of 4) into buf [kl / 4][kPanel][4] bytes:
+// lane j of quad r holds column j's rows 4r .. 4r + 3, in order; int8: the signed codes, then at
+// buf + kl * kPanel the same quads' absolute values (|-128| reads as 128 unsigned).
+template <Codes C>
+inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
+  for (int64_t r = 0; r < kl / 4; ++r) {
+    for (int v = 0; v < 3; ++v) {
+      __m256i z;
+      if constexpr (C == Codes::kInt8) {
+        // A 4 x 8 byte transpose: rows 4r .. 4r + 3 of the vector's 8 columns.
+        const uint8_t* cv = codes + (k0 + 4 * r) * kPanel + 8 * v;
+        auto row = [&](int i) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cv + i * kPanel)); };
+        const __m128i ab = _mm_unpacklo_epi8(row(0), row(1)), cd = _mm_unpacklo_epi8(row(2), row(3));
+        z = _mm256_set_m128i(_mm_unpackhi_epi16(ab, cd), _mm_unpacklo_epi16(ab, cd));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(buf + kl * kPanel + (r * 3 + v) * kQuad), _mm256_abs_epi8(z));
+      } else {
+        // Byte rows 2r (rows 4r, 4r + 1 as low / high nibbles) and 2r + 1 (4r + 2, 4r + 3) of the
+        // vector's 8 columns; each byte twice in a 16-bit lane, then its low nibble in the lane's
+        // low byte and its high nibble in the high byte ((a + 256 a) >> 4 has a's high nibble there).
+        const uint8_t* cv = codes + (k0 / 2 + 2 * r) * kPanel + 8 * v;
+        const __m128i ab = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cv)),
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cv + kPanel)));
+        const __m256i idx = _mm256_setr_epi8(0, 0, 8, 8, 1, 1, 9, 9, 2, 2, 10, 10, 3, 3, 11, 11,
+                                             4, 4, 12, 12, 5, 5, 13, 13, 6, 6, 14, 14, 7, 7, 15, 15);
+        const __m256i d = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(ab), idx);
+        z = _mm256_or_si256(_mm256_and_si256(d, _mm256_set1_epi16(0x000f)),
+                            _mm256_and_si256(_mm256_srli_epi16(d, 4), _mm256_set1_epi16(0x0f00)));
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf + (r * 3 + v) * kQuad), z);
+    }
+  }
+}
+
+// MR rows of x against vector v (kLanes columns) of [kl, kPanel] rearranged codes (buf) starting at
+// row k0 of K: the float sums o[MR][L v .. L v + L) (rows ldo apart) accumulated (or started,
+// `init`) over the chunk's blocks. One vector at a time keeps the MR float sums in registers across
+// blocks beside the MR integer ones (16 registers: 3 vectors x 4 rows spilled the integer sums and
+// ran no faster than the float path). int4: the nibbles (unsigned) x q (signed) by VPMADDUBSW,
+// |pair| <= 2 * 15 * 127, so a block's up to 8 quads add in int16 (<= 30480) before one VPMADDWD.
+// int8: the codes' 0..255 unsigned would saturate VPMADDUBSW, so |code| is the unsigned side and q
+// takes the code's sign (VPSIGNB; q is never -128): |pair| <= 2 * 128 * 127 = 32512, one VPMADDWD
+// per quad.
+template <int MR, Codes C, typename S>
+inline __attribute__((always_inline)) void IntKernelV(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl, int v,
+                                                      const uint8_t* __restrict buf, const S* __restrict scales,
+                                                      int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
+                                                      bool init) {
+  constexpr int L = Simd::kLanes;
+  constexpr bool kInt8 = C == Codes::kInt8;
+  const int64_t B = aq.B, K = aq.K, nb = K / B;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f[MR];
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) f[m] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(o + m * ldo + L * v);
+  for (int64_t kb = 0; kb < kl; kb += B) {
+    const int64_t b = (k0 + kb) / B, g = (k0 + kb) / G;
+    __m256i acc[MR];
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_si256();
+    const uint8_t* wb = buf + kb / 4 * 3 * kQuad + v * kQuad;
+    const int8_t* qb = aq.q.data() + m0 * K + k0 + kb;
+    for (int64_t r = 0; r < B / 4; ++r) {
+      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + r * 3 * kQuad));
+#pragma GCC unroll 6
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, qb + m * K + 4 * r, 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        if constexpr (kInt8) {
+          const __m256i aw = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + kl * kPanel + r * 3 * kQuad));
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w));
+          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p, ones));
+        } else {
+          acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(w, xb));
+        }
+      }
+    }
+    const S* sg = scales + g * ns * kPanel + L * v;
+    const __m256 ws = Simd::Load(sg);
+    const __m256 wo = ns == 2 ? _mm256_fmadd_ps(_mm256_set1_ps(8.0f), ws, Simd::Load(sg + kPanel)) : ws;
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const int64_t mb = (m0 + m) * nb + b;
+      const __m256i s32 = kInt8 ? acc[m]
+                                : _mm256_add_epi32(_mm256_madd_epi16(acc[m], ones), _mm256_set1_epi32(-8 * aq.qsum[mb]));
+      f[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(aq.scale[mb])), ws, f[m]);
+      if (ns == 2) f[m] = _mm256_fmadd_ps(wo, _mm256_set1_ps(aq.xsum[mb]), f[m]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(o + m * ldo + L * v, f[m]);
+}
+
+template <int MR, Codes C, typename S>
+inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl,
+                                                     const uint8_t* __restrict buf, const S* __restrict scales,
+                                                     int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
+                                                     bool init) {
+  for (int v = 0; v < 3; ++v) IntKernelV<MR, C, S>(aq, m0, k0, kl, v, buf, scales, G, ns, o, ldo, init);
+}
+#endif  // JSERVE_INT_DOT == 2
+
+#if JSERVE_INT_DOT
 template <int R, Codes C, typename S>
 inline void IntRows(int rows, const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl, const uint8_t* buf,
                     const S* scales, int64_t G, int64_t ns, float* o, int64_t ldo, bool init) {
@@ -219,7 +336,7 @@ void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scal
   const int64_t M = aq.M, K = aq.K;
   // Chunks of whole blocks: kIntChunk rows, or fewer at K's end.
   const int64_t chunk = kIntChunk / aq.B * aq.B;
-  alignas(64) uint8_t buf[kIntChunk * kPanel];
+  alignas(64) uint8_t buf[kIntCopies * kIntChunk * kPanel];
   // The sums go to a tile of rows kPanel apart, copied to o at the end (PackedQuantPanel's reason).
   thread_local std::vector<float> tile_buf;
   if (static_cast<int64_t>(tile_buf.size()) < M * kPanel) tile_buf.resize(M * kPanel);
@@ -227,8 +344,8 @@ void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scal
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t kl = std::min(chunk, K - k0);
     ToVnni<C>(codes, k0, kl, buf);
-    for (int64_t m = 0; m < M; m += kIntMR) {
-      IntRows<kIntMR, C, S>(static_cast<int>(std::min<int64_t>(kIntMR, M - m)), aq, m, k0, kl, buf, scales, G,
+    for (int64_t m = 0; m < M; m += kIntMR<C>) {
+      IntRows<kIntMR<C>, C, S>(static_cast<int>(std::min<int64_t>(kIntMR<C>, M - m)), aq, m, k0, kl, buf, scales, G,
                             ns, tile + m * kPanel, kPanel, k0 == 0);
     }
   }

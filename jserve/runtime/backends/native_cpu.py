@@ -60,7 +60,7 @@ class NativeCpuBackend(Backend):
         (with a mesh, or without a compiler, they stay XLA dots); False keeps XLA's dots, for
         tests and benchmarks that compare the two.
       int8_activations: quantized weights' matmuls (and a quantized head) at
-        `native_matmul.DEFAULT_INT8_ROWS` rows or more quantize their input to int8 per block of 32
+        `native_matmul.default_int8_rows(scheme)` rows or more quantize their input to int8 per block of 32
         and take integer dot products (`PackedQuantized.int8_rows`; where the build has them,
         `native_matmul.int_dot_available()`); False, or batch_invariant (whose rows must not depend
         on the batch's size), dequantizes the weights to float32 at every row count.
@@ -74,7 +74,7 @@ class NativeCpuBackend(Backend):
     def __init__(self, kernel: str = "cpu", *, mesh: Any = None, huge_pages: bool = True,
                  native_matmuls: bool = True, batch_invariant: bool = False, int8_activations: bool = True):
         super().__init__(kernel, mesh=mesh, huge_pages=huge_pages, batch_invariant=batch_invariant)
-        self.int8_rows = native_matmul.DEFAULT_INT8_ROWS if int8_activations and not batch_invariant else 0
+        self.int8_activations = int8_activations and not batch_invariant
         if batch_invariant and (mesh is not None or not native_matmuls):
             raise ValueError("batch_invariant needs the native matmuls, which run without a mesh (XLA's dots "
                              "pick their reduction order by the step's shape)")
@@ -130,7 +130,8 @@ class NativeCpuBackend(Backend):
         return params
 
     def _pack_quantized(self, w) -> native_matmul.PackedQuantized:
-        return native_matmul.pack_quantized(w).with_int8_rows(self.int8_rows)
+        packed = native_matmul.pack_quantized(w)
+        return packed.with_int8_rows(native_matmul.default_int8_rows(packed.scheme) if self.int8_activations else 0)
 
     def ops(self, config: ModelConfig) -> "NativeCpuOps":
         attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout)
@@ -168,7 +169,7 @@ class NativeCpuBackend(Backend):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "native_attention": self.native_attention,
                 "native_matmuls": self.native_matmuls, "native_head": self.native_head,
-                "int8_rows": self.int8_rows if native_matmul.int_dot_available() else 0}
+                "int_dot": native_matmul.int_dot_isa() if self.int8_activations else None}
 
 
 def fused_layers_supported(config: ModelConfig) -> bool:
