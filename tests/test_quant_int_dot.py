@@ -139,6 +139,10 @@ def test_the_backend_sets_int8_rows_from_its_option():
     rng = np.random.default_rng(2)
     w = _weight(rng, 64, 96, "int8", 0, True)
     assert NativeCpuBackend()._pack_quantized(w).int8_rows == native.DEFAULT_INT8_ROWS
+    # int4 on an AVX2 build: from one row (as fast at 1-2 rows, faster from 4: docs/performance.md)
+    w4 = _weight(rng, 64, 96, "int4", 32, False)
+    want = 1 if native.int_dot_isa() == "avx2" else native.DEFAULT_INT8_ROWS
+    assert native.default_int8_rows("int4") == want == NativeCpuBackend()._pack_quantized(w4).int8_rows
     assert NativeCpuBackend(int8_activations=False)._pack_quantized(w).int8_rows == 0
     assert NativeCpuBackend(batch_invariant=True)._pack_quantized(w).int8_rows == 0  # rows may not depend on M
     with pytest.raises(ValueError, match="int8_activations"):
