@@ -115,10 +115,11 @@ def test_the_float_build_refuses_quantized_weights_and_the_quantized_build_runs_
     scales = jnp.full((1, 1, 1, width), 0.5, jnp.float32)
     out = jax.ShapeDtypeStruct((2, width), jnp.float32)
     float_call = jax.ffi.ffi_call(matmul.TARGET_MANY, [out], vmap_method="sequential")
+    attrs = dict(int8_rows=np.int32(0), int4_quads=np.int32(0))
     with pytest.raises(Exception, match="float kernels only"):
-        jax.block_until_ready(float_call(x, codes, scales, int8_rows=np.int32(0)))
+        jax.block_until_ready(float_call(x, codes, scales, **attrs))
     quantized = matmul._LIBRARY.target(matmul.TARGET_MANY, True)
     assert quantized == f"{matmul.TARGET_MANY}_quantized"
-    got, = jax.ffi.ffi_call(quantized, [out], vmap_method="sequential")(x, codes, scales, int8_rows=np.int32(0))
+    got, = jax.ffi.ffi_call(quantized, [out], vmap_method="sequential")(x, codes, scales, **attrs)
     want = np.asarray(x) @ (np.asarray(codes, np.float32)[0] * 0.5)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)

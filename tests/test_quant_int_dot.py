@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU matmul (no compiler)")
 needs_int_dot = pytest.mark.skipif(not native.int_dot_available(),
-                                   reason="this build has no integer dot products (needs AVX2, or AVX512-VNNI and VBMI)")
+                                   reason="no integer dot products in this build (AVX2, or AVX512-VNNI and VBMI)")
 
 # (scheme, group size (0: per channel), symmetric): int8 (its codes + 128 unsigned), symmetric int4
 # (codes + 8), int4 with offsets (unsigned codes); groups below, at and above the 32-column block.
@@ -206,6 +206,27 @@ for fmt in [("int8", 32, True), ("int8", 0, True), ("int4", 32, True), ("int4", 
         want, bound, _, _ = reference(x, w)
         assert np.all(np.abs(got - want) <= bound), (fmt, m, np.abs(got - want).max())
 """, os.environ["JSERVE_KERNEL_CACHE"], JSERVE_NATIVE_ARCH="x86-64-v3")
+
+
+@pytest.mark.skipif(native.int_dot_isa() != "avx2", reason="int4 codes are stored as quads on AVX2 builds only")
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_codes_stored_as_quads_read_back_as_the_pairs(symmetric):
+    """From one row on (AVX2) int4 codes are stored as quads: the codes, a tied table's embedding rows
+    and the way back to pairs are those of the pairs layout, and a call that would take the float
+    path for them is refused, not misread."""
+    rng = np.random.default_rng(5)
+    w = native.pack_quantized(_weight(rng, 96, 70, "int4", 32, symmetric))
+    q = w.with_int8_rows(1)
+    assert q.quads and not w.quads and not q.with_int8_rows(8).quads
+    assert not np.array_equal(np.asarray(q.codes), np.asarray(w.codes))
+    np.testing.assert_array_equal(np.asarray(q.with_int8_rows(0).codes), np.asarray(w.codes))
+    np.testing.assert_array_equal(np.asarray(native.quantized_codes(q)), np.asarray(native.quantized_codes(w)))
+    ids = jnp.asarray([[0, 7, 8, 23], [24, 47, 50, 69]], jnp.int32)  # lanes in every vector of 8, two panels
+    np.testing.assert_array_equal(np.asarray(native.quantized_rows(q, ids, jnp.float32)),
+                                  np.asarray(native.quantized_rows(w, ids, jnp.float32)))
+    x = jnp.asarray(_x(rng, 3, 96))
+    with pytest.raises(Exception, match="quads need the integer path"):
+        jnp.asarray(native.matmul_packed(x, dataclasses.replace(q, int8_rows=4))).block_until_ready()
 
 
 def test_dataclass_field_is_static():

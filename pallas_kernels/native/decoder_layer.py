@@ -148,11 +148,12 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
                            *(() if lora_ids is None else (i32(lora_ids),)), *flat,
                            num_heads=np.int32(num_heads), eps=np.float32(eps),
                            sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-                           int8_rows=np.int32(_int8_rows(layers[0])))
+                           int8_rows=np.int32(_int8_rows(layers[0])),
+                           int4_quads=np.int32(layers[0].quantized and any(w.quads for w in layers[0].weights)))
     return out, list(zip(new_pages[::2], new_pages[1::2]))
 
 
 def _int8_rows(layer: LayerArgs) -> int:
     """The quantized weights' `PackedQuantized.int8_rows` (0 for float weights): from this many rows on
     the matmuls' inputs are quantized to int8 for integer dot products."""
-    return layer.weights[0].int8_rows if layer.quantized else 0
+    return min(w.int8_rows for w in layer.weights) if layer.quantized else 0

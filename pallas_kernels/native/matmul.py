@@ -130,6 +130,10 @@ class PackedQuantized:
     # From this many rows of x on (0: never) the kernel quantizes x to int8 per block of 32 and
     # takes integer dot products (`int_dot_available()`), else dequantizes to float32; see `with_int8_rows`.
     int8_rows: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # int4 codes stored as quads (quant_dot.h's QuadCodes) instead of nibble pairs: where only the
+    # AVX2 integer path reads them (`with_int8_rows(1)` on such a build); `quantized_codes` and
+    # `quantized_rows` read either.
+    quads: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def symmetric(self) -> bool:
@@ -146,10 +150,14 @@ class PackedQuantized:
         return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in (self.codes, self.scales))
 
     def with_int8_rows(self, rows: int) -> "PackedQuantized":
-        """This weight with `int8_rows` = rows (0: the float path at every row count)."""
+        """This weight with `int8_rows` = rows (0: the float path at every row count). int4 codes are
+        stored as quads where every row count takes the AVX2 integer path (rows 1), else as pairs."""
         if rows < 0:
             raise ValueError(f"int8_rows must be >= 0 (0: never), got {rows}")
-        return dataclasses.replace(self, int8_rows=int(rows))
+        quads = (rows == 1 and self.scheme == "int4" and int_dot_isa() == "avx2" and self.group_size % 8 == 0
+                 and self.codes.shape[2] == 24)
+        codes = self.codes if quads == self.quads else (_pairs_to_quads if quads else _quads_to_pairs)(self.codes)
+        return dataclasses.replace(self, codes=codes, int8_rows=int(rows), quads=quads)
 
     def __getitem__(self, key):
         """`param[...]` (how the model reads a weight) is the weight itself."""
@@ -198,9 +206,27 @@ def pack_quantized(w: Any) -> PackedQuantized:
     return PackedQuantized(codes, scales, w.scheme, k // groups, n)
 
 
+def _pairs_to_quads(codes: jax.Array) -> jax.Array:
+    """int4 codes [P, K / 2, 24] as nibble pairs -> as quads (quant_dot.h's QuadCodes), same shape:
+    per 8 rows t and vector v of 8 columns, byte 4j + i holds row 8t + i (low nibble) and 8t + 4 + i
+    (high) of column 8v + j."""
+    p, half, w = codes.shape
+    rows = jnp.stack([codes & 0xF, codes >> 4], axis=2).reshape(p, half // 4, 2, 4, w // 8, 8)  # t h i v j
+    return (rows[:, :, 0] | (rows[:, :, 1] << 4)).transpose(0, 1, 3, 4, 2).reshape(p, half, w).astype(jnp.uint8)
+
+
+def _quads_to_pairs(codes: jax.Array) -> jax.Array:
+    """The inverse of `_pairs_to_quads`."""
+    p, half, w = codes.shape
+    q = codes.reshape(p, half // 4, w // 8, 8, 4)  # t v j i
+    rows = jnp.stack([q & 0xF, q >> 4], axis=2).transpose(0, 1, 2, 5, 3, 4).reshape(p, 2 * half, w)  # t h i | v j
+    return (rows[:, 0::2] | (rows[:, 1::2] << 4)).astype(jnp.uint8)
+
+
 def quantized_codes(packed: PackedQuantized) -> jax.Array:
     """The integer codes [K, N] of a `PackedQuantized` (int8; int4 unpacked, signed where symmetric)."""
-    c = packed.codes.transpose(1, 0, 2).reshape(packed.codes.shape[1], -1)[:, :packed.n]
+    codes = _quads_to_pairs(packed.codes) if packed.quads else packed.codes
+    c = codes.transpose(1, 0, 2).reshape(codes.shape[1], -1)[:, :packed.n]
     if packed.scheme == "int8":
         return c
     q = jnp.stack([c & 0xF, c >> 4], axis=1).reshape(2 * c.shape[0], c.shape[1]).astype(jnp.int8)
@@ -213,8 +239,16 @@ def quantized_rows(packed: PackedQuantized, ids: jax.Array, dtype) -> jax.Array:
     transpose (token t: panel t // P, lane t % P)."""
     lanes = packed.codes.shape[2]
     p, lane = ids // lanes, ids % lanes
-    c = packed.codes[p, :, lane]  # [*ids, K or K / 2]
-    if packed.scheme == "int4":
+    if packed.quads:  # column lane's 4 bytes of each octet (96 bytes) of rows: rows 8t + i, 8t + 4 + i
+        octets = packed.codes.reshape(packed.codes.shape[0], -1, 96)
+        at = (lane // 8 * 32 + lane % 8 * 4)[..., None, None] + jnp.arange(4)
+        b = octets[p[..., None, None], jnp.arange(octets.shape[1])[:, None], at]  # [*ids, K / 8, 4]
+        c = jnp.stack([b & 0xF, b >> 4], axis=-2).reshape(*ids.shape, -1).astype(jnp.int8)
+        if packed.symmetric:
+            c = c - 8
+    else:
+        c = packed.codes[p, :, lane]  # [*ids, K or K / 2]
+    if packed.scheme == "int4" and not packed.quads:
         c = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(*ids.shape, 2 * c.shape[-1]).astype(jnp.int8)
         if packed.symmetric:
             c = c - 8
@@ -286,8 +320,10 @@ def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Arra
                                     * width), jnp.float32) for w in packed]
     many = target == TARGET_MANY
     target = _LIBRARY.target(target, any(isinstance(w, PackedQuantized) for w in packed))
-    attrs = {"int8_rows": np.int32(max((w.int8_rows for w in packed if isinstance(w, PackedQuantized)),
-                                       default=0))} if many else {}
+    quantized = [w for w in packed if isinstance(w, PackedQuantized)]
+    # The call's rows: its weights' fewest (a weight stored as quads needs the integer path at every count).
+    attrs = {"int8_rows": np.int32(min((w.int8_rows for w in quantized), default=0)),
+             "int4_quads": np.int32(any(w.quads for w in quantized))} if many else {}
     outs = jax.ffi.ffi_call(target, shapes if many else shapes[0], vmap_method="sequential")(flat, *args, **attrs)
     outs = outs if many else (outs,)
     return tuple((o if o.shape[1] == n else o[:, :n]).reshape(*lead, n) for o, n in zip(outs, ns))

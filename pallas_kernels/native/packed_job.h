@@ -2,7 +2,8 @@
 // call expects: float32 or bfloat16 panels [N / P, K, P], or a quantized weight's two buffers,
 // codes (int8 [N / P, K, P], or uint8 [N / P, K / 2, P] for int4) and scales ([N / P, K / G, S, P],
 // float32 or float16; S = 2 where they carry offsets, then int4 codes are unsigned). Shared by
-// matmul.cc and decoder_layer.cc. Include after "xla/ffi/api/ffi.h".
+// matmul.cc and decoder_layer.cc. Include after "xla/ffi/api/ffi.h". int4_quads: int4 codes are
+// stored as quads (quant_dot.h's QuadCodes, an AVX2 build's; octets of K within each group).
 #ifndef JSERVE_PACKED_JOB_H_
 #define JSERVE_PACKED_JOB_H_
 
@@ -21,7 +22,8 @@ inline bool IsQuantizedCodes(const xla::ffi::AnyBuffer& w) {
 // its panels must cover at least `min_n` columns (0: any); it writes to `out`. `what` names the
 // weight in the error.
 inline xla::ffi::ErrorOr<Job> PackedJob(const xla::ffi::AnyBuffer& w, const xla::ffi::AnyBuffer* scales,
-                                        int64_t K, int64_t min_n, float* out, const std::string& what) {
+                                        int64_t K, int64_t min_n, float* out, const std::string& what,
+                                        bool int4_quads = false) {
   namespace ffi = xla::ffi;
   auto wd = w.dimensions();
   if (!IsQuantizedCodes(w)) {
@@ -56,6 +58,11 @@ inline xla::ffi::ErrorOr<Job> PackedJob(const xla::ffi::AnyBuffer& w, const xla:
   job.f16_scales = scales->element_type() == ffi::DataType::F16;
   job.group = K / sd[1];
   job.ns = sd[2];
+  job.quads = int4 && int4_quads;
+  if (job.quads && (JSERVE_INT_DOT != 2 || job.group % 8)) {
+    return ffi::Error::InvalidArgument(what + ": int4 codes stored as quads need an AVX2 build's integer path "
+                                       "and groups of a multiple of 8 rows");
+  }
   return job;
 }
 

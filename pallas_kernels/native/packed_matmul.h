@@ -552,6 +552,7 @@ struct Job {
   bool f16_scales = false;
   int64_t group = 0;
   int64_t ns = 1;  // 2: scales and offsets
+  bool quads = false;  // int4 codes stored as quads (quant_dot.h's QuadCodes): the integer path only
 };
 
 template <Codes C>
@@ -563,10 +564,10 @@ inline void QuantJobPanel(const Job& job, int64_t p, int64_t M, int64_t K, const
   if (aq && aq->M == M && aq->K == K && IntDotTakes(job.group, aq->B)) {
     if (job.f16_scales) {
       PackedQuantPanelInt<C>(*aq, codes, static_cast<const Half*>(job.scales) + p * per_panel, job.group,
-                             job.ns, o, ldo);
+                             job.ns, o, ldo, job.quads);
     } else {
       PackedQuantPanelInt<C>(*aq, codes, static_cast<const float*>(job.scales) + p * per_panel, job.group,
-                             job.ns, o, ldo);
+                             job.ns, o, ldo, job.quads);
     }
     return;
   }

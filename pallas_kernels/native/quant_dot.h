@@ -148,11 +148,12 @@ inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
 
 // MR rows of x against [kl, kPanel] rearranged codes (buf) starting at row k0 of K: the float
 // sums o[MR][kPanel] (rows ldo apart) accumulated (or started, `init`) over the chunk's blocks.
-template <int MR, Codes C, typename S>
+template <int MR, Codes C, typename S, bool kQuads>
 inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl,
                                                      const uint8_t* __restrict buf, const S* __restrict scales,
                                                      int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
                                                      bool init) {
+  static_assert(!kQuads, "stored quads are AVX2's");
   constexpr int L = Simd::kLanes;
   constexpr int32_t kBias = C == Codes::kInt8 ? 128 : 8;
   const int64_t B = aq.B, K = aq.K, nb = K / B;
@@ -216,6 +217,13 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
 }
 
 #elif JSERVE_INT_DOT == 2
+// QuadCodes: int4 codes stored at pack time for this kernel (`PackedQuantized.quads`, matmul.py),
+// where every row count takes the integer path: per 8 rows of K (an octet t) and vector v of 8
+// columns, 32 bytes, byte 4j + i holding row 8t + i of column 8v + j in its low nibble and row
+// 8t + 4 + i in its high one; a panel's octets one after the other, 96 bytes each (the size of
+// the pairs layout). A call then splits nibbles instead of rearranging (ToVnni): at one row that
+// was most of the work (benchmarks/kernels/int_dot_layout.cc). Only the integer path reads them.
+
 // Rows [k0, k0 + kl) of a panel's codes (kl a multiple of 4) into buf [kl / 4][kPanel][4] bytes:
 // lane j of quad r holds column j's rows 4r .. 4r + 3, in order; int8: the signed codes, then at
 // buf + kl * kPanel the same quads' absolute values (|-128| reads as 128 unsigned).
@@ -258,7 +266,7 @@ inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
 // int8: the codes' 0..255 unsigned would saturate VPMADDUBSW, so |code| is the unsigned side and q
 // takes the code's sign (VPSIGNB; q is never -128): |pair| <= 2 * 128 * 127 = 32512, one VPMADDWD
 // per quad.
-template <int MR, Codes C, typename S>
+template <int MR, Codes C, typename S, bool kQuads>
 inline __attribute__((always_inline)) void IntKernelV(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl, int v,
                                                       const uint8_t* __restrict buf, const S* __restrict scales,
                                                       int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
@@ -277,7 +285,23 @@ inline __attribute__((always_inline)) void IntKernelV(const ActQuant& aq, int64_
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_si256();
     const uint8_t* wb = buf + kb / 4 * 3 * kQuad + v * kQuad;
     const int8_t* qb = aq.q.data() + m0 * K + k0 + kb;
-    for (int64_t r = 0; r < B / 4; ++r) {
+    if constexpr (kQuads) {  // the codes as stored (QuadCodes): two quads per load, one in each nibble
+      const __m256i low = _mm256_set1_epi8(0x0f);
+      const uint8_t* cb = buf + kb / 2 * kPanel + v * kQuad;  // octet t at cb + t * 3 kQuad
+      for (int64_t t = 0; t < B / 8; ++t) {
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + t * 3 * kQuad));
+        const __m256i w0 = _mm256_and_si256(c, low), w1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+#pragma GCC unroll 6
+        for (int m = 0; m < MR; ++m) {
+          int32_t q0, q1;
+          std::memcpy(&q0, qb + m * K + 8 * t, 4);
+          std::memcpy(&q1, qb + m * K + 8 * t + 4, 4);
+          acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(q0)));
+          acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(q1)));
+        }
+      }
+    }
+    for (int64_t r = 0; r < (kQuads ? 0 : B / 4); ++r) {
       const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + r * 3 * kQuad));
 #pragma GCC unroll 6
       for (int m = 0; m < MR; ++m) {
@@ -309,30 +333,31 @@ inline __attribute__((always_inline)) void IntKernelV(const ActQuant& aq, int64_
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(o + m * ldo + L * v, f[m]);
 }
 
-template <int MR, Codes C, typename S>
+template <int MR, Codes C, typename S, bool kQuads>
 inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl,
                                                      const uint8_t* __restrict buf, const S* __restrict scales,
                                                      int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
                                                      bool init) {
-  for (int v = 0; v < 3; ++v) IntKernelV<MR, C, S>(aq, m0, k0, kl, v, buf, scales, G, ns, o, ldo, init);
+  for (int v = 0; v < 3; ++v) IntKernelV<MR, C, S, kQuads>(aq, m0, k0, kl, v, buf, scales, G, ns, o, ldo, init);
 }
 #endif  // JSERVE_INT_DOT == 2
 
 #if JSERVE_INT_DOT
-template <int R, Codes C, typename S>
+template <int R, Codes C, typename S, bool kQuads>
 inline void IntRows(int rows, const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl, const uint8_t* buf,
                     const S* scales, int64_t G, int64_t ns, float* o, int64_t ldo, bool init) {
   if constexpr (R > 1) {
-    if (rows < R) return IntRows<R - 1, C, S>(rows, aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init);
+    if (rows < R) return IntRows<R - 1, C, S, kQuads>(rows, aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init);
   }
-  IntKernel<R, C, S>(aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init);
+  IntKernel<R, C, S, kQuads>(aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init);
 }
 
-// All aq.M rows against one quantized panel (codes and scales as PackedQuantPanel's) into
-// o[:, 0:kPanel], rows ldo apart. Needs IntDotTakes(G, aq.B).
+// All aq.M rows against one quantized panel (codes and scales as PackedQuantPanel's, or int4 codes
+// stored as quads where `quads`: QuadCodes) into o[:, 0:kPanel], rows ldo apart. Needs
+// IntDotTakes(G, aq.B).
 template <Codes C, typename S>
 void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scales, int64_t G, int64_t ns,
-                         float* o, int64_t ldo) {
+                         float* o, int64_t ldo, bool quads = false) {
   const int64_t M = aq.M, K = aq.K;
   // Chunks of whole blocks: kIntChunk rows, or fewer at K's end.
   const int64_t chunk = kIntChunk / aq.B * aq.B;
@@ -343,10 +368,21 @@ void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scal
   float* tile = tile_buf.data();
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t kl = std::min(chunk, K - k0);
+#if JSERVE_INT_DOT == 2
+    if constexpr (C != Codes::kInt8) {
+      if (quads) {
+        for (int64_t m = 0; m < M; m += kIntMR<C>) {
+          IntRows<kIntMR<C>, C, S, true>(static_cast<int>(std::min<int64_t>(kIntMR<C>, M - m)), aq, m, k0, kl,
+                                         codes + k0 / 2 * kPanel, scales, G, ns, tile + m * kPanel, kPanel, k0 == 0);
+        }
+        continue;
+      }
+    }
+#endif
     ToVnni<C>(codes, k0, kl, buf);
     for (int64_t m = 0; m < M; m += kIntMR<C>) {
-      IntRows<kIntMR<C>, C, S>(static_cast<int>(std::min<int64_t>(kIntMR<C>, M - m)), aq, m, k0, kl, buf, scales, G,
-                            ns, tile + m * kPanel, kPanel, k0 == 0);
+      IntRows<kIntMR<C>, C, S, false>(static_cast<int>(std::min<int64_t>(kIntMR<C>, M - m)), aq, m, k0, kl, buf,
+                                      scales, G, ns, tile + m * kPanel, kPanel, k0 == 0);
     }
   }
   for (int64_t m = 0; m < M; ++m) std::memcpy(o + m * ldo, tile + m * kPanel, kPanel * sizeof(float));
