@@ -246,10 +246,19 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
   for (int64_t j0 = begin; j0 < end; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - j0);
     GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide, krow, vrow, ks_head, vs_head);
-    int64_t jp = 0;
-    for (; jp + 3 <= n; jp += 3) ScoresRows<3>(krow + jp, qt, st + jp * kTileRows, D, rows8);
-    if (n - jp == 2) ScoresRows<2>(krow + jp, qt, st + jp * kTileRows, D, rows8);
-    if (n - jp == 1) ScoresRows<1>(krow + jp, qt, st + jp * kTileRows, D, rows8);
+    // Batch-invariant: one key and 8 rows at a time, whatever the tile's size. -ffast-math lets
+    // GCC schedule each Scores<NK, NV> instance's sums its own way (seen on an AVX2-only AMD EPYC:
+    // a token's scores an ulp apart alone and in a chunk).
+    if (aligned) {
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t r0 = 0; r0 < rows8; r0 += 8) Scores<1, 1>(krow + j, qt, st + j * kTileRows, D, r0);
+      }
+    } else {
+      int64_t jp = 0;
+      for (; jp + 3 <= n; jp += 3) ScoresRows<3>(krow + jp, qt, st + jp * kTileRows, D, rows8);
+      if (n - jp == 2) ScoresRows<2>(krow + jp, qt, st + jp * kTileRows, D, rows8);
+      if (n - jp == 1) ScoresRows<1>(krow + jp, qt, st + jp * kTileRows, D, rows8);
+    }
 
     // Masks, by key: rows whose token precedes the key (causal), and rows whose window has
     // moved past it; row r is token r / G, at position first_pos + r / G.
@@ -289,10 +298,10 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
       St(l + r, av * Ld(l + r) + sum);
       St(m + r, m_new);
     }
-    int64_t rp = 0;
-    for (; rp + 3 <= R; rp += 3) Accumulate<3>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
-    if (R - rp == 2) Accumulate<2>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
-    if (R - rp == 1) Accumulate<1>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
+    int64_t rp = 0;  // batch-invariant: row by row (as the scores)
+    for (; !aligned && rp + 3 <= R; rp += 3) Accumulate<3>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
+    if (!aligned && R - rp == 2) Accumulate<2>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
+    for (; rp < R; ++rp) Accumulate<1>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
   }
   for (int64_t r = 0; r < R; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
