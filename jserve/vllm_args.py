@@ -62,8 +62,6 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                    default=argparse.SUPPRESS, help="the same as --kv-cache-bytes")
     g.add_argument("--block-size", dest="page_size", type=int, default=argparse.SUPPRESS,
                    help="the same as --page-size")
-    g.add_argument("--lora-dtype", default=None, metavar="auto",
-                   help="only auto: LoRA weights are served in the model's dtype")
     g.add_argument("--long-lora-scaling-factors", default=None, metavar="FACTORS",
                    help="refused: jserve has no long-context LoRA (LongLoRA) scaling")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
@@ -84,9 +82,6 @@ def apply_vllm_args(args: argparse.Namespace) -> None:
     if args.pipeline_parallel_size not in (None, 1):
         raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: jserve has no pipeline "
                          "parallelism; split the model with -tp (or --mesh tp=N) instead")
-    if args.lora_dtype not in (None, "auto"):
-        raise ValueError(f"--lora-dtype {args.lora_dtype}: jserve serves LoRA weights in the model's dtype; give "
-                         "auto or leave it out")
     if args.long_lora_scaling_factors is not None:
         raise ValueError(f"--long-lora-scaling-factors {args.long_lora_scaling_factors}: jserve has no long-context "
                          "LoRA (LongLoRA) scaling; leave it out")

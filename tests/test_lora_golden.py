@@ -71,6 +71,36 @@ def test_prompt_logprobs_match_peft_logits(model):
                                    err_msg=str(name))
 
 
+@pytest.mark.parametrize("backend", ["native", "xla"])
+def test_bfloat16_slots_match_peft(backend):
+    """`lora_dtype="bfloat16"` (half the bytes a step reads for its adapters) over float32 weights:
+    the stacks are bfloat16, each adapter's greedy tokens are PEFT's and its prompt logprobs within
+    bfloat16's rounding of the adapter weights (2^-9 relative) of PEFT's float32 logits."""
+    import jax
+    import jax.numpy as jnp
+
+    model = "llama3"
+    ref = np.load(DATA / "lora" / model / "reference.npz")
+    engine = engine_for(model, backend=backend, lora_dtype="bfloat16")
+    layers = engine.runner.params["layers"]
+    stacks = {k: v for k, v in jax.tree_util.tree_leaves_with_path(layers) if "lora_" in jax.tree_util.keystr(k)}
+    assert stacks and all(v.dtype == jnp.bfloat16 for v in stacks.values())
+    assert engine.runner.params["final_norm"].dtype == jnp.float32
+    ids = [int(t) for t in input_ids(model)[0]]
+    for name in (None, *ADAPTERS):
+        got = run(engine, [("r", ids[:10], name)], model)["r"]
+        assert got == [int(t) for t in ref[f"greedy_{name or 'base'}"][0]], name
+        lora = None if name is None else lora_request(model, name)
+        engine.add_request(f"p-{name}", ids, SamplingParams(max_tokens=1, prompt_logprobs=0), lora_request=lora)
+        out = finish(engine)[f"p-{name}"]
+        logits = ref[f"logits_{name or 'base'}"][0].astype(np.float64)
+        want = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        got = [out.prompt_logprobs[j + 1][ids[j + 1]].logprob for j in range(len(ids) - 1)]
+        np.testing.assert_allclose(got, [want[j, ids[j + 1]] for j in range(len(ids) - 1)], atol=5e-3,
+                                   err_msg=str(name))
+
+
 def _mixed_requests():
     """Eight requests over both prompts of the reference, the base model and every adapter."""
     prompts = [[int(t) for t in input_ids("llama3")[i, :n]] for i, n in ((0, 10), (1, 13))]

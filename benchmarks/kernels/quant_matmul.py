@@ -25,6 +25,7 @@ real shapes, or the checkpoint's (`--model`) when it is at hand.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -44,16 +45,22 @@ SHAPES = {"q/o": (576, 576), "k/v": (576, 192), "gate/up": (576, 1536), "down": 
 FORMATS = {"float32": ("float32", 0, True), "bfloat16": ("bfloat16", 0, True), "int8": ("int8", 0, True),
            "int4-g32-sym": ("int4", 32, True), "int4-g32-asym": ("int4", 32, False)}
 # The quantized formats with int8 activations (quant_dot.h: integer dot products at every row count
-# here; the engine's default takes them from `native.DEFAULT_INT8_ROWS` rows on).
+# here; the engine's default takes them from `native.default_int8_rows(scheme)` rows on); on AVX2
+# builds int4's "-a8" codes are stored as quads (`PackedQuantized.quads`), "-a8-pairs" as nibble
+# pairs rearranged by each call (the layout before quads).
 FORMATS.update({f"{name}-a8": spec for name, spec in list(FORMATS.items()) if spec[0] in ("int8", "int4")})
+FORMATS.update({f"{name}-a8-pairs": spec for name, spec in list(FORMATS.items()) if spec[0] == "int4"
+                and not name.endswith("-a8")})
 
 
 def packed_weight(w: np.ndarray, fmt: str):
     scheme, group, symmetric = FORMATS[fmt]
     if scheme in ("float32", "bfloat16"):
         return native.pack(jnp.asarray(w, scheme))
-    return native.pack_quantized(quant.quantize(w, scheme, group, symmetric)).with_int8_rows(
-        1 if fmt.endswith("-a8") else 0)
+    packed = native.pack_quantized(quant.quantize(w, scheme, group, symmetric))
+    if fmt.endswith("-a8-pairs"):
+        return dataclasses.replace(packed, int8_rows=1)
+    return packed.with_int8_rows(1 if fmt.endswith("-a8") else 0)
 
 
 def nbytes(p) -> int:
@@ -196,6 +203,8 @@ def bench_decode(args) -> list[dict]:
     """SmolLM2-135M decode steps per format, taking turns."""
     from jserve.runtime.backends import NativeCpuBackend
 
+    if any(f.endswith("-a8-pairs") for f in args.formats):
+        raise SystemExit("--decode: the engine stores int4 codes as its build reads them; no -a8-pairs formats")
     config, loaded, source = decode_weights(args)
     floats = NativeCpuBackend(native_matmuls=False).prepare_params(config, loaded)
     floats = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), floats)
@@ -221,7 +230,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=[f for f in FORMATS if not f.endswith("-a8")],
+    parser.add_argument("--formats", nargs="+", default=[f for f in FORMATS if "-a8" not in f],
                         choices=list(FORMATS))
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--calls", type=int, default=64, help="matmuls per timed program (at most)")

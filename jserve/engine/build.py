@@ -67,7 +67,8 @@ def _lora_spec(config: EngineConfig, source_config, model_config, pooling):
     if model_config != source_config:  # tp padded or replicated heads: an adapter's q/k/v would need it too
         raise ValueError(f"LoRA on this mesh needs every tp shard to hold whole heads ({source_config.num_heads} "
                          f"query and {source_config.num_kv_heads} KV heads): pick a tp that divides both")
-    return LoraSpec.for_model(source_config, config.max_loras, config.max_lora_rank)
+    return LoraSpec.for_model(source_config, config.max_loras, config.max_lora_rank,
+                              None if config.lora_dtype == "auto" else config.lora_dtype)
 
 
 def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids: Sequence[int],

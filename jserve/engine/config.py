@@ -23,6 +23,7 @@ QUALITY_GATES = ("enforce", "warn", "off")
 LOAD_FORMATS = ("auto", "dummy")
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("last", "mean", "cls")  # jserve.model.pooling.POOLING_TYPES
+LORA_DTYPES = ("auto", "float32", "bfloat16")  # the native fused layers read float32 or bfloat16 stacks
 # Where `jserve serve` defaults otherwise than the offline LLM: a server is ready once the largest
 # shapes compile, the others compile while it serves (--no-lazy-buckets compiles them all first).
 SERVE_DEFAULTS = {"lazy_buckets": True}
@@ -167,6 +168,9 @@ class EngineConfig:
     max_loras: int = _setting(1, "LoRA adapters resident on the device at once (a step mixes any of them; "
                                  "each costs max_loras * rank * (in + out) per token and linear)", parse=int)
     max_lora_rank: int = _setting(16, "the largest LoRA rank served (smaller ranks are padded to it)", parse=int)
+    lora_dtype: str = _setting("auto", "the LoRA slots' dtype: auto (the model's float weights'), float32 or "
+                                       "bfloat16 (half the bytes a step reads for its adapters; the "
+                                       "deltas still sum in float32)", choices=LORA_DTYPES)
     max_cpu_loras: int | None = _setting(None, "LoRA adapters kept read in host memory (least recently used "
                                                "dropped; default max_loras)", parse=int)
     int8_activations: bool = _setting(True, "native CPU backend, quantized weights: from a few rows on "
@@ -229,6 +233,8 @@ class EngineConfig:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {POOLING_TYPES} or None, got {self.pooling!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.pooling_normalize not in ("auto", "true", "false"):
             raise ValueError(f"pooling_normalize must be 'auto', 'true' or 'false', got {self.pooling_normalize!r}")
         if self.batch_invariant and self.enable_lora:

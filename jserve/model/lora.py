@@ -39,11 +39,13 @@ def group_name(targets: tuple[str, ...]) -> str:
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
     """The slots a model holds: `max_loras` adapters resident at once, each of rank at most
-    `max_rank`, over `targets` (a mixture-of-experts model: its attention's only)."""
+    `max_rank`, over `targets` (a mixture-of-experts model: its attention's only), in `dtype` (a
+    float dtype's name; None: the model's float weights')."""
 
     max_loras: int = 1
     max_rank: int = 16
     targets: tuple[str, ...] = LORA_TARGETS
+    dtype: str | None = None
 
     def __post_init__(self):
         if self.max_loras < 1:
@@ -62,10 +64,10 @@ class LoraSpec:
         return tuple(g for g in GROUPS if g[0] in self.targets)
 
     @classmethod
-    def for_model(cls, config: ModelConfig, max_loras: int, max_rank: int) -> "LoraSpec":
+    def for_model(cls, config: ModelConfig, max_loras: int, max_rank: int, dtype: str | None = None) -> "LoraSpec":
         """The slots for `config`: every dense linear, or the attention's of a MoE model."""
         targets = LORA_TARGETS[:4] if config.moe else LORA_TARGETS
-        return cls(max_loras, max_rank, targets)
+        return cls(max_loras, max_rank, targets, dtype)
 
 
 def slot_shapes(config: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, ...]]:

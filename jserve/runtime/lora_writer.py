@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jserve.model import lora, quant
@@ -41,10 +42,10 @@ class LoraSlotWriter:
         self.spec = spec
 
     def add_slots(self, params: dict[str, Any], put, mesh: Any = None) -> dict[str, Any]:
-        """`params` (the backend's model state) with empty slots in the float weights' dtype, each
-        array placed by `put`, or over `mesh` sharded like its base linear (`sharding.PARTITION_RULES`);
-        the writes' programs compiled (slot 1 cleared)."""
-        dtype = quant.float_dtype(params)
+        """`params` (the backend's model state) with empty slots in the spec's dtype (default: the
+        float weights'), each array placed by `put`, or over `mesh` sharded like its base linear
+        (`sharding.PARTITION_RULES`); the writes' programs compiled (slot 1 cleared)."""
+        dtype = jnp.dtype(self.spec.dtype) if self.spec.dtype else quant.float_dtype(params)
         if mesh is None:
             return self.write(lora.add_slots(params, self.config, self.spec, dtype, put), 1, None)
         from jserve.runtime.sharding import param_sharding
