@@ -4,8 +4,9 @@
 // "pre-arranged", a kernel over codes stored at pack time in a nibble-split quad layout (per 8 rows
 // of K and vector of 8 columns, 32 bytes: byte 4j + i holds row 8t + i of column j in its low
 // nibble and row 8t + 4 + i in its high one), so a call only splits nibbles (an AND, a shift and
-// an AND per two vectors). The layout is not in the engine (every reader of int4 panels would need
-// it); this measures what it would give (docs/performance.md, Integer dot products with AVX2).
+// an AND per two vectors). The engine stores int4 codes so where every row count takes the AVX2
+// integer path (`PackedQuantized.quads`, quant_dot.h's QuadCodes); this harness keeps the three
+// kernels side by side (docs/performance.md, Integer dot products with AVX2).
 // Build and run on an AVX2 machine (M rows of x, P panels: 64 stay in L2, 2048 stream from memory):
 //   g++ -O3 -ffast-math -fopenmp-simd -std=c++17 -march=native -Ipallas_kernels/native \
 //       benchmarks/kernels/int_dot_layout.cc -o /tmp/int_dot_layout && /tmp/int_dot_layout M P

@@ -175,7 +175,8 @@ class EngineConfig:
                                                "dropped; default max_loras)", parse=int)
     int8_activations: bool = _setting(True, "native CPU backend, quantized weights: from a few rows on "
                                             "(decode batches, prefill) quantize each matmul's input to int8 "
-                                            "per block of 32 and use integer dot products (AVX512-VNNI); "
+                                            "per block of 32 and use integer dot products (AVX512-VNNI, or AVX2: "
+                                            "int4 from one row); "
                                             "off: dequantize the weights to float32 at every batch size")
     batch_invariant: bool = _setting(False, "a request's tokens and logprobs bitwise the same whatever it is "
                                             "batched with, chunked or cached (vLLM's VLLM_BATCH_INVARIANT): "
