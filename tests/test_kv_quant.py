@@ -74,7 +74,7 @@ def test_write_kv_quantizes_each_token_and_head_into_its_slot(dtype):
             page, off = page_ids[(2 + t) // 4], (2 + t) % 4
             np.testing.assert_array_equal(np.asarray(pages[:, page, off].astype(jnp.float32)),
                                           np.asarray(want_codes[t].astype(jnp.float32)))
-            # One ulp apart on some CPUs (seen on an AVX2-only AMD EPYC): the fused jitted divide.
+            # One ulp apart on some CPUs (seen on an AMD EPYC VM): the fused jitted divide.
             np.testing.assert_allclose(scales[:, page, off], want_scales[t], rtol=2.5e-7, atol=0)
         assert float(jnp.abs(scales[:, [0, 1, 4]]).sum()) == 0.0
     with pytest.raises(ValueError, match="need k_scales"):

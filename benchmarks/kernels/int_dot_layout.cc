@@ -7,7 +7,8 @@
 // an AND per two vectors). The engine stores int4 codes so where every row count takes the AVX2
 // integer path (`PackedQuantized.quads`, quant_dot.h's QuadCodes); this harness keeps the three
 // kernels side by side (docs/performance.md, Integer dot products with AVX2).
-// Build and run on an AVX2 machine (M rows of x, P panels: 64 stay in L2, 2048 stream from memory):
+// Build and run on an AVX2 machine (M rows of x, P panels: 64 stay in L2, 2048 stream from memory;
+// on an AVX-512 machine -march=x86-64-v3 instead of native builds the AVX2 kernels):
 //   g++ -O3 -ffast-math -fopenmp-simd -std=c++17 -march=native -Ipallas_kernels/native \
 //       benchmarks/kernels/int_dot_layout.cc -o /tmp/int_dot_layout && /tmp/int_dot_layout M P
 #include <algorithm>

@@ -247,7 +247,7 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
     const int64_t n = std::min(kKeyBlock, end - j0);
     GatherRows(k_head, v_head, table, s.num_pages, P, D, j0, n, wide, krow, vrow, ks_head, vs_head);
     // Batch-invariant: one key and 8 rows at a time, whatever the tile's size. -ffast-math lets
-    // GCC schedule each Scores<NK, NV> instance's sums its own way (seen on an AVX2-only AMD EPYC:
+    // GCC schedule each Scores<NK, NV> instance's sums its own way (seen on AMD EPYC VMs:
     // a token's scores an ulp apart alone and in a chunk).
     if (aligned) {
       for (int64_t j = 0; j < n; ++j) {
