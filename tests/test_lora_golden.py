@@ -43,6 +43,19 @@ def run(engine, requests, model="llama3"):
     return {rid: list(out.outputs[0].token_ids) for rid, out in finish(engine).items()}
 
 
+def check_prompt_logprobs(engine, model, ref, ids, name, atol):
+    """Each position's logprob of the next prompt token under adapter `name` (None: the base
+    model), against the log-softmax of PEFT's logits in `ref`."""
+    lora = None if name is None else lora_request(model, name)
+    engine.add_request(f"p-{name}", ids, SamplingParams(max_tokens=1, prompt_logprobs=0), lora_request=lora)
+    out = finish(engine)[f"p-{name}"]
+    logits = ref[f"logits_{name or 'base'}"][0].astype(np.float64)
+    want = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    got = [out.prompt_logprobs[j + 1][ids[j + 1]].logprob for j in range(len(ids) - 1)]
+    np.testing.assert_allclose(got, [want[j, ids[j + 1]] for j in range(len(ids) - 1)], atol=atol, err_msg=str(name))
+
+
 @pytest.mark.parametrize("model", ["llama3", "qwen2"])
 def test_each_adapter_alone_matches_peft(model):
     ref = np.load(DATA / "lora" / model / "reference.npz")
@@ -60,15 +73,7 @@ def test_prompt_logprobs_match_peft_logits(model):
     engine = engine_for(model)
     ids = [int(t) for t in input_ids(model)[0]]
     for name in (None, *ADAPTERS):
-        lora = None if name is None else lora_request(model, name)
-        engine.add_request(f"p-{name}", ids, SamplingParams(max_tokens=1, prompt_logprobs=0), lora_request=lora)
-        out = finish(engine)[f"p-{name}"]
-        logits = ref[f"logits_{name or 'base'}"][0].astype(np.float64)
-        want = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-            - logits.max(-1, keepdims=True)
-        got = [out.prompt_logprobs[j + 1][ids[j + 1]].logprob for j in range(len(ids) - 1)]
-        np.testing.assert_allclose(got, [want[j, ids[j + 1]] for j in range(len(ids) - 1)], atol=2e-4,
-                                   err_msg=str(name))
+        check_prompt_logprobs(engine, model, ref, ids, name, atol=2e-4)
 
 
 @pytest.mark.parametrize("backend", ["native", "xla"])
@@ -90,15 +95,7 @@ def test_bfloat16_slots_match_peft(backend):
     for name in (None, *ADAPTERS):
         got = run(engine, [("r", ids[:10], name)], model)["r"]
         assert got == [int(t) for t in ref[f"greedy_{name or 'base'}"][0]], name
-        lora = None if name is None else lora_request(model, name)
-        engine.add_request(f"p-{name}", ids, SamplingParams(max_tokens=1, prompt_logprobs=0), lora_request=lora)
-        out = finish(engine)[f"p-{name}"]
-        logits = ref[f"logits_{name or 'base'}"][0].astype(np.float64)
-        want = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-            - logits.max(-1, keepdims=True)
-        got = [out.prompt_logprobs[j + 1][ids[j + 1]].logprob for j in range(len(ids) - 1)]
-        np.testing.assert_allclose(got, [want[j, ids[j + 1]] for j in range(len(ids) - 1)], atol=5e-3,
-                                   err_msg=str(name))
+        check_prompt_logprobs(engine, model, ref, ids, name, atol=5e-3)
 
 
 def _mixed_requests():
