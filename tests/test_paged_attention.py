@@ -185,6 +185,22 @@ def test_native_prefill_chunk_spans_several_tiles(head_dim, groups, dtype, slidi
     assert native.TARGET in paged_prefill_attention.trace(*args, backend="cpu", **kw).lower().as_text()
 
 
+@pytest.mark.parametrize("groups,dtype", [(1, jnp.float32), (2, jnp.float32), (1, jnp.bfloat16)])
+def test_native_prefill_every_row_count_over_several_key_blocks(groups, dtype):
+    # A tile's rows go through the key blocks 3, 2 or 1 at a time: chunks of 1 .. 9 tokens give
+    # every row count modulo 3, and contexts past 64 keys give each a second key block, where a
+    # row's sums are rescaled (a row accumulated twice is wrong only from there on).
+    q_lens = np.arange(1, 10, dtype=np.int32)
+    q_start = 150 - 7 * q_lens
+    rng = np.random.default_rng(groups)
+    k, v, k_pages, v_pages, table = make_cache(rng, q_start + q_lens, page_size=16, head_dim=64,
+                                               dtype=dtype, max_pages=10)
+    q = jnp.asarray(rng.standard_normal((9, 9, NUM_KV_HEADS * groups, 64)), dtype)
+    want = dense_attention(q, k, v, q_start, q_lens, sm_scale=0.125)
+    check(paged_prefill_attention(q, k_pages, v_pages, jnp.asarray(q_start), jnp.asarray(q_lens), table,
+                                  backend="cpu", sm_scale=0.125), want, dtype)
+
+
 def test_cpu_backend_runs_every_chunk_length_natively():
     pages = jax.ShapeDtypeStruct((2, 9, 16, 64), jnp.float32)
     per_row = jax.ShapeDtypeStruct((2,), jnp.int32)

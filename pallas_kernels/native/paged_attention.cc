@@ -300,7 +300,10 @@ void AttendTile(const Shape& s, int64_t b, int64_t k, int64_t t0, int64_t t1, co
     }
     int64_t rp = 0;  // batch-invariant: row by row (as the scores)
     for (; !aligned && rp + 3 <= R; rp += 3) Accumulate<3>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
-    if (!aligned && R - rp == 2) Accumulate<2>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
+    if (!aligned && R - rp == 2) {
+      Accumulate<2>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
+      rp += 2;
+    }
     for (; rp < R; ++rp) Accumulate<1>(st, kTileRows, 1, alpha, vrow, acc, n, D, rp);
   }
   for (int64_t r = 0; r < R; ++r) {
