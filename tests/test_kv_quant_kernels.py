@@ -184,7 +184,7 @@ def test_gpu_kernel_reads_quantized_pages_in_gpu_interpret_mode(tokens, splits, 
     """The Mosaic GPU kernel with int8 / fp8 pages in the GPU interpreter on CPU: the scale
     gather, its per-stage copies and where the scales apply (key scales on the scores, value
     scales on the probabilities); only the widening and the matmuls differ on a GPU (jnp there)."""
-    from test_paged_attention import _gpu_rows
+    from test_paged_attention_gpu import _gpu_rows
 
     rng = np.random.default_rng(tokens * 10 + splits)
     if tokens == 1:
