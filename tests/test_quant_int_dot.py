@@ -141,7 +141,7 @@ def test_the_backend_sets_int8_rows_from_its_option():
     assert NativeCpuBackend()._pack_quantized(w).int8_rows == native.DEFAULT_INT8_ROWS
     # int4 on an AVX2 build: from one row (as fast at 1-2 rows, faster from 4: docs/performance.md)
     w4 = _weight(rng, 64, 96, "int4", 32, False)
-    want = 1 if native.int_dot_isa() == "avx2" else native.DEFAULT_INT8_ROWS
+    want = 1 if native.int_dot_available() else native.DEFAULT_INT8_ROWS
     assert native.default_int8_rows("int4") == want == NativeCpuBackend()._pack_quantized(w4).int8_rows
     assert NativeCpuBackend(int8_activations=False)._pack_quantized(w).int8_rows == 0
     assert NativeCpuBackend(batch_invariant=True)._pack_quantized(w).int8_rows == 0  # rows may not depend on M
@@ -208,10 +208,10 @@ for fmt in [("int8", 32, True), ("int8", 0, True), ("int4", 32, True), ("int4", 
 """, os.environ["JSERVE_KERNEL_CACHE"], JSERVE_NATIVE_ARCH="x86-64-v3")
 
 
-@pytest.mark.skipif(native.int_dot_isa() != "avx2", reason="int4 codes are stored as quads on AVX2 builds only")
+@pytest.mark.skipif(not native.int_dot_available(), reason="int4 codes are stored as quads on integer-path builds")
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_int4_codes_stored_as_quads_read_back_as_the_pairs(symmetric):
-    """From one row on (AVX2) int4 codes are stored as quads: the codes, a tied table's embedding rows
+    """From one row on int4 codes are stored as quads: the codes, a tied table's embedding rows
     and the way back to pairs are those of the pairs layout, and a call that would take the float
     path for them is refused, not misread."""
     rng = np.random.default_rng(5)
@@ -221,7 +221,7 @@ def test_int4_codes_stored_as_quads_read_back_as_the_pairs(symmetric):
     assert not np.array_equal(np.asarray(q.codes), np.asarray(w.codes))
     np.testing.assert_array_equal(np.asarray(q.with_int8_rows(0).codes), np.asarray(w.codes))
     np.testing.assert_array_equal(np.asarray(native.quantized_codes(q)), np.asarray(native.quantized_codes(w)))
-    ids = jnp.asarray([[0, 7, 8, 23], [24, 47, 50, 69]], jnp.int32)  # lanes in every vector of 8, two panels
+    ids = jnp.asarray([[0, 7, 8, 15, 16, 23], [24, 31, 47, 48, 50, 69]], jnp.int32)  # vectors of 8 and 16, 2 panels
     np.testing.assert_array_equal(np.asarray(native.quantized_rows(q, ids, jnp.float32)),
                                   np.asarray(native.quantized_rows(w, ids, jnp.float32)))
     x = jnp.asarray(_x(rng, 3, 96))

@@ -64,14 +64,14 @@ def int_dot_available() -> bool:
 
 
 # From how many rows of x on the integer path is faster (docs/performance.md, Quantized matmul):
-# with AVX-512 VNNI 8 (below, the per-panel rearrangement costs more than the cheaper sums save);
-# with AVX2 int4 from one row, int8 from 8.
+# int8 from 8 (below, the per-panel rearrangement costs more than the cheaper sums save); int4 from
+# one row, its codes stored as the integer kernel reads them (`PackedQuantized.quads`).
 DEFAULT_INT8_ROWS = 8
 
 
 def default_int8_rows(scheme: str) -> int:
     """The engine's `int8_rows` for a weight of this scheme ("int8" or "int4") on this build."""
-    return 1 if scheme == "int4" and int_dot_isa() == "avx2" else DEFAULT_INT8_ROWS
+    return 1 if scheme == "int4" and int_dot_available() else DEFAULT_INT8_ROWS
 
 
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -131,7 +131,7 @@ class PackedQuantized:
     # takes integer dot products (`int_dot_available()`), else dequantizes to float32; see `with_int8_rows`.
     int8_rows: int = dataclasses.field(default=0, metadata=dict(static=True))
     # int4 codes stored as quads (quant_dot.h's QuadCodes) instead of nibble pairs: where only the
-    # AVX2 integer path reads them (`with_int8_rows(1)` on such a build); `quantized_codes` and
+    # integer path reads them (`with_int8_rows(1)` on a build with it); `quantized_codes` and
     # `quantized_rows` read either.
     quads: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -151,11 +151,11 @@ class PackedQuantized:
 
     def with_int8_rows(self, rows: int) -> "PackedQuantized":
         """This weight with `int8_rows` = rows (0: the float path at every row count). int4 codes are
-        stored as quads where every row count takes the AVX2 integer path (rows 1), else as pairs."""
+        stored as quads where every row count takes the integer path (rows 1), else as pairs."""
         if rows < 0:
             raise ValueError(f"int8_rows must be >= 0 (0: never), got {rows}")
-        quads = (rows == 1 and self.scheme == "int4" and int_dot_isa() == "avx2" and self.group_size % 8 == 0
-                 and self.codes.shape[2] == 24)
+        quads = (rows == 1 and self.scheme == "int4" and int_dot_isa() is not None and self.group_size % 8 == 0
+                 and self.codes.shape[2] == panel())
         codes = self.codes if quads == self.quads else (_pairs_to_quads if quads else _quads_to_pairs)(self.codes)
         return dataclasses.replace(self, codes=codes, int8_rows=int(rows), quads=quads)
 
@@ -207,18 +207,18 @@ def pack_quantized(w: Any) -> PackedQuantized:
 
 
 def _pairs_to_quads(codes: jax.Array) -> jax.Array:
-    """int4 codes [P, K / 2, 24] as nibble pairs -> as quads (quant_dot.h's QuadCodes), same shape:
-    per 8 rows t and vector v of 8 columns, byte 4j + i holds row 8t + i (low nibble) and 8t + 4 + i
-    (high) of column 8v + j."""
+    """int4 codes [P, K / 2, W] as nibble pairs -> as quads (quant_dot.h's QuadCodes), same shape:
+    per 8 rows t and vector v of L = W / 3 columns (a panel is three SIMD vectors), byte 4j + i holds
+    row 8t + i (low nibble) and 8t + 4 + i (high) of column Lv + j."""
     p, half, w = codes.shape
-    rows = jnp.stack([codes & 0xF, codes >> 4], axis=2).reshape(p, half // 4, 2, 4, w // 8, 8)  # t h i v j
+    rows = jnp.stack([codes & 0xF, codes >> 4], axis=2).reshape(p, half // 4, 2, 4, 3, w // 3)  # t h i v j
     return (rows[:, :, 0] | (rows[:, :, 1] << 4)).transpose(0, 1, 3, 4, 2).reshape(p, half, w).astype(jnp.uint8)
 
 
 def _quads_to_pairs(codes: jax.Array) -> jax.Array:
     """The inverse of `_pairs_to_quads`."""
     p, half, w = codes.shape
-    q = codes.reshape(p, half // 4, w // 8, 8, 4)  # t v j i
+    q = codes.reshape(p, half // 4, 3, w // 3, 4)  # t v j i
     rows = jnp.stack([q & 0xF, q >> 4], axis=2).transpose(0, 1, 2, 5, 3, 4).reshape(p, 2 * half, w)  # t h i | v j
     return (rows[:, 0::2] | (rows[:, 1::2] << 4)).astype(jnp.uint8)
 
@@ -239,9 +239,10 @@ def quantized_rows(packed: PackedQuantized, ids: jax.Array, dtype) -> jax.Array:
     transpose (token t: panel t // P, lane t % P)."""
     lanes = packed.codes.shape[2]
     p, lane = ids // lanes, ids % lanes
-    if packed.quads:  # column lane's 4 bytes of each octet (96 bytes) of rows: rows 8t + i, 8t + 4 + i
-        octets = packed.codes.reshape(packed.codes.shape[0], -1, 96)
-        at = (lane // 8 * 32 + lane % 8 * 4)[..., None, None] + jnp.arange(4)
+    if packed.quads:  # column lane's 4 bytes of each octet (4 lanes bytes) of rows: rows 8t + i, 8t + 4 + i
+        octets = packed.codes.reshape(packed.codes.shape[0], -1, 4 * lanes)
+        vec = lanes // 3
+        at = (lane // vec * 4 * vec + lane % vec * 4)[..., None, None] + jnp.arange(4)
         b = octets[p[..., None, None], jnp.arange(octets.shape[1])[:, None], at]  # [*ids, K / 8, 4]
         c = jnp.stack([b & 0xF, b >> 4], axis=-2).reshape(*ids.shape, -1).astype(jnp.int8)
         if packed.symmetric:

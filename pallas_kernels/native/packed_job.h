@@ -59,8 +59,8 @@ inline xla::ffi::ErrorOr<Job> PackedJob(const xla::ffi::AnyBuffer& w, const xla:
   job.group = K / sd[1];
   job.ns = sd[2];
   job.quads = int4 && int4_quads;
-  if (job.quads && (JSERVE_INT_DOT != 2 || job.group % 8)) {
-    return ffi::Error::InvalidArgument(what + ": int4 codes stored as quads need an AVX2 build's integer path "
+  if (job.quads && (!JSERVE_INT_DOT || job.group % 8)) {
+    return ffi::Error::InvalidArgument(what + ": int4 codes stored as quads need a build's integer path "
                                        "and groups of a multiple of 8 rows");
   }
   return job;

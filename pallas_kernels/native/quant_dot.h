@@ -95,6 +95,14 @@ constexpr int64_t kQuad = 4 * Simd::kLanes;  // bytes of a vector of quads: kLan
 constexpr int64_t kIntCopies = JSERVE_INT_DOT == 2 ? 2 : 1;
 #endif
 
+// QuadCodes: int4 codes stored at pack time for the integer kernels (`PackedQuantized.quads`,
+// matmul.py), where every row count takes the integer path: per 8 rows of K (an octet t) and vector
+// v of L = kLanes columns, 4 L bytes, byte 4j + i holding row 8t + i of column Lv + j in its low
+// nibble and row 8t + 4 + i in its high one; a panel's octets one after the other, 4 kPanel bytes
+// each (the size of the pairs layout). A call then splits nibbles instead of rearranging (ToVnni):
+// at one row that was most of the work (benchmarks/kernels/int_dot_layout.cc). Only the integer
+// path reads them.
+
 #if JSERVE_INT_DOT == 1
 
 // Rows [k0, k0 + kl) of a panel's codes (kl a multiple of 4) into buf [kl / 4][kPanel][4] unsigned
@@ -153,7 +161,6 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
                                                      const uint8_t* __restrict buf, const S* __restrict scales,
                                                      int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
                                                      bool init) {
-  static_assert(!kQuads, "stored quads are AVX2's");
   constexpr int L = Simd::kLanes;
   constexpr int32_t kBias = C == Codes::kInt8 ? 128 : 8;
   const int64_t B = aq.B, K = aq.K, nb = K / B;
@@ -173,7 +180,30 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
     }
     const uint8_t* wb = buf + kb / 4 * 3 * kQuad;
     const int8_t* qb = aq.q.data() + m0 * K + k0 + kb;
-    for (int64_t r = 0; r < B / 4; ++r) {
+    if constexpr (kQuads) {  // the codes as stored (QuadCodes): two quads per load, one in each nibble
+      const __m512i low = _mm512_set1_epi8(0x0f);
+      const uint8_t* cb = buf + kb / 2 * kPanel;  // octet t at cb + t * 3 kQuad
+      // Low nibbles (rows 8t .. 8t + 3), then high (8t + 4 .. 8t + 7): 3 code vectors live beside
+      // the 12 integer and 12 float sums.
+      for (int64_t h = 0; h < B / 4; ++h) {
+        const int64_t t = h / 2;
+        __m512i w[3];
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; ++v) {
+          const __m512i c = _mm512_loadu_si512(cb + (t * 3 + v) * kQuad);
+          w[v] = _mm512_and_si512(h % 2 ? _mm512_srli_epi16(c, 4) : c, low);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, qb + m * K + 4 * h, 4);
+          const __m512i xb = _mm512_set1_epi32(quad);
+#pragma GCC unroll 3
+          for (int v = 0; v < 3; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], w[v], xb);
+        }
+      }
+    }
+    for (int64_t r = 0; r < (kQuads ? 0 : B / 4); ++r) {
       __m512i w[3];
 #pragma GCC unroll 3
       for (int v = 0; v < 3; ++v) w[v] = _mm512_load_si512(wb + (r * 3 + v) * kQuad);
@@ -217,12 +247,6 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
 }
 
 #elif JSERVE_INT_DOT == 2
-// QuadCodes: int4 codes stored at pack time for this kernel (`PackedQuantized.quads`, matmul.py),
-// where every row count takes the integer path: per 8 rows of K (an octet t) and vector v of 8
-// columns, 32 bytes, byte 4j + i holding row 8t + i of column 8v + j in its low nibble and row
-// 8t + 4 + i in its high one; a panel's octets one after the other, 96 bytes each (the size of
-// the pairs layout). A call then splits nibbles instead of rearranging (ToVnni): at one row that
-// was most of the work (benchmarks/kernels/int_dot_layout.cc). Only the integer path reads them.
 
 // Rows [k0, k0 + kl) of a panel's codes (kl a multiple of 4) into buf [kl / 4][kPanel][4] bytes:
 // lane j of quad r holds column j's rows 4r .. 4r + 3, in order; int8: the signed codes, then at
@@ -368,7 +392,6 @@ void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scal
   float* tile = tile_buf.data();
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t kl = std::min(chunk, K - k0);
-#if JSERVE_INT_DOT == 2
     if constexpr (C != Codes::kInt8) {
       if (quads) {
         for (int64_t m = 0; m < M; m += kIntMR<C>) {
@@ -378,7 +401,6 @@ void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scal
         continue;
       }
     }
-#endif
     ToVnni<C>(codes, k0, kl, buf);
     for (int64_t m = 0; m < M; m += kIntMR<C>) {
       IntRows<kIntMR<C>, C, S, false>(static_cast<int>(std::min<int64_t>(kIntMR<C>, M - m)), aq, m, k0, kl, buf,
