@@ -98,7 +98,8 @@ class LLM:
         dummy = engine_config.load_format == "dummy"
         quantized = engine_config.quantization is not None or (not dummy and read_quantization(model) is not None)
         backends.prebuild(engine_config.backend, quantized_weights=quantized,  # built while the model loads
-                          quantized_kv=engine_config.kv_cache_dtype in ("int8", "fp8"))
+                          quantized_kv=engine_config.kv_cache_dtype in ("int8", "fp8"),
+                          lora=engine_config.enable_lora)
         where = dict(revision=revision, download_dir=download_dir, gguf_file=gguf_file)
         self.path = model_files(model, **where) if dummy else resolve_model(
             model, dtype=dtype or "auto", keep_quantized=engine_config.quantization == "gguf", **where)

@@ -77,7 +77,7 @@ def pytest_configure(config):
             # 40 s of compiler time each).
             from jserve.runtime import backends
 
-            for t in backends.prebuild("cpu", quantized_weights=True, quantized_kv=True):
+            for t in backends.prebuild("cpu", quantized_weights=True, quantized_kv=True, lora=True):
                 t.join()
 
 

@@ -1,7 +1,8 @@
-"""LoRA deltas inside the fused native decode layers (`pallas_kernels/native/lora_delta.h`) against
-the model's own layers with the XLA delta (`jserve.model.lora.apply`, the reference), on the same
-packed weights, slots and pages: several mixes of slots, rows without an adapter (slot 0) and
-padded rows among them; no compilation when the mix changes."""
+"""LoRA deltas in the native kernels (`pallas_kernels/native/lora_delta.h`), inside the fused decode
+layers and per slot over any rows (`pallas_kernels.native.lora`, prefill and mixed steps), against
+the XLA delta over every slot (`jserve.model.lora.dense_delta`, the reference) on the same packed
+weights, slots and pages: several mixes of slots, rows without an adapter (slot 0) and padded rows
+among them; no compilation when the mix changes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jserve.model import lora, model_graphdef
 from jserve.runtime.backends import NativeCpuBackend
 from jserve.runtime.backends.native_cpu import fused_lora_slots
 from pallas_kernels.native import decoder_layer as native
+from pallas_kernels.native import lora as native_lora
 from test_decoder_layer import PAGE, QTINY, TINY, _pages, _params, decode_rows, quantized_params
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU decoder layer (no compiler)")
@@ -82,7 +84,8 @@ MIXES = {
 def test_fused_lora_matches_the_xla_delta_for_every_mix_without_compiling(dtype):
     config = TINY
     packed, fused = _setup(config, dtype)
-    steps = {"fused": _stepper(config, fused), "xla": _stepper(config, dataclasses.replace(fused, fused=False))}
+    steps = {"fused": _stepper(config, fused),
+             "xla": _stepper(config, dataclasses.replace(fused, fused=False, native_lora=False))}
     num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in CONTEXTS if c is not None) + 2
     tokens, positions, meta, lens = decode_rows(CONTEXTS, num_pages, 0, TINY.vocab_size)
     live = lens > 0
@@ -121,7 +124,7 @@ def test_fused_lora_beside_quantized_weights():
     ids = jnp.asarray([2, 0, 1], jnp.int32)
     got, want = (np.asarray(_stepper(QTINY, ops)(packed, _pages(QTINY, num_pages, jnp.float32, 1), tokens, positions,
                                                  meta, ids)[0])
-                 for ops in (fused, dataclasses.replace(fused, fused=False)))
+                 for ops in (fused, dataclasses.replace(fused, fused=False, native_lora=False)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -144,3 +147,33 @@ def test_bad_lora_ids_are_refused():
     with pytest.raises(Exception, match="lora_ids must be in 0 .. 3, got 4"):
         jax.block_until_ready(step(packed, _pages(config, 6, jnp.float32, 2), tokens, positions, meta,
                                    jnp.asarray([4, 0], jnp.int32)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("targets, n_in", [(3, 40), (1, 24)], ids=["group of 3", "one target"])
+def test_the_per_slot_delta_matches_the_dense_one_over_any_rows(dtype, targets, n_in):
+    """Over a prefill-like x [2, 37, in]: every mix of slots, runs of one slot longer than a task
+    (16 rows), rows with id 0 unchanged to the bit, the outputs' dtype kept."""
+    rng = np.random.default_rng(1)
+    S, r, widths = 3, 8, (48, 16, 16)[:targets]
+    a = jnp.asarray(rng.normal(0, 0.5, (n_in, targets, S, r)), dtype)
+    bs = tuple(jnp.asarray(rng.normal(0, 0.5, (S, r, n)), dtype) for n in widths)
+    x = jnp.asarray(rng.normal(0, 1, (2, 37, n_in)), jnp.float32)
+    outs = tuple(jnp.asarray(rng.normal(0, 1, (2, 37, n)), jnp.float32) for n in widths)
+    for ids in (rng.integers(0, S + 1, (2, 37)), np.full((2, 37), 2), np.zeros((2, 37), int),
+                np.repeat([[0, 1, 3]], [5, 40, 29], axis=None).reshape(2, 37)):
+        ids = jnp.asarray(ids, jnp.int32)
+        got = jax.jit(native_lora.lora_delta)(x, ids, a, bs, outs)
+        want = lora.dense_delta(x, ids, a.astype(jnp.float32), tuple(b.astype(jnp.float32) for b in bs), outs)
+        for g, w, o in zip(got, want, outs):
+            assert g.dtype == o.dtype and g.shape == o.shape
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-4)
+            base = np.asarray(ids) == 0
+            np.testing.assert_array_equal(np.asarray(g)[base], np.asarray(o)[base])
+
+
+def test_the_per_slot_delta_refuses_a_bad_id():
+    a, b = jnp.zeros((8, 1, 2, 4)), jnp.zeros((2, 4, 8))
+    with pytest.raises(Exception, match="ids must be in 0 .. 2, got 3"):
+        jax.block_until_ready(native_lora.lora_delta(jnp.zeros((3, 8)), jnp.asarray([0, 3, 1]), a, (b,),
+                                                     (jnp.zeros((3, 8)),)))

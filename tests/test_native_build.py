@@ -96,6 +96,11 @@ def test_prebuild_builds_each_library_once_on_its_own_thread(library, monkeypatc
     for t in threads:
         t.join(30)
     assert len(builds) == 1 and builds[0].startswith("jserve-build-")
+    more = backends.prebuild("cpu", quantized_weights=True, lora=True)  # + 2 quantized builds and the LoRA delta
+    assert {t.name.removeprefix("jserve-build-") for t in more} == {
+        "paged_attention", "matmul", "decoder_layer", "lora", "matmul-quantized", "decoder_layer-quantized"}
+    for t in more:
+        t.join(30)
 
 
 def test_the_float_build_refuses_quantized_weights_and_the_quantized_build_runs_them():

@@ -75,6 +75,11 @@ class ModelOps(Protocol):
         embedding (tied, as the params hold it) or `lm_head` [hidden, vocab]."""
         ...
 
+    def lora(self, x: jax.Array, ids: jax.Array, a: jax.Array, bs: tuple, outs: tuple) -> tuple:
+        """`outs` (a group's base linears over x) plus each token's LoRA delta, by its slot in
+        `ids` (`jserve.model.lora.dense_delta`'s contract: A [in, G, S, r], B_g [S, r, out])."""
+        ...
+
     def run_layers(self, layers: Any, x: jax.Array, cos: Any, sin: Any, cache: Any,
                    meta: Any) -> tuple[jax.Array, Any]:
         """Apply every decoder layer in turn (`unrolled_layers`, `scanned_layers` or a fused
@@ -182,7 +187,7 @@ class DecoderLayer(nnx.Module):
         call), each plus its tokens' LoRA deltas where the step has adapters (`ops.lora_ids`)."""
         weights = tuple(_w(getattr(self, n)) for n in names)
         outs = ops.linear(x, weights, widths) if len(names) > 1 else (ops.linear(x, weights[0], widths[0]),)
-        return outs if ops.lora_ids is None else lora_slots.apply(self, names, x, outs, ops.lora_ids)
+        return outs if ops.lora_ids is None else lora_slots.apply(self, names, x, outs, ops.lora_ids, ops)
 
     def _attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: Any, layer: Any,
                    meta: Any, ops: ModelOps, spec: AttentionSpec) -> tuple[jax.Array, Any]:
@@ -324,6 +329,9 @@ class XlaOps:
         if tied:
             return xla_tied_head(x, table)
         return jnp.dot(x, table, preferred_element_type=jnp.float32)
+
+    def lora(self, x, ids, a, bs, outs):
+        return lora_slots.dense_delta(x, ids, a, bs, outs)
 
     def run_layers(self, layers, x, cos, sin, cache, meta):
         return (scanned_layers if self.scan else unrolled_layers)(layers, x, cos, sin, cache, meta, self)

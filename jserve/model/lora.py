@@ -5,12 +5,14 @@ weight: `lora_b_<target>` [max_loras, rank, out], and an A stack per group of ta
 same input (`GROUPS`: q/k/v, o, gate/up, down), `lora_a_<group>` [in, targets, max_loras, rank]
 (a stacked layout adds the leading layer axis). Slot s (1 .. max_loras) holds one adapter, its
 scaling folded into B and its rank padded with zeros; id 0 is the base model. A step gives each
-token its slot id, and each target's output gains `mask(x @ A_all) @ B_all`: one matmul into every
-slot's rank columns of the group's targets at once, the columns of other slots zeroed, one matmul
-out per target; a step whose tokens all run the base model skips both (`lax.cond`). The compiled
-shapes never depend on which adapters a step mixes, and any backend's base linear (packed,
-quantized) is untouched. The cost per token is max_loras * rank * (in + out) multiply-adds per
-target, whatever the mix.
+token its slot id, and each target's output gains its slot's delta (`ModelOps.lora`); a step whose
+tokens all run the base model skips it (`lax.cond`). The XLA form (`dense_delta`) is
+`mask(x @ A_all) @ B_all`: one matmul into every slot's rank columns of the group's targets at
+once, the columns of other slots zeroed, one matmul out per target, max_loras * rank * (in + out)
+multiply-adds per token and target whatever the mix; the native CPU backend multiplies each token
+by its own slot only (`pallas_kernels.native.lora`, and inside its fused decode layers). The
+compiled shapes never depend on which adapters a step mixes, and any backend's base linear (packed,
+quantized) is untouched.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import numpy as np
 from jserve.model.config import ModelConfig
 from jserve.model.lora_adapters import LORA_TARGETS, target_shapes
 
-__all__ = ["GROUPS", "LORA_TARGETS", "LoraSpec", "add_slots", "apply", "carry_slots", "slot_arrays", "slot_shapes",
-           "strip_slots", "target_shapes"]
+__all__ = ["GROUPS", "LORA_TARGETS", "LoraSpec", "add_slots", "apply", "carry_slots", "dense_delta", "slot_arrays",
+           "slot_shapes", "strip_slots", "target_shapes"]
 
 # The targets `DecoderLayer._linear` computes from one input, in its call order: one A stack each.
 GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
@@ -106,27 +108,34 @@ def strip_slots(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply(layer: Any, targets: tuple[str, ...], x: jax.Array, outs: tuple[jax.Array, ...],
-          ids: jax.Array) -> tuple[jax.Array, ...]:
+          ids: jax.Array, ops: Any) -> tuple[jax.Array, ...]:
     """`outs` (the base linears `targets` of `layer` over x [B, T, in], one of `GROUPS`) plus each
-    token's adapter delta; `ids` int32 [B, T], the tokens' slots (0: none). A group without slots
-    stays as it is."""
+    token's adapter delta (`ops.lora`: `dense_delta`, or a backend's own); `ids` int32 [B, T], the
+    tokens' slots (0: none). A group without slots stays as it is."""
     a_var = getattr(layer, group_name(targets), None)
     if a_var is None:
         return outs
 
     def deltas(outs):
-        a = a_var[...]
-        n_in, G, S, r = a.shape
-        select = (ids[..., None] == jnp.arange(1, S + 1, dtype=ids.dtype)).astype(x.dtype)  # [B, T, S]
-        xa = (x @ a.reshape(n_in, G * S * r)).reshape(*x.shape[:-1], G, S, r) * select[..., None, :, None]
-        result = []
-        for g, (t, out) in enumerate(zip(targets, outs)):
-            b = getattr(layer, f"lora_b_{t}")[...]
-            delta = xa[..., g, :, :].reshape(*x.shape[:-1], S * r) @ b.reshape(S * r, -1)
-            result.append(out + delta.astype(out.dtype))
-        return tuple(result)
+        bs = tuple(getattr(layer, f"lora_b_{t}")[...] for t in targets)
+        return tuple(ops.lora(x, ids, a_var[...], bs, outs))
 
     return jax.lax.cond(jnp.any(ids > 0), deltas, lambda outs: tuple(outs), tuple(outs))
+
+
+def dense_delta(x: jax.Array, ids: jax.Array, a: jax.Array, bs: tuple[jax.Array, ...],
+                outs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Each out_g plus its tokens' deltas, over every slot at once: x [..., in] @ A [in, G, S, r]
+    into every slot's rank columns, the columns of slots other than the token's zeroed, then
+    [..., S * r] @ B_g [S * r, out] per target (XLA's dots; the module docstring's cost)."""
+    n_in, G, S, r = a.shape
+    select = (ids[..., None] == jnp.arange(1, S + 1, dtype=ids.dtype)).astype(x.dtype)  # [..., S]
+    xa = (x @ a.reshape(n_in, G * S * r)).reshape(*x.shape[:-1], G, S, r) * select[..., None, :, None]
+    result = []
+    for g, (b, out) in enumerate(zip(bs, outs)):
+        delta = xa[..., g, :, :].reshape(*x.shape[:-1], S * r) @ b.reshape(S * r, -1)
+        result.append(out + delta.astype(out.dtype))
+    return tuple(result)
 
 
 def slot_arrays(weights: dict[str, tuple[np.ndarray, np.ndarray]], config: ModelConfig,

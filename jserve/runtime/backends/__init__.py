@@ -65,22 +65,23 @@ def create(name: str | Backend | None = None, *, mesh: Any = None, **options: An
 
 
 def prebuild(name: str | Backend | None = None, *, quantized_weights: bool = False,
-             quantized_kv: bool = False) -> list[threading.Thread]:
+             quantized_kv: bool = False, lora: bool = False) -> list[threading.Thread]:
     """Start building the native kernels backend `name` will use, each on a daemon thread, so
     their C++ compilations (about 25 s one after another on a 2-core machine with an empty
     kernel cache, docs/performance.md) run beside each other and beside the checkpoint's
     loading; the backend's own `available()` calls then wait for those builds instead of
     starting them one after another. The float kernels always; the builds with the quantized
     kernels too for quantized weights (the matmul and the decoder layer) and KV pages (the
-    attention). Nothing to do (no threads) for an XLA backend."""
+    attention); the LoRA delta's with `lora`. Nothing to do (no threads) for an XLA backend."""
     if isinstance(name, Backend) or canonical_name(name) != "native":
         return []
     from pallas_kernels.native import decoder_layer, matmul, paged_attention
+    from pallas_kernels.native import lora as lora_kernel
 
-    builds = [(m, False) for m in (paged_attention, matmul, decoder_layer)]
+    builds = [(m, False) for m in (paged_attention, matmul, decoder_layer, *((lora_kernel,) if lora else ()))]
     builds += [(m, True) for m in (matmul, decoder_layer) if quantized_weights]
     builds += [(paged_attention, True)] if quantized_kv else []
-    threads = [threading.Thread(target=m.available, args=(quantized,), daemon=True,
+    threads = [threading.Thread(target=m.available, args=(True,) if quantized else (), daemon=True,
                                 name=f"jserve-build-{m.__name__.rsplit('.', 1)[-1]}{'-quantized' * quantized}")
                for m, quantized in builds]
     for t in threads:

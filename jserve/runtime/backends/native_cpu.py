@@ -21,6 +21,7 @@ from jserve.model.llama import LAYER_MATMULS, XlaOps, unrolled_layers, xla_linea
 from jserve.runtime.backends.base import EIGEN_DOTS, Backend
 from jserve.runtime.paged_attention import PagedAttention
 from pallas_kernels.native import decoder_layer as native_layer
+from pallas_kernels.native import lora as native_lora
 from pallas_kernels.native import matmul as native_matmul
 from pallas_kernels.native import paged_attention as native_attention
 
@@ -215,6 +216,7 @@ class NativeCpuOps(XlaOps):
 
     config: ModelConfig | None = None
     fused: bool = False  # decode steps run the fused native decoder layers
+    native_lora: bool = True  # unfused steps' LoRA deltas per slot (`lora`); False: the dense XLA form
 
     def linear(self, x, w, out_features):
         return native_linear(x, w, out_features)
@@ -241,6 +243,13 @@ class NativeCpuOps(XlaOps):
         if table.ndim == 3:  # packed: a tied embedding (E^T), or lm_head in batch-invariant mode
             return native_matmul.matmul_packed(x, table, self.config.vocab_size)
         return super().head(x, table, tied)
+
+    def lora(self, x, ids, a, bs, outs):
+        """Each token's delta from its own slot only (`pallas_kernels.native.lora`), where the
+        kernel takes the stacks; else the dense form over every slot."""
+        if self.native_lora and native_lora.takes(x, a, bs):
+            return native_lora.lora_delta(x, ids, a, bs, outs)
+        return super().lora(x, ids, a, bs, outs)
 
     def with_attention(self, attention):
         return dataclasses.replace(self, attention=attention, fused=False)
