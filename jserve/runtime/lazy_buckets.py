@@ -2,7 +2,8 @@
 
 `Runner.warmup(lazy=True)` compiles, by running them as a full warm-up does, only the shapes that
 serve any step on their own: the largest decode batch, the mixed step of the most rows over the
-largest token bucket (and the largest multi-step decode and verify batches when those steps exist). The other
+largest token bucket (and the largest multi-step decode and verify batches when those steps exist), and
+one stream's own (`warmup.single_stream_shapes`: a lone request runs at speed from the start). The other
 shapes go to `BucketCompiler.start`: one daemon thread lowers and compiles each ahead of time
 (`jax.jit(f).lower(...).compile()`: JAX keeps the executable, so the first call of that shape
 compiles nothing; tests/test_lazy_buckets.py checks this with JAX's compile events). Until a shape

@@ -22,9 +22,10 @@ IDLE_S = 1.0  # a runner with no call for this long is idle: the lazy buckets' t
 
 def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
     """Compile every bucket now (the steps write only into the null page). With `lazy`, only
-    the largest shape of each kind of step, which serves any call, and the others on a
-    background thread (`jserve.runtime.lazy_buckets`; one process only: in a multi-process
-    run the others compile what process 0 runs, so every shape is compiled now)."""
+    the largest shape of each kind of step, which serves any call, and one stream's
+    (`single_stream_shapes`), and the others on a background thread (`jserve.runtime.lazy_buckets`;
+    one process only: in a multi-process run the others compile what process 0 runs, so every
+    shape is compiled now)."""
     lazy = lazy and not runner.multiprocess
     shapes = [("decode", b, 1) for b in runner.batch_buckets]
     shapes += [("mixed", b, t) for b, t in runner.mixed_shapes()]
@@ -33,8 +34,9 @@ def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
     if runner.num_speculative_tokens:
         shapes += [("verify", b, runner.num_speculative_tokens + 1) for b in runner.verify_buckets]
     now = shapes
-    if lazy:  # per kind its largest shape (the most rows, of the most tokens)
+    if lazy:  # per kind its largest shape (the most rows, of the most tokens), and one stream's
         now = [max(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
+        now += [s for s in single_stream_shapes(runner) if s not in now]
     for kind, B, T in tqdm(now, desc="warm-up", unit="shape", disable=not progress):
         warm(runner, kind, B, T)
     if runner.kv_transfer is not None:
@@ -43,6 +45,16 @@ def warm_up(runner, *, progress: bool = True, lazy: bool = False) -> None:
     runner.compiles.warmed_up = True
     if lazy:
         start_lazy(runner, [s for s in shapes if s not in now], now)
+
+
+def single_stream_shapes(runner) -> list[tuple]:
+    """The shapes one stream runs on its own: a short prompt's step (the fewest rows over the
+    fewest tokens) and its decode steps (the fewest rows). Lazy buckets compile them before
+    serving too, so that a lone request runs at its steady speed from the first call: padded to the
+    largest shapes, and competing with their compilation, a single stream ran 0.84x its steady
+    rate (docs/performance.md, "Ready vs steady state")."""
+    one, short = runner.batch_buckets[0], runner.token_buckets[0]
+    return [("mixed", one, max(one, short)), ("decode", one, 1)]
 
 
 def padding_rows(runner, kind: str, B: int, T: int) -> list[list[StepRow]]:
