@@ -120,7 +120,7 @@ def test_the_float_build_refuses_quantized_weights_and_the_quantized_build_runs_
     scales = jnp.full((1, 1, 1, width), 0.5, jnp.float32)
     out = jax.ShapeDtypeStruct((2, width), jnp.float32)
     float_call = jax.ffi.ffi_call(matmul.TARGET_MANY, [out], vmap_method="sequential")
-    attrs = dict(int8_rows=np.int32(0), int4_quads=np.int32(0))
+    attrs = dict(int8_rows=np.int32(0), quads=np.int32(0))
     with pytest.raises(Exception, match="float kernels only"):
         jax.block_until_ready(float_call(x, codes, scales, **attrs))
     quantized = matmul._LIBRARY.target(matmul.TARGET_MANY, True)

@@ -138,8 +138,9 @@ def test_the_backend_sets_int8_rows_from_its_option():
 
     rng = np.random.default_rng(2)
     w = _weight(rng, 64, 96, "int8", 0, True)
-    assert NativeCpuBackend()._pack_quantized(w).int8_rows == native.DEFAULT_INT8_ROWS
-    # int4 on an AVX2 build: from one row (as fast at 1-2 rows, faster from 4: docs/performance.md)
+    # from one row where the build's kernel reads the codes as stored (int8: AVX-512 VNNI)
+    want8 = 1 if native.int_dot_isa() == "avx512-vnni" else native.DEFAULT_INT8_ROWS
+    assert native.default_int8_rows("int8") == want8 == NativeCpuBackend()._pack_quantized(w).int8_rows
     w4 = _weight(rng, 64, 96, "int4", 32, False)
     want = 1 if native.int_dot_available() else native.DEFAULT_INT8_ROWS
     assert native.default_int8_rows("int4") == want == NativeCpuBackend()._pack_quantized(w4).int8_rows
@@ -208,14 +209,19 @@ for fmt in [("int8", 32, True), ("int8", 0, True), ("int4", 32, True), ("int4", 
 """, os.environ["JSERVE_KERNEL_CACHE"], JSERVE_NATIVE_ARCH="x86-64-v3")
 
 
-@pytest.mark.skipif(not native.int_dot_available(), reason="int4 codes are stored as quads on integer-path builds")
-@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-def test_int4_codes_stored_as_quads_read_back_as_the_pairs(symmetric):
-    """From one row on int4 codes are stored as quads: the codes, a tied table's embedding rows
-    and the way back to pairs are those of the pairs layout, and a call that would take the float
-    path for them is refused, not misread."""
+@pytest.mark.skipif(not native.int_dot_available(), reason="codes are stored as quads on integer-path builds")
+@pytest.mark.parametrize("scheme, group, symmetric", [("int4", 32, True), ("int4", 32, False), ("int8", 0, True),
+                                                      ("int8", 32, True)], ids=["int4-sym", "int4-asym", "int8",
+                                                                                 "int8-g32"])
+def test_codes_stored_as_quads_read_back_as_before(scheme, group, symmetric):
+    """From one row on int4 codes (and int8 ones on AVX-512 VNNI) are stored as quads: the codes,
+    a tied table's embedding rows and the way back are those of the plain layout, the products
+    those of the integer path on it, and a call that would take the float path for them is
+    refused, not misread."""
+    if scheme == "int8" and native.int_dot_isa() != "avx512-vnni":
+        pytest.skip("int8 codes are stored as quads on AVX-512 VNNI builds only")
     rng = np.random.default_rng(5)
-    w = native.pack_quantized(_weight(rng, 96, 70, "int4", 32, symmetric))
+    w = native.pack_quantized(_weight(rng, 96, 70, scheme, group, symmetric))
     q = w.with_int8_rows(1)
     assert q.quads and not w.quads and not q.with_int8_rows(8).quads
     assert not np.array_equal(np.asarray(q.codes), np.asarray(w.codes))
@@ -225,6 +231,8 @@ def test_int4_codes_stored_as_quads_read_back_as_the_pairs(symmetric):
     np.testing.assert_array_equal(np.asarray(native.quantized_rows(q, ids, jnp.float32)),
                                   np.asarray(native.quantized_rows(w, ids, jnp.float32)))
     x = jnp.asarray(_x(rng, 3, 96))
+    np.testing.assert_array_equal(np.asarray(native.matmul_packed(x, q)),
+                                  np.asarray(native.matmul_packed(x, dataclasses.replace(w, int8_rows=1))))
     with pytest.raises(Exception, match="quads need the integer path"):
         jnp.asarray(native.matmul_packed(x, dataclasses.replace(q, int8_rows=4))).block_until_ready()
 

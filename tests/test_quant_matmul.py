@@ -208,7 +208,7 @@ def test_bad_quantized_weights_are_refused():
     # the wrong shape for the codes.
     out = jax.ShapeDtypeStruct((2, w.codes.shape[0] * native.panel()), jnp.float32)
     bad = jax.ffi.ffi_call(native._LIBRARY.target(native.TARGET_MANY, quantized=True), out)
-    attrs = dict(int8_rows=np.int32(0), int4_quads=np.int32(0))
+    attrs = dict(int8_rows=np.int32(0), quads=np.int32(0))
     with pytest.raises(Exception, match="quantized packed weight"):
         jax.block_until_ready(bad(jnp.ones((2, 64)), w.codes, w.scales[:, :1, :, :-1], **attrs))
     with pytest.raises(Exception, match="as many results as weights"):

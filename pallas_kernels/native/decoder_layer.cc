@@ -27,7 +27,7 @@
 // (written in place).
 // Attributes: num_heads, eps (RMSNorm), sm_scale, sliding_window (0 = off), int8_rows (quantized
 // weights: from this many rows on each matmul's input is quantized to int8 for integer dot
-// products, quant_dot.h; 0 = never), int4_quads (int4 codes stored as quads, quant_dot.h's
+// products, quant_dot.h; 0 = never), quads (codes stored as quads, quant_dot.h's
 // QuadCodes: int8_rows must be 1).
 //
 //   JserveDecoderLayersLora  the same with LoRA adapters: after page_indices, lora_ids s32 [M]
@@ -123,7 +123,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                   const ffi::Buffer<ffi::S32>& slots, const ffi::Buffer<ffi::S32>& q_start,
                   const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ffi::S32>& page_indices,
                   const std::vector<LayerArgs>& layers, float* x_out, const Shape& s, int64_t H,
-                  float eps, float sm_scale, int32_t window, int32_t int8_rows, bool int4_quads,
+                  float eps, float sm_scale, int32_t window, int32_t int8_rows, bool quads,
                   const Lora* lora) {
   const int64_t M = s.batch, KVH = s.kv_heads, G = s.groups, hd = s.head_dim, L = layers.size();
   const LayerArgs& first = layers[0];
@@ -165,7 +165,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
     const LayerArgs& a = layers[l];
     for (int i = 0; i < 7; ++i) {
       auto job = PackedJob(*a.w[i], a.scales[i], ks[i], ns[i], outs[i], std::string("decoder_layer: ") + names[i],
-                           int4_quads);
+                           quads);
       if (job.has_error()) return job.error();
       if (job->panels * kPanel != width[i]) {
         return ffi::Error::InvalidArgument(std::string("decoder_layer: every layer's ") + names[i] +
@@ -194,7 +194,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                                 : 0;
   for (const Job& job : jobs) {
     if (job.quads && !(act_block && IntDotTakes(job.group, act_block))) {
-      return ffi::Error::InvalidArgument("decoder_layer: int4 codes stored as quads need the integer path at "
+      return ffi::Error::InvalidArgument("decoder_layer: codes stored as quads need the integer path at "
                                          "every row count (int8_rows 1)");
     }
   }
@@ -369,7 +369,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
                ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_indices, const ffi::Buffer<ffi::S32>* lora_ids,
                ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::RemainingRets rets,
                int32_t num_heads, float eps, float sm_scale, int32_t sliding_window, int32_t int8_rows,
-               int32_t int4_quads) {
+               int32_t quads) {
   std::vector<ffi::AnyBuffer> in;
   for (size_t i = 0; i < args.size(); ++i) {
     auto a = args.get<ffi::AnyBuffer>(i);
@@ -467,11 +467,11 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     case ffi::F32:
       return Layers<float>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
                            x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows,
-                           int4_quads != 0, lp);
+                           quads != 0, lp);
     case ffi::BF16:
       return Layers<uint16_t>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
                               x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows,
-                              int4_quads != 0, lp);
+                              quads != 0, lp);
     default:
       return ffi::Error::InvalidArgument("decoder_layer: pages must be float32 or bfloat16");
   }
@@ -483,9 +483,9 @@ ffi::Error DecoderLayers(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
                          ffi::Buffer<ffi::S32> page_indices, ffi::RemainingArgs args,
                          ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::RemainingRets rets,
                          int32_t num_heads, float eps, float sm_scale, int32_t sliding_window,
-                         int32_t int8_rows, int32_t int4_quads) {
+                         int32_t int8_rows, int32_t quads) {
   return Run(pool, x, cos, sin, slots, q_start, q_lens, page_indices, nullptr, args, x_out, rets, num_heads, eps,
-             sm_scale, sliding_window, int8_rows, int4_quads);
+             sm_scale, sliding_window, int8_rows, quads);
 }
 
 // The same, each row with a LoRA slot (lora_ids [M]: 0 none, s: slot s) and each layer's stacks.
@@ -495,9 +495,9 @@ ffi::Error DecoderLayersLora(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                              ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> lora_ids,
                              ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> x_out,
                              ffi::RemainingRets rets, int32_t num_heads, float eps, float sm_scale,
-                             int32_t sliding_window, int32_t int8_rows, int32_t int4_quads) {
+                             int32_t sliding_window, int32_t int8_rows, int32_t quads) {
   return Run(pool, x, cos, sin, slots, q_start, q_lens, page_indices, &lora_ids, args, x_out, rets, num_heads, eps,
-             sm_scale, sliding_window, int8_rows, int4_quads);
+             sm_scale, sliding_window, int8_rows, quads);
 }
 
 }  // namespace
@@ -529,7 +529,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayers,
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<int32_t>("int8_rows")
-                                  .Attr<int32_t>("int4_quads"));
+                                  .Attr<int32_t>("quads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayersLora, DecoderLayersLora,
                               ffi::Ffi::Bind()
@@ -550,4 +550,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayersLora, DecoderLayersLora,
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<int32_t>("int8_rows")
-                                  .Attr<int32_t>("int4_quads"));
+                                  .Attr<int32_t>("quads"));

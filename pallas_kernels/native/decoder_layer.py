@@ -149,7 +149,7 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
                            num_heads=np.int32(num_heads), eps=np.float32(eps),
                            sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
                            int8_rows=np.int32(_int8_rows(layers[0])),
-                           int4_quads=np.int32(layers[0].quantized and any(w.quads for w in layers[0].weights)))
+                           quads=np.int32(layers[0].quantized and any(w.quads for w in layers[0].weights)))
     return out, list(zip(new_pages[::2], new_pages[1::2]))
 
 

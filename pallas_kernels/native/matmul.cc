@@ -75,14 +75,14 @@ const ActQuant* QuantizeFor(ffi::ThreadPool& pool, int64_t M, int64_t K, const f
 }
 
 ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, std::vector<Weight>& weights,
-                  int64_t int8_rows, bool int4_quads) {
+                  int64_t int8_rows, bool quads) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("matmul_packed: x must be [M, K]");
   const int64_t M = xd[0], K = xd[1];
   std::vector<Job> jobs;
   for (auto& [w, scales, out] : weights) {
     auto od = out.dimensions();
-    auto job = PackedJob(w, scales, K, 0, out.typed_data(), "matmul_packed: with x [M, K], each w", int4_quads);
+    auto job = PackedJob(w, scales, K, 0, out.typed_data(), "matmul_packed: with x [M, K], each w", quads);
     if (job.has_error()) return job.error();
     if (od.size() != 2 || od[0] != M || od[1] != job->panels * kPanel) {
       return ffi::Error::InvalidArgument("matmul_packed: each out must be [M, N] for x [M, K] and w [N / P, K, P]");
@@ -97,7 +97,7 @@ ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, std::ve
   const ActQuant* aq = QuantizeFor(pool, M, K, x.typed_data(), jobs, int8_rows);
   for (const Job& job : jobs) {
     if (job.quads && !(aq && IntDotTakes(job.group, aq->B))) {
-      return ffi::Error::InvalidArgument("matmul_packed: int4 codes stored as quads need the integer path at "
+      return ffi::Error::InvalidArgument("matmul_packed: codes stored as quads need the integer path at "
                                          "every row count (int8_rows 1, one activation block for the call)");
     }
   }
@@ -114,9 +114,9 @@ ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 // x @ w_i for several packed weights at once: args (x, w_1 .. w_n), results (out_1 .. out_n); a
 // quantized w_i is two arguments, its codes and then its scales. int8_rows: from this many rows of
 // x on (0: never), x is quantized to int8 for the quantized weights' integer dot products.
-// int4_quads: the int4 weights' codes are stored as quads (quant_dot.h's QuadCodes).
+// quads: the quantized weights' codes are stored as quads (quant_dot.h's QuadCodes).
 ffi::Error MatmulPackedMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
-                            ffi::RemainingRets outs, int32_t int8_rows, int32_t int4_quads) {
+                            ffi::RemainingRets outs, int32_t int8_rows, int32_t quads) {
   std::vector<ffi::AnyBuffer> args;
   for (size_t i = 0; i < ws.size(); ++i) {
     auto w = ws.get<ffi::AnyBuffer>(i);
@@ -137,7 +137,7 @@ ffi::Error MatmulPackedMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
         "matmul_packed_many: needs as many results as weights (at least one; a quantized weight is "
         "two arguments, codes and scales)");
   }
-  return Matmul(pool, x, weights, int8_rows, int4_quads != 0);
+  return Matmul(pool, x, weights, int8_rows, quads != 0);
 }
 
 }  // namespace
@@ -162,4 +162,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmulPackedMany, MatmulPackedMany,
                                   .RemainingArgs()                // w_i [N_i / P, K, P] f32 or bf16, or codes_i, scales_i
                                   .RemainingRets()                // out_i [M, N_i]
                                   .Attr<int32_t>("int8_rows")
-                                  .Attr<int32_t>("int4_quads"));
+                                  .Attr<int32_t>("quads"));

@@ -64,14 +64,17 @@ def int_dot_available() -> bool:
 
 
 # From how many rows of x on the integer path is faster (docs/performance.md, Quantized matmul):
-# int8 from 8 (below, the per-panel rearrangement costs more than the cheaper sums save); int4 from
-# one row, its codes stored as the integer kernel reads them (`PackedQuantized.quads`).
+# from one row where the codes are stored as the integer kernel reads them (`PackedQuantized.quads`:
+# int4 on every build with the integer path, int8 on AVX-512 VNNI ones); else (int8 with AVX2) from
+# 8: below, the per-panel rearrangement costs more than the cheaper sums save.
 DEFAULT_INT8_ROWS = 8
+ACT_BLOCK = 32  # columns of K per activation scale (quant_dot.h's kActBlock)
 
 
 def default_int8_rows(scheme: str) -> int:
     """The engine's `int8_rows` for a weight of this scheme ("int8" or "int4") on this build."""
-    return 1 if scheme == "int4" and int_dot_available() else DEFAULT_INT8_ROWS
+    stored = int_dot_available() if scheme == "int4" else int_dot_isa() == "avx512-vnni"
+    return 1 if stored else DEFAULT_INT8_ROWS
 
 
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -130,9 +133,9 @@ class PackedQuantized:
     # From this many rows of x on (0: never) the kernel quantizes x to int8 per block of 32 and
     # takes integer dot products (`int_dot_available()`), else dequantizes to float32; see `with_int8_rows`.
     int8_rows: int = dataclasses.field(default=0, metadata=dict(static=True))
-    # int4 codes stored as quads (quant_dot.h's QuadCodes) instead of nibble pairs: where only the
-    # integer path reads them (`with_int8_rows(1)` on a build with it); `quantized_codes` and
-    # `quantized_rows` read either.
+    # Codes stored as quads (quant_dot.h's QuadCodes) instead of rows (int8) or nibble pairs (int4):
+    # where only the integer path reads them (`with_int8_rows(1)` on a build with it: int8 with
+    # AVX-512 VNNI); `quantized_codes` and `quantized_rows` read either.
     quads: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
@@ -150,13 +153,21 @@ class PackedQuantized:
         return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in (self.codes, self.scales))
 
     def with_int8_rows(self, rows: int) -> "PackedQuantized":
-        """This weight with `int8_rows` = rows (0: the float path at every row count). int4 codes are
-        stored as quads where every row count takes the integer path (rows 1), else as pairs."""
+        """This weight with `int8_rows` = rows (0: the float path at every row count). The codes are
+        stored as quads where every row count takes the integer path (rows 1) and the build's
+        kernel reads them so (int8: AVX-512 VNNI), else as rows (int8) or pairs (int4)."""
         if rows < 0:
             raise ValueError(f"int8_rows must be >= 0 (0: never), got {rows}")
-        quads = (rows == 1 and self.scheme == "int4" and int_dot_isa() is not None and self.group_size % 8 == 0
-                 and self.codes.shape[2] == panel())
-        codes = self.codes if quads == self.quads else (_pairs_to_quads if quads else _quads_to_pairs)(self.codes)
+        isa = int_dot_isa()
+        int4 = self.scheme == "int4"
+        block = min(self.group_size, ACT_BLOCK)  # the activations' block (quant_dot.h's ActBlockFor)
+        quads = (rows == 1 and self.codes.shape[2] == panel() and self.group_size % (8 if int4 else 4) == 0
+                 and block % 4 == 0 and self.group_size % block == 0
+                 and (isa is not None if int4 else isa == "avx512-vnni"))
+        codes = self.codes
+        if quads != self.quads:
+            to, back = (_pairs_to_quads, _quads_to_pairs) if int4 else (_rows_to_quads, _quads_to_rows)
+            codes = (to if quads else back)(codes)
         return dataclasses.replace(self, codes=codes, int8_rows=int(rows), quads=quads)
 
     def __getitem__(self, key):
@@ -223,9 +234,26 @@ def _quads_to_pairs(codes: jax.Array) -> jax.Array:
     return (rows[:, 0::2] | (rows[:, 1::2] << 4)).astype(jnp.uint8)
 
 
+def _rows_to_quads(codes: jax.Array) -> jax.Array:
+    """int8 codes [P, K, W] as rows -> as quads (quant_dot.h's QuadCodes), same shape and dtype:
+    per 4 rows r and vector v of L = W / 3 columns, byte 4j + i holds row 4r + i of column Lv + j,
+    plus 128 (the bits of an unsigned byte, as VPDPBUSD reads them)."""
+    p, k, w = codes.shape
+    q = codes.reshape(p, k // 4, 4, 3, w // 3).transpose(0, 1, 3, 4, 2).reshape(p, k, w)  # r i v j -> r v j i
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(q, jnp.uint8) ^ jnp.uint8(0x80), jnp.int8)
+
+
+def _quads_to_rows(codes: jax.Array) -> jax.Array:
+    """The inverse of `_rows_to_quads`."""
+    p, k, w = codes.shape
+    c = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(codes, jnp.uint8) ^ jnp.uint8(0x80), jnp.int8)
+    return c.reshape(p, k // 4, 3, w // 3, 4).transpose(0, 1, 4, 2, 3).reshape(p, k, w)
+
+
 def quantized_codes(packed: PackedQuantized) -> jax.Array:
     """The integer codes [K, N] of a `PackedQuantized` (int8; int4 unpacked, signed where symmetric)."""
-    codes = _quads_to_pairs(packed.codes) if packed.quads else packed.codes
+    back = _quads_to_pairs if packed.scheme == "int4" else _quads_to_rows
+    codes = back(packed.codes) if packed.quads else packed.codes
     c = codes.transpose(1, 0, 2).reshape(codes.shape[1], -1)[:, :packed.n]
     if packed.scheme == "int8":
         return c
@@ -239,7 +267,13 @@ def quantized_rows(packed: PackedQuantized, ids: jax.Array, dtype) -> jax.Array:
     transpose (token t: panel t // P, lane t % P)."""
     lanes = packed.codes.shape[2]
     p, lane = ids // lanes, ids % lanes
-    if packed.quads:  # column lane's 4 bytes of each octet (4 lanes bytes) of rows: rows 8t + i, 8t + 4 + i
+    if packed.quads and packed.scheme == "int8":  # row k of column lane: quad k // 4, vector, lane, byte k % 4
+        vec = lanes // 3
+        k = jnp.arange(packed.codes.shape[1])
+        at = (k // 4 * 4 * lanes + k % 4)[None] + (lane // vec * 4 * vec + lane % vec * 4)[..., None]
+        c = packed.codes.reshape(packed.codes.shape[0], -1)[p[..., None], at]  # [*ids, K]
+        c = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(c, jnp.uint8) ^ jnp.uint8(0x80), jnp.int8)
+    elif packed.quads:  # column lane's 4 bytes of each octet (4 lanes bytes) of rows: rows 8t + i, 8t + 4 + i
         octets = packed.codes.reshape(packed.codes.shape[0], -1, 4 * lanes)
         vec = lanes // 3
         at = (lane // vec * 4 * vec + lane % vec * 4)[..., None, None] + jnp.arange(4)
@@ -324,7 +358,7 @@ def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Arra
     quantized = [w for w in packed if isinstance(w, PackedQuantized)]
     # The call's rows: its weights' fewest (a weight stored as quads needs the integer path at every count).
     attrs = {"int8_rows": np.int32(min((w.int8_rows for w in quantized), default=0)),
-             "int4_quads": np.int32(any(w.quads for w in quantized))} if many else {}
+             "quads": np.int32(any(w.quads for w in quantized))} if many else {}
     outs = jax.ffi.ffi_call(target, shapes if many else shapes[0], vmap_method="sequential")(flat, *args, **attrs)
     outs = outs if many else (outs,)
     return tuple((o if o.shape[1] == n else o[:, :n]).reshape(*lead, n) for o, n in zip(outs, ns))

@@ -95,13 +95,14 @@ constexpr int64_t kQuad = 4 * Simd::kLanes;  // bytes of a vector of quads: kLan
 constexpr int64_t kIntCopies = JSERVE_INT_DOT == 2 ? 2 : 1;
 #endif
 
-// QuadCodes: int4 codes stored at pack time for the integer kernels (`PackedQuantized.quads`,
-// matmul.py), where every row count takes the integer path: per 8 rows of K (an octet t) and vector
-// v of L = kLanes columns, 4 L bytes, byte 4j + i holding row 8t + i of column Lv + j in its low
-// nibble and row 8t + 4 + i in its high one; a panel's octets one after the other, 4 kPanel bytes
-// each (the size of the pairs layout). A call then splits nibbles instead of rearranging (ToVnni):
-// at one row that was most of the work (benchmarks/kernels/int_dot_layout.cc). Only the integer
-// path reads them.
+// QuadCodes: codes stored at pack time for the integer kernels (`PackedQuantized.quads`,
+// matmul.py), where every row count takes the integer path. int4: per 8 rows of K (an octet t) and
+// vector v of L = kLanes columns, 4 L bytes, byte 4j + i holding row 8t + i of column Lv + j in its
+// low nibble and row 8t + 4 + i in its high one; a panel's octets one after the other, 4 kPanel
+// bytes each (the size of the pairs layout). int8 (AVX-512 VNNI builds): ToVnni's output over all
+// of K, per 4 rows r and vector v, byte 4j + i = row 4r + i of column Lv + j, plus 128. A call then
+// splits nibbles, or reads the codes as they are, instead of rearranging (ToVnni): at one row that
+// was most of the work (benchmarks/kernels/int_dot_layout.cc). Only the integer path reads them.
 
 #if JSERVE_INT_DOT == 1
 
@@ -206,7 +207,7 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
     for (int64_t r = 0; r < (kQuads ? 0 : B / 4); ++r) {
       __m512i w[3];
 #pragma GCC unroll 3
-      for (int v = 0; v < 3; ++v) w[v] = _mm512_load_si512(wb + (r * 3 + v) * kQuad);
+      for (int v = 0; v < 3; ++v) w[v] = _mm512_loadu_si512(wb + (r * 3 + v) * kQuad);  // stored quads: unaligned
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         int32_t quad;
@@ -392,6 +393,17 @@ void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scal
   float* tile = tile_buf.data();
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t kl = std::min(chunk, K - k0);
+#if JSERVE_INT_DOT == 1
+    if constexpr (C == Codes::kInt8) {
+      if (quads) {  // the codes as ToVnni would write them
+        for (int64_t m = 0; m < M; m += kIntMR<C>) {
+          IntRows<kIntMR<C>, C, S, false>(static_cast<int>(std::min<int64_t>(kIntMR<C>, M - m)), aq, m, k0, kl,
+                                          codes + k0 * kPanel, scales, G, ns, tile + m * kPanel, kPanel, k0 == 0);
+        }
+        continue;
+      }
+    }
+#endif
     if constexpr (C != Codes::kInt8) {
       if (quads) {
         for (int64_t m = 0; m < M; m += kIntMR<C>) {
