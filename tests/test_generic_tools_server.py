@@ -36,7 +36,8 @@ ASKS = ["What is the weather in Paris?", "Say hello to me in one short sentence.
 def tool_server(smollm2_checkpoint):
     from jserve import LLM
 
-    llm = LLM(str(smollm2_checkpoint), max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128)
+    # warmup=False: no test here checks compilation; each compiles only the shapes the requests run
+    llm = LLM(str(smollm2_checkpoint), max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128, warmup=False)
     with serving(llm.engine, MODEL) as srv:
         assert srv.state.ctx.tool_parser is None  # the template shows no tools: the generic format
         yield srv

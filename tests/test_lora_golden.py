@@ -28,9 +28,11 @@ def input_ids(model: str) -> np.ndarray:
 
 
 def engine_for(model: str, **settings):
+    """Not warmed up unless `warmup=True` (a test that checks that nothing compiles after warm-up
+    asks for it): compiling every bucket costs an engine 15 to 20 s, the shapes a test runs 2 to 3 s."""
     config, params = load_arch(model)
     base = dict(backend="native", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, page_size=4,
-                num_pages=128, enable_lora=True, max_loras=3, max_lora_rank=16)
+                num_pages=128, enable_lora=True, max_loras=3, max_lora_rank=16, warmup=False)
     return build_engine(config, params, IdTokenizer(), [], EngineConfig(**{**base, **settings}))
 
 
@@ -105,6 +107,13 @@ def _mixed_requests():
     return [(f"r{i}", prompts[i % 2], names[i % 4]) for i in range(8)]
 
 
+@pytest.fixture(scope="module")
+def alone():
+    """Each of _mixed_requests' outputs as a plain llama3 engine gives it alone, by request id."""
+    engine = engine_for("llama3")
+    return {rid: run(engine, [(rid, p, n)])[rid] for rid, p, n in _mixed_requests()}
+
+
 @pytest.mark.parametrize("settings", [
     {},  # all at once, one mixed prefill
     {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill, four seats
@@ -114,12 +123,10 @@ def _mixed_requests():
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
                             "disable_by_batch_size": 8}},
 ], ids=["mixed", "chunked", "preempted", "two-slots", "async", "ngram"])
-def test_a_mixed_batch_gives_each_request_its_adapter(settings):
+def test_a_mixed_batch_gives_each_request_its_adapter(settings, alone):
     requests = _mixed_requests()
-    alone = engine_for("llama3")
-    want = {rid: run(alone, [(rid, p, n)])[rid] for rid, p, n in requests}
-    engine = engine_for("llama3", **settings)
-    assert run(engine, requests) == want
+    engine = engine_for("llama3", warmup=True, **settings)
+    assert run(engine, requests) == alone
     if "num_pages" in settings:
         assert engine.scheduler.num_preemptions > 0
     if settings.get("max_loras") == 2:
@@ -140,14 +147,12 @@ def test_quantized_base_weights_keep_their_kernels_beside_the_adapters(quantizat
     assert run(engine, requests) == want
 
 
-def test_a_dp2_tp2_mesh_gives_the_single_device_tokens():
+def test_a_dp2_tp2_mesh_gives_the_single_device_tokens(alone):
     """Eight requests of the base model and three adapters over two data-parallel groups of two
     tensor-parallel devices (fake CPU devices), as one device gives them alone."""
     requests = _mixed_requests()
-    alone = engine_for("llama3")
-    want = {rid: run(alone, [(rid, p, n)])[rid] for rid, p, n in requests}
-    engine = engine_for("llama3", mesh="dp=2,tp=2", backend="xla")
-    assert run(engine, requests) == want
+    engine = engine_for("llama3", mesh="dp=2,tp=2", backend="xla", warmup=True)
+    assert run(engine, requests) == alone
     assert engine.runner.num_compilations_after_warmup == 0
 
 

@@ -263,7 +263,7 @@ def test_mixed_requests_under_multi_step_n_and_preemption(wide, tokenizer):
 
 
 def test_runner_refuses_a_grammar_in_a_multi_step_call(wide, tokenizer):
-    engine = _engine(wide, tokenizer, num_scheduler_steps=2, max_num_seqs=2)
+    engine = _engine(wide, tokenizer, num_scheduler_steps=2, max_num_seqs=2, warmup=False)  # no compile check here
     matcher = engine.grammars.compile(StructuredOutputsParams(choice=["a"])).matcher()
     row = StepRow(0, [5], [1] * 32, decode_steps=2, grammar_matcher=matcher)
     with pytest.raises(ValueError, match="single steps"):
@@ -282,7 +282,7 @@ def test_a_refused_token_aborts_the_request(wide, tokenizer, monkeypatch):
     runs free), the request ends as "abort", counted, its pages back, the engine serving on."""
     import jserve.runtime.step_masks as step_masks
 
-    engine = _engine(wide, tokenizer, max_num_seqs=2)
+    engine = _engine(wide, tokenizer, max_num_seqs=2, warmup=False)  # nothing here checks compilation
     monkeypatch.setattr(step_masks, "fill_bitmasks", lambda rows, out: None)
     spec = StructuredOutputsParams(choice=["zzzzzzzz"])
     done = _run(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec))})
