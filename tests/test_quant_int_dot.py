@@ -236,6 +236,21 @@ def test_codes_stored_as_quads_read_back_as_before(scheme, group, symmetric):
         jnp.asarray(native.matmul_packed(x, dataclasses.replace(q, int8_rows=4))).block_until_ready()
 
 
+@pytest.mark.skipif(not native.int_dot_available(), reason="codes are stored as quads on integer-path builds")
+def test_a_call_mixing_int4_quads_and_int8_rows_reads_each_as_stored():
+    """One call of a GGUF layer's q/k/v may mix int4 codes stored as quads and int8 codes stored as
+    rows (int8 keeps 8 rows by default): each weight is read in its own layout."""
+    rng = np.random.default_rng(6)
+    q4 = native.pack_quantized(_weight(rng, 96, 70, "int4", 32, False)).with_int8_rows(1)
+    w8 = native.pack_quantized(_weight(rng, 96, 40, "int8", 32, True)).with_int8_rows(native.DEFAULT_INT8_ROWS)
+    assert q4.quads and not w8.quads
+    x = jnp.asarray(_x(rng, 3, 96))
+    a, b = native.matmul_packed_many(x, (q4, w8))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(native.matmul_packed(x, q4)))
+    alone = native.matmul_packed(x, dataclasses.replace(w8, int8_rows=1))  # the call's rows: its fewest
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(alone))
+
+
 def test_dataclass_field_is_static():
     w = native.pack_quantized(_weight(np.random.default_rng(3), 64, 8, "int8", 0, True))
     assert dataclasses.replace(w, int8_rows=3).int8_rows == 3

@@ -27,8 +27,8 @@
 // (written in place).
 // Attributes: num_heads, eps (RMSNorm), sm_scale, sliding_window (0 = off), int8_rows (quantized
 // weights: from this many rows on each matmul's input is quantized to int8 for integer dot
-// products, quant_dot.h; 0 = never), quads (codes stored as quads, quant_dot.h's
-// QuadCodes: int8_rows must be 1).
+// products, quant_dot.h; 0 = never), quads (1: the int4 weights' codes stored as quads, 2: the
+// int8 ones', quant_dot.h's QuadCodes: int8_rows must be 1).
 //
 //   JserveDecoderLayersLora  the same with LoRA adapters: after page_indices, lora_ids s32 [M]
 //                        (each row's slot: 0 none, s in 1 .. S), and after each layer's arguments
@@ -123,7 +123,7 @@ ffi::Error Layers(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                   const ffi::Buffer<ffi::S32>& slots, const ffi::Buffer<ffi::S32>& q_start,
                   const ffi::Buffer<ffi::S32>& q_lens, const ffi::Buffer<ffi::S32>& page_indices,
                   const std::vector<LayerArgs>& layers, float* x_out, const Shape& s, int64_t H,
-                  float eps, float sm_scale, int32_t window, int32_t int8_rows, bool quads,
+                  float eps, float sm_scale, int32_t window, int32_t int8_rows, int32_t quads,
                   const Lora* lora) {
   const int64_t M = s.batch, KVH = s.kv_heads, G = s.groups, hd = s.head_dim, L = layers.size();
   const LayerArgs& first = layers[0];
@@ -467,11 +467,11 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     case ffi::F32:
       return Layers<float>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
                            x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows,
-                           quads != 0, lp);
+                           quads, lp);
     case ffi::BF16:
       return Layers<uint16_t>(pool, x, cos, sin, slots, q_start, q_lens, page_indices, layers,
                               x_out->typed_data(), s, num_heads, eps, sm_scale, sliding_window, int8_rows,
-                              quads != 0, lp);
+                              quads, lp);
     default:
       return ffi::Error::InvalidArgument("decoder_layer: pages must be float32 or bfloat16");
   }

@@ -22,7 +22,7 @@ import numpy as np
 
 from pallas_kernels.native import paged_attention as native_attention
 from pallas_kernels.native.build import NativeLibrary
-from pallas_kernels.native.matmul import PackedQuantized
+from pallas_kernels.native.matmul import PackedQuantized, quads_bits
 
 TARGET = "jserve_decoder_layers"
 TARGET_LORA = "jserve_decoder_layers_lora"
@@ -148,12 +148,16 @@ def decoder_layers(x: jax.Array, cos: jax.Array, sin: jax.Array, layers: Sequenc
                            *(() if lora_ids is None else (i32(lora_ids),)), *flat,
                            num_heads=np.int32(num_heads), eps=np.float32(eps),
                            sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-                           int8_rows=np.int32(_int8_rows(layers[0])),
-                           quads=np.int32(layers[0].quantized and any(w.quads for w in layers[0].weights)))
+                           int8_rows=np.int32(_int8_rows(layers)), quads=np.int32(quads_bits(_quantized(layers))))
     return out, list(zip(new_pages[::2], new_pages[1::2]))
 
 
-def _int8_rows(layer: LayerArgs) -> int:
-    """The quantized weights' `PackedQuantized.int8_rows` (0 for float weights): from this many rows on
-    the matmuls' inputs are quantized to int8 for integer dot products."""
-    return min(w.int8_rows for w in layer.weights) if layer.quantized else 0
+def _quantized(layers: Sequence[LayerArgs]) -> list[PackedQuantized]:
+    return [w for layer in layers if layer.quantized for w in layer.weights]
+
+
+def _int8_rows(layers: Sequence[LayerArgs]) -> int:
+    """The quantized weights' fewest `PackedQuantized.int8_rows` (0 for float weights): from this many
+    rows on the matmuls' inputs are quantized to int8 for integer dot products (every layer's: a
+    GGUF's layers may differ in scheme, and codes stored as quads need the integer path)."""
+    return min((w.int8_rows for w in _quantized(layers)), default=0)

@@ -75,7 +75,7 @@ const ActQuant* QuantizeFor(ffi::ThreadPool& pool, int64_t M, int64_t K, const f
 }
 
 ffi::Error Matmul(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, std::vector<Weight>& weights,
-                  int64_t int8_rows, bool quads) {
+                  int64_t int8_rows, int32_t quads) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("matmul_packed: x must be [M, K]");
   const int64_t M = xd[0], K = xd[1];
@@ -114,7 +114,7 @@ ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 // x @ w_i for several packed weights at once: args (x, w_1 .. w_n), results (out_1 .. out_n); a
 // quantized w_i is two arguments, its codes and then its scales. int8_rows: from this many rows of
 // x on (0: never), x is quantized to int8 for the quantized weights' integer dot products.
-// quads: the quantized weights' codes are stored as quads (quant_dot.h's QuadCodes).
+// quads: 1, the int4 weights' codes are stored as quads (quant_dot.h's QuadCodes); 2, the int8 ones'.
 ffi::Error MatmulPackedMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
                             ffi::RemainingRets outs, int32_t int8_rows, int32_t quads) {
   std::vector<ffi::AnyBuffer> args;
@@ -137,7 +137,7 @@ ffi::Error MatmulPackedMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
         "matmul_packed_many: needs as many results as weights (at least one; a quantized weight is "
         "two arguments, codes and scales)");
   }
-  return Matmul(pool, x, weights, int8_rows, quads != 0);
+  return Matmul(pool, x, weights, int8_rows, quads);
 }
 
 }  // namespace

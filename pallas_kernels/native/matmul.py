@@ -249,6 +249,13 @@ def _quads_to_rows(codes: jax.Array) -> jax.Array:
     return c.reshape(p, k // 4, 3, w // 3, 4).transpose(0, 1, 4, 2, 3).reshape(p, k, w)
 
 
+def quads_bits(weights) -> int:
+    """The FFI calls' `quads` attribute for these quantized weights: 1 where the int4 ones are stored
+    as quads, 2 where the int8 ones are (one call may mix the schemes, as GGUF layers do)."""
+    return (1 if any(w.quads and w.scheme == "int4" for w in weights) else 0) | \
+        (2 if any(w.quads and w.scheme == "int8" for w in weights) else 0)
+
+
 def quantized_codes(packed: PackedQuantized) -> jax.Array:
     """The integer codes [K, N] of a `PackedQuantized` (int8; int4 unpacked, signed where symmetric)."""
     back = _quads_to_pairs if packed.scheme == "int4" else _quads_to_rows
@@ -357,7 +364,7 @@ def _call(target: str, x: jax.Array, packed: tuple, ns: tuple) -> tuple[jax.Arra
     quantized = [w for w in packed if isinstance(w, PackedQuantized)]
     # The call's rows: its weights' fewest (a weight stored as quads needs the integer path at every count).
     attrs = {"int8_rows": np.int32(min((w.int8_rows for w in quantized), default=0)),
-             "quads": np.int32(any(w.quads for w in quantized))} if many else {}
+             "quads": np.int32(quads_bits(quantized))} if many else {}
     outs = jax.ffi.ffi_call(target, shapes if many else shapes[0], vmap_method="sequential")(flat, *args, **attrs)
     outs = outs if many else (outs,)
     return tuple((o if o.shape[1] == n else o[:, :n]).reshape(*lead, n) for o, n in zip(outs, ns))

@@ -2,9 +2,10 @@
 // call expects: float32 or bfloat16 panels [N / P, K, P], or a quantized weight's two buffers,
 // codes (int8 [N / P, K, P], or uint8 [N / P, K / 2, P] for int4) and scales ([N / P, K / G, S, P],
 // float32 or float16; S = 2 where they carry offsets, then int4 codes are unsigned). Shared by
-// matmul.cc and decoder_layer.cc. Include after "xla/ffi/api/ffi.h". quads: the codes are stored
-// as the integer kernel reads them (quant_dot.h's QuadCodes: int4 on a build with integer dot
-// products, octets of K within each group; int8 on an AVX-512 VNNI build, quads of K).
+// matmul.cc and decoder_layer.cc. Include after "xla/ffi/api/ffi.h". quads, a bit per scheme (1:
+// int4, 2: int8; one call may mix them, as GGUF layers do): that scheme's codes are stored as the
+// integer kernel reads them (quant_dot.h's QuadCodes: int4 on a build with integer dot products,
+// octets of K within each group; int8 on an AVX-512 VNNI build, quads of K).
 #ifndef JSERVE_PACKED_JOB_H_
 #define JSERVE_PACKED_JOB_H_
 
@@ -24,7 +25,7 @@ inline bool IsQuantizedCodes(const xla::ffi::AnyBuffer& w) {
 // weight in the error.
 inline xla::ffi::ErrorOr<Job> PackedJob(const xla::ffi::AnyBuffer& w, const xla::ffi::AnyBuffer* scales,
                                         int64_t K, int64_t min_n, float* out, const std::string& what,
-                                        bool quads = false) {
+                                        int32_t quads = 0) {
   namespace ffi = xla::ffi;
   auto wd = w.dimensions();
   if (!IsQuantizedCodes(w)) {
@@ -59,7 +60,7 @@ inline xla::ffi::ErrorOr<Job> PackedJob(const xla::ffi::AnyBuffer& w, const xla:
   job.f16_scales = scales->element_type() == ffi::DataType::F16;
   job.group = K / sd[1];
   job.ns = sd[2];
-  job.quads = quads;
+  job.quads = (quads >> (int4 ? 0 : 1)) & 1;
   if (job.quads && (int4 ? !JSERVE_INT_DOT || job.group % 8 : JSERVE_INT_DOT != 1 || job.group % 4)) {
     return ffi::Error::InvalidArgument(what + ": codes stored as quads need a build's integer path (int8: "
                                        "AVX-512 VNNI's) and groups of a multiple of 8 rows (int8: 4)");
