@@ -246,8 +246,9 @@ class NativeCpuOps(XlaOps):
 
     def lora(self, x, ids, a, bs, outs):
         """Each token's delta from its own slot only (`pallas_kernels.native.lora`), where the
-        kernel takes the stacks; else the dense form over every slot."""
-        if self.native_lora and native_lora.takes(x, a, bs):
+        kernel takes the stacks and no mesh splits them (the call has no sharding rule); else the
+        dense form over every slot."""
+        if self.native_lora and self.mesh is None and native_lora.takes(x, a, bs):
             return native_lora.lora_delta(x, ids, a, bs, outs)
         return super().lora(x, ids, a, bs, outs)
 
