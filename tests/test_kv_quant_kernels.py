@@ -184,14 +184,10 @@ def test_gpu_kernel_reads_quantized_pages_in_gpu_interpret_mode(tokens, splits, 
     """The Mosaic GPU kernel with int8 / fp8 pages in the GPU interpreter on CPU: the scale
     gather, its per-stage copies and where the scales apply (key scales on the scores, value
     scales on the probabilities); only the widening and the matmuls differ on a GPU (jnp there)."""
-    from test_paged_attention_gpu import _gpu_rows
+    from test_paged_attention_gpu import _gpu_case, _gpu_rows
 
     rng = np.random.default_rng(tokens * 10 + splits)
-    if tokens == 1:
-        q_start = np.array([0, 0, 15, 16, 127, 57], np.int32)  # lengths 0, 1, 16, 17, full, any
-        q_lens = np.array([0, 1, 1, 1, 1, 1], np.int32)
-    else:
-        q_start, q_lens = np.array([0, 13, 100, 0], np.int32), np.array([11, 8, 1, 0], np.int32)
+    q_start, q_lens = _gpu_case(tokens)
     k, v, kq, vq, table, (kc, vc, ks, vs) = quantized_cache(rng, q_start + q_lens, page_size=16, head_dim=64,
                                                             dtype=dtype, max_pages=8)
     q = jnp.asarray(rng.standard_normal((len(q_start), tokens, NUM_KV_HEADS * 3, 64)), jnp.bfloat16)

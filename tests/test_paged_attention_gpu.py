@@ -12,6 +12,14 @@ from pallas_kernels.paged_attention import paged_attention, paged_prefill_attent
 from test_paged_attention import NUM_KV_HEADS, _lower, check, dense_attention, make_cache
 
 
+def _gpu_case(tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q_start, q_lens) of the GPU-interpreter cases: decode rows of lengths 0, 1, 16, 17, the
+    full context and any, or (tokens > 1) chunks, a decode row and an empty row."""
+    if tokens == 1:
+        return np.array([0, 0, 15, 16, 127, 57], np.int32), np.array([0, 1, 1, 1, 1, 1], np.int32)
+    return np.array([0, 13, 100, 0], np.int32), np.array([11, 8, 1, 0], np.int32)
+
+
 def _gpu_rows(q, k_pages, v_pages, q_start, q_lens, table, **kw):
     """The Mosaic GPU kernel in the GPU interpreter (its matmuls in jnp: no wgmma there)."""
     from pallas_kernels.paged_attention import gpu
@@ -29,11 +37,7 @@ def test_gpu_kernel_in_gpu_interpret_mode(tokens, splits, stages, sliding_window
     """The Mosaic GPU kernel's paging, TMA pipeline, masks and key splits, run by the GPU
     interpreter on CPU; only the two matmuls differ from what the GPU runs (jnp, not wgmma)."""
     rng = np.random.default_rng(tokens * 10 + splits)
-    if tokens == 1:
-        q_start = np.array([0, 0, 15, 16, 127, 57], np.int32)  # lengths 0, 1, 16, 17, full, any
-        q_lens = np.array([0, 1, 1, 1, 1, 1], np.int32)
-    else:
-        q_start, q_lens = np.array([0, 13, 100, 0], np.int32), np.array([11, 8, 1, 0], np.int32)
+    q_start, q_lens = _gpu_case(tokens)
     k, v, k_pages, v_pages, table = make_cache(rng, q_start + q_lens, page_size=16, head_dim=64,
                                                dtype=jnp.bfloat16, max_pages=8)
     q = jnp.asarray(rng.standard_normal((len(q_start), tokens, NUM_KV_HEADS * 3, 64)),
