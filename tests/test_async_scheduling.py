@@ -132,6 +132,29 @@ def test_settings_that_do_not_combine_are_refused():
         EngineConfig(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
+def test_none_overlaps_wherever_it_applies_and_serve_defaults_to_it(tiny):  # noqa: F811
+    """async_scheduling None (`jserve serve`'s default, as vLLM's): overlapped single steps, and plain
+    multi-step decode or speculation where it does not apply, where True refuses them."""
+    from jserve.cli import build_parser
+    from jserve.engine.speculative import SpeculativeStep
+    from jserve.engine.step_functions import MultiStep, OverlappedStep
+
+    auto = make_engine(tiny, async_scheduling=None)
+    assert auto.async_scheduling is True and isinstance(auto.step_fn, OverlappedStep)
+    multi = make_engine(tiny, async_scheduling=None, num_scheduler_steps=4)
+    assert multi.async_scheduling is False and isinstance(multi.step_fn, MultiStep)
+    spec = make_engine(tiny, async_scheduling=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert spec.async_scheduling is False and isinstance(spec.step_fn, SpeculativeStep)
+    assert make_engine(tiny).async_scheduling is False  # the offline engine's default
+    prompts, params = workload(n=6, seed=3)
+    _same(run_outputs(auto, prompts, params), run_outputs(make_engine(tiny), prompts, params))
+    assert auto.runner.overlap.num_launched > 0
+    parse = build_parser().parse_args
+    assert parse(["serve"]).async_scheduling is None
+    assert parse(["serve", "--no-async-scheduling"]).async_scheduling is False
+    assert parse(["serve", "--async-scheduling"]).async_scheduling is True
+
+
 def test_metrics_report_the_overlap(engines):
     from prometheus_client import CollectorRegistry
 

@@ -161,6 +161,8 @@ def test_async_scheduling_over_a_tp_mesh_feeds_rows_into_the_same_forward(tiny_r
     assert sum(f._cache_size() for f in engine.runner._steps.values()) == 2  # the mixed and the decode shape
     with pytest.raises(ValueError, match="async_scheduling runs on one data-parallel group"):
         _generate(TINY, params, "dp=2", prompts[:1], 2, async_scheduling=True, **kw)
+    _, engine = _generate(TINY, params, "dp=2", prompts[:1], 2, async_scheduling=None, **kw)  # serve's default
+    assert engine.async_scheduling is False and "launched_steps" not in engine.stats()
 
 
 @pytest.mark.parametrize("mesh", MESHES)

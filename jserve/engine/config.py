@@ -25,8 +25,9 @@ TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("last", "mean", "cls")  # jserve.model.pooling.POOLING_TYPES
 LORA_DTYPES = ("auto", "float32", "bfloat16")  # the native fused layers read float32 or bfloat16 stacks
 # Where `jserve serve` defaults otherwise than the offline LLM: a server is ready once the largest
-# shapes compile, the others compile while it serves (--no-lazy-buckets compiles them all first).
-SERVE_DEFAULTS = {"lazy_buckets": True}
+# shapes compile, the others compile while it serves (--no-lazy-buckets compiles them all first);
+# it overlaps steps wherever that applies (`async_scheduling` None; --no-async-scheduling: never).
+SERVE_DEFAULTS = {"lazy_buckets": True, "async_scheduling": None}
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own context length when none is given
 
 
@@ -109,11 +110,13 @@ class EngineConfig:
                                    choices=KV_CACHE_DTYPES)
     num_scheduler_steps: int = _setting(1, "decode steps per device call while only decodes run "
                                            "(multi-step decode)", parse=int)
-    async_scheduling: bool = _setting(False, "overlap steps (vLLM's name): plan and dispatch step N+1 before "
-                                             "reading step N's samples, which feed N+1's decode rows on the "
-                                             "device, so the device never waits for the host between steps; "
-                                             "a step with penalties, a grammar or prompt logprobs runs after "
-                                             "the one before it is read. One device group, one process")
+    async_scheduling: bool | None = _setting(False, "overlap steps (vLLM's name): plan and dispatch step N+1 "
+                                                    "before reading step N's samples, which feed N+1's decode "
+                                                    "rows on the device, so the device never waits for the host "
+                                                    "between steps; a step with penalties, a grammar or prompt "
+                                                    "logprobs runs after the one before it is read. One device "
+                                                    "group, one process. None: on wherever it applies (the "
+                                                    "default of `jserve serve`, as vLLM's), else off")
     speculative_config: Any = _setting(
         None, 'speculative decoding, a JSON object as vLLM takes it: {"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": '

@@ -171,7 +171,8 @@ def resolve_pooling(config: EngineConfig, declared: PoolingConfig | None) -> Poo
         return None
     for name, value, plain in (("speculative_config", config.speculative_config, None),
                                ("num_scheduler_steps", config.num_scheduler_steps, 1),
-                               ("async_scheduling", config.async_scheduling, False), ("mesh", config.mesh, None)):
+                               ("async_scheduling", config.async_scheduling or False, False),  # None: off here
+                               ("mesh", config.mesh, None)):
         if value != plain:
             raise ValueError(f"task 'embed' runs plain prefill steps on one device: give no {name} (got {value!r})")
     base = declared or PoolingConfig()

@@ -73,7 +73,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, runner.config.vocab_size, sorted(self.eos_token_ids))
         self.num_structured_requests = 0
         self.speculator = build_speculator(config, runner, draft_runner, self.scheduler)
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = self._overlaps(config.async_scheduling)
         self.step_fn = self._step_function()
         self.source_config = runner.config  # the checkpoint's config (build_engine: before a mesh's layout)
         self.sleep_level = 0  # 0 awake, else the level of `sleep`
@@ -90,6 +90,16 @@ class LLMEngine:
         slots = None if self.lora is None else self.lora.slots  # one set of slots for every group
         schedulers = [Scheduler(share, t, stop_policy=self.stop_policy, lora_slots=slots) for t in tables]
         return tables, schedulers[0] if runner.dp == 1 else DataParallelScheduler(schedulers)
+
+    def _overlaps(self, asked: bool | None) -> bool:
+        """Whether steps overlap (`async_scheduling`): as asked, or with None wherever they can."""
+        if asked is not None:
+            return asked
+        overlaps = (self.speculator is None and self.config.num_scheduler_steps == 1 and self.runner.launchable
+                    and self.runner.config.long_rope_after is None)
+        logger.info("async scheduling %s (where it applies: one device group, one process, single steps, no "
+                    "speculation; --no-async-scheduling turns it off)", "on" if overlaps else "off")
+        return overlaps
 
     def _step_function(self) -> PlainStep:
         """The execute phase's step function, chosen once."""
