@@ -157,6 +157,21 @@ inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
 
 // MR rows of x against [kl, kPanel] rearranged codes (buf) starting at row k0 of K: the float
 // sums o[MR][kPanel] (rows ldo apart) accumulated (or started, `init`) over the chunk's blocks.
+// acc[m][v] += the 3 code vectors w[v] . row m's quad of activations (x + 4 k, rows K apart),
+// broadcast: one VPDPBUSD per vector.
+template <int MR>
+inline __attribute__((always_inline)) void DotQuad(__m512i (&acc)[MR][3], const __m512i (&w)[3],
+                                                   const int8_t* __restrict x, int64_t K) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    int32_t quad;
+    std::memcpy(&quad, x + m * K, 4);
+    const __m512i xb = _mm512_set1_epi32(quad);
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], w[v], xb);
+  }
+}
+
 template <int MR, Codes C, typename S, bool kQuads>
 inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl,
                                                      const uint8_t* __restrict buf, const S* __restrict scales,
@@ -194,28 +209,14 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
           const __m512i c = _mm512_loadu_si512(cb + (t * 3 + v) * kQuad);
           w[v] = _mm512_and_si512(h % 2 ? _mm512_srli_epi16(c, 4) : c, low);
         }
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          int32_t quad;
-          std::memcpy(&quad, qb + m * K + 4 * h, 4);
-          const __m512i xb = _mm512_set1_epi32(quad);
-#pragma GCC unroll 3
-          for (int v = 0; v < 3; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], w[v], xb);
-        }
+        DotQuad<MR>(acc, w, qb + 4 * h, K);
       }
     }
     for (int64_t r = 0; r < (kQuads ? 0 : B / 4); ++r) {
       __m512i w[3];
 #pragma GCC unroll 3
       for (int v = 0; v < 3; ++v) w[v] = _mm512_loadu_si512(wb + (r * 3 + v) * kQuad);  // stored quads: unaligned
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        int32_t quad;
-        std::memcpy(&quad, qb + m * K + 4 * r, 4);
-        const __m512i xb = _mm512_set1_epi32(quad);
-#pragma GCC unroll 3
-        for (int v = 0; v < 3; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], w[v], xb);
-      }
+      DotQuad<MR>(acc, w, qb + 4 * r, K);
     }
     const S* sg = scales + g * ns * kPanel;
     __m512 ws[3];
