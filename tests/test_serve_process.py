@@ -116,8 +116,10 @@ def test_sigterm_under_load_drains_and_exits_zero(smollm2_checkpoint):
         assert status == 200 and plain["usage"]["completion_tokens"] == 400
         assert proc.wait(60) == 0
         # The loaded engine's objects were frozen out of the garbage collector (freeze_startup_heap).
-        frozen = re.search(r"\((\d+) startup objects frozen", proc.stderr.read())
+        log = proc.stderr.read()
+        frozen = re.search(r"; (\d+) startup objects frozen", log)
         assert frozen and int(frozen.group(1)) > 10_000, frozen
+        assert "(async scheduling off;" in log  # the engine's own mode: this loader's EngineConfig has it off
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -353,7 +353,9 @@ def test_64_concurrent_mixed_requests(server):
     schemas = [{"type": "object", "properties": {f"f{i}": {"type": "integer", "minimum": 0, "maximum": 10 ** i},
                                                  "ok": {"type": "boolean"}},
                 "required": [f"f{i}", "ok"], "additionalProperties": False} for i in range(8)]
-    compiled = server.call(server.state.engine.stats())["compilations_after_warmup"]
+    before = server.call(server.state.engine.stats())
+    # Counts of this test's own requests: the module's server also ran the fuzz test's random grammars.
+    compiled, refused = before["compilations_after_warmup"], before["grammar_errors"]
 
     async def one(session, i):
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Request {i}"}], "max_tokens": 40,
@@ -382,9 +384,9 @@ def test_64_concurrent_mixed_requests(server):
             assert choice["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == 40
     stats = engine_idle(server)
     assert stats["compilations_after_warmup"] == compiled
-    assert stats["pages_in_use"] == 0 and stats["grammar_errors"] == 0
+    assert stats["pages_in_use"] == 0 and stats["grammar_errors"] == refused
     assert stats["mask_steps"] > 0 and stats["mask_seconds_per_step"] > 0
     status, _, text = request(server, "GET", "/metrics")
     values = dict(re.findall(r"^(jserve_structured_\w+|jserve_grammar\w+) ([0-9.e+-]+)$", text.decode(), re.M))
     assert float(values["jserve_structured_mask_seconds_per_step"]) > 0
-    assert float(values["jserve_structured_requests"]) >= 32 and float(values["jserve_grammar_errors"]) == 0
+    assert float(values["jserve_structured_requests"]) >= 32 and float(values["jserve_grammar_errors"]) == refused

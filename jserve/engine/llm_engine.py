@@ -95,11 +95,8 @@ class LLMEngine:
         """Whether steps overlap (`async_scheduling`): as asked, or with None wherever they can."""
         if asked is not None:
             return asked
-        overlaps = (self.speculator is None and self.config.num_scheduler_steps == 1 and self.runner.launchable
-                    and self.runner.config.long_rope_after is None)
-        logger.info("async scheduling %s (where it applies: one device group, one process, single steps, no "
-                    "speculation; --no-async-scheduling turns it off)", "on" if overlaps else "off")
-        return overlaps
+        return (self.speculator is None and self.config.num_scheduler_steps == 1 and self.runner.launchable
+                and self.runner.config.long_rope_after is None)
 
     def _step_function(self) -> PlainStep:
         """The execute phase's step function, chosen once."""
