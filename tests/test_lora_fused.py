@@ -23,15 +23,16 @@ from test_decoder_layer import PAGE, QTINY, TINY, _pages, _params, decode_rows, 
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU decoder layer (no compiler)")
 
-SPEC = lora.LoraSpec(max_loras=3, max_rank=8)
+SPEC = lora.LoraSpec(max_loras=3, max_rank=8)  # rank 8: the deltas' loop for ranks that are not multiples of 16
+SPEC16 = lora.LoraSpec(max_loras=3, max_rank=16)  # ... and the register-blocked one (`XaBlock`)
 
 
-def _with_slots(config, params, dtype, seed=0):
+def _with_slots(config, params, dtype, seed=0, spec=SPEC):
     """`params` with random slots: every slot's A and B filled (rank 8 in slots 1 and 3, rank 4
     padded with zeros in slot 2), large enough to move the logits; smaller in bfloat16, where the
     model rounds x @ A and the delta to bfloat16 and the fused call does not."""
     scale = 0.5 if dtype == jnp.float32 else 0.25
-    params = lora.add_slots(params, config, SPEC, dtype)
+    params = lora.add_slots(params, config, spec, dtype)
     rng = np.random.default_rng(seed)
     layers = {}
     for i, layer in params["layers"].items():
@@ -48,19 +49,19 @@ def _with_slots(config, params, dtype, seed=0):
     return {**params, "layers": layers}
 
 
-def _setup(config, dtype, quantized=None):
+def _setup(config, dtype, quantized=None, spec=SPEC):
     # The float path: with int8 activations the fused and per-matmul layers' norms round differently
     # and a flipped activation code shows past 1e-4 (test_quant_int_dot checks that path).
     backend = NativeCpuBackend(int8_activations=False)
     params = _params(config, dtype) if quantized is None else quantized_params(config, dtype, *quantized)
-    packed = backend.prepare_params(config, _with_slots(config, params, dtype))
+    packed = backend.prepare_params(config, _with_slots(config, params, dtype, spec=spec))
     ops = backend.ops(config)
     assert ops.fused
     return packed, ops
 
 
-def _stepper(config, ops):
-    graphdef = model_graphdef(config, lora=SPEC)
+def _stepper(config, ops, spec=SPEC):
+    graphdef = model_graphdef(config, lora=spec)
 
     def step(params, cache, tokens, positions, meta, ids):
         model = nnx.merge(graphdef, params)
@@ -80,12 +81,13 @@ MIXES = {
 }
 
 
+@pytest.mark.parametrize("spec", [SPEC, SPEC16], ids=["rank 8", "rank 16"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_lora_matches_the_xla_delta_for_every_mix_without_compiling(dtype):
+def test_fused_lora_matches_the_xla_delta_for_every_mix_without_compiling(dtype, spec):
     config = TINY
-    packed, fused = _setup(config, dtype)
-    steps = {"fused": _stepper(config, fused),
-             "xla": _stepper(config, dataclasses.replace(fused, fused=False, native_lora=False))}
+    packed, fused = _setup(config, dtype, spec=spec)
+    steps = {"fused": _stepper(config, fused, spec),
+             "xla": _stepper(config, dataclasses.replace(fused, fused=False, native_lora=False), spec)}
     num_pages = 1 + sum(-(-(c + 1) // PAGE) for c in CONTEXTS if c is not None) + 2
     tokens, positions, meta, lens = decode_rows(CONTEXTS, num_pages, 0, TINY.vocab_size)
     live = lens > 0
@@ -149,13 +151,15 @@ def test_bad_lora_ids_are_refused():
                                    jnp.asarray([4, 0], jnp.int32)))
 
 
+@pytest.mark.parametrize("r", [8, 16, 32])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("targets, n_in", [(3, 40), (1, 24)], ids=["group of 3", "one target"])
-def test_the_per_slot_delta_matches_the_dense_one_over_any_rows(dtype, targets, n_in):
+def test_the_per_slot_delta_matches_the_dense_one_over_any_rows(dtype, targets, n_in, r):
     """Over a prefill-like x [2, 37, in]: every mix of slots, runs of one slot longer than a task
-    (16 rows), rows with id 0 unchanged to the bit, the outputs' dtype kept."""
+    (16 rows) and of every length mod the 4 rows `XaBlock` holds, rows with id 0 unchanged to the
+    bit, the outputs' dtype kept; ranks that are multiples of 16 (register-blocked) and not."""
     rng = np.random.default_rng(1)
-    S, r, widths = 3, 8, (48, 16, 16)[:targets]
+    S, widths = 3, (48, 16, 16)[:targets]
     a = jnp.asarray(rng.normal(0, 0.5, (n_in, targets, S, r)), dtype)
     bs = tuple(jnp.asarray(rng.normal(0, 0.5, (S, r, n)), dtype) for n in widths)
     x = jnp.asarray(rng.normal(0, 1, (2, 37, n_in)), jnp.float32)

@@ -67,10 +67,57 @@ struct Lora {
   int64_t ldxa() const { return kLoraTargets * r; }
 };
 
+// xa[rows[j], first + g, c0 : c0 + kXaCols] = x[rows[j]] @ A[:, g, s, c0 : ...] for R rows: their
+// R x kXaCols sums held in registers over all of K (R vectors with AVX-512), each line of A read
+// once for the R rows.
+constexpr int64_t kXaCols = 16;  // rank columns per pass
+constexpr int kXaRows = 4;       // rows per pass
+
+template <int R, typename T>
+inline void XaBlock(const T* a, int64_t K, int64_t stride, const int32_t* rows, const float* x, int64_t ldx,
+                    float* xa, int64_t ldxa) {
+  float acc[R][kXaCols] = {};
+  const float* xr[R];
+  for (int j = 0; j < R; ++j) xr[j] = x + rows[j] * ldx;
+  for (int64_t k = 0; k < K; ++k) {
+    const T* ak = a + k * stride;
+    float av[kXaCols];
+#pragma omp simd
+    for (int64_t i = 0; i < kXaCols; ++i) av[i] = LoraValue(ak[i]);
+#pragma GCC unroll 4
+    for (int j = 0; j < R; ++j) {
+      const float xv = xr[j][k];
+#pragma omp simd
+      for (int64_t i = 0; i < kXaCols; ++i) acc[j][i] += xv * av[i];
+    }
+  }
+  for (int j = 0; j < R; ++j) std::memcpy(xa + rows[j] * ldxa, acc[j], sizeof acc[j]);
+}
+
 // xa[row, first + g, :] = x[row] @ A[:, g, s, :] for the n rows of slot s and every g < G.
 template <typename T>
 void XaSlot(const T* a, int64_t K, int64_t G, int64_t S, int64_t r, int64_t s, const int32_t* rows,
             int64_t n, const float* x, int64_t ldx, float* xa, int64_t ldxa, int64_t first) {
+  const int64_t stride = G * S * r;  // between consecutive k of one (g, s)
+  if (r % kXaCols == 0) {
+    for (int64_t j = 0; j < n; j += kXaRows) {
+      const int64_t left = std::min<int64_t>(kXaRows, n - j);
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t c = 0; c < r; c += kXaCols) {
+          const T* ag = a + (g * S + s) * r + c;
+          float* o = xa + (first + g) * r + c;
+          switch (left) {
+            case 4: XaBlock<4>(ag, K, stride, rows + j, x, ldx, o, ldxa); break;
+            case 3: XaBlock<3>(ag, K, stride, rows + j, x, ldx, o, ldxa); break;
+            case 2: XaBlock<2>(ag, K, stride, rows + j, x, ldx, o, ldxa); break;
+            default: XaBlock<1>(ag, K, stride, rows + j, x, ldx, o, ldxa); break;
+          }
+        }
+      }
+    }
+    return;
+  }
+  // Other ranks (a max_lora_rank that is not a multiple of 16): row by row through memory.
   for (int64_t j = 0; j < n; ++j) std::memset(xa + rows[j] * ldxa + first * r, 0, G * r * sizeof(float));
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t g = 0; g < G; ++g) {
