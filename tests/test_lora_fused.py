@@ -28,8 +28,8 @@ SPEC16 = lora.LoraSpec(max_loras=3, max_rank=16)  # ... and the register-blocked
 
 
 def _with_slots(config, params, dtype, seed=0, spec=SPEC):
-    """`params` with random slots: every slot's A and B filled (rank 8 in slots 1 and 3, rank 4
-    padded with zeros in slot 2), large enough to move the logits; smaller in bfloat16, where the
+    """`params` with random slots: every slot's A and B filled (the full rank in slots 1 and 3, rank
+    4 padded with zeros in slot 2), large enough to move the logits; smaller in bfloat16, where the
     model rounds x @ A and the delta to bfloat16 and the fused call does not."""
     scale = 0.5 if dtype == jnp.float32 else 0.25
     params = lora.add_slots(params, config, spec, dtype)

@@ -155,8 +155,6 @@ inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
   }
 }
 
-// MR rows of x against [kl, kPanel] rearranged codes (buf) starting at row k0 of K: the float
-// sums o[MR][kPanel] (rows ldo apart) accumulated (or started, `init`) over the chunk's blocks.
 // acc[m][v] += the 3 code vectors w[v] . row m's quad of activations (x + 4 k, rows K apart),
 // broadcast: one VPDPBUSD per vector.
 template <int MR>
@@ -172,6 +170,8 @@ inline __attribute__((always_inline)) void DotQuad(__m512i (&acc)[MR][3], const 
   }
 }
 
+// MR rows of x against [kl, kPanel] rearranged codes (buf) starting at row k0 of K: the float
+// sums o[MR][kPanel] (rows ldo apart) accumulated (or started, `init`) over the chunk's blocks.
 template <int MR, Codes C, typename S, bool kQuads>
 inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl,
                                                      const uint8_t* __restrict buf, const S* __restrict scales,
