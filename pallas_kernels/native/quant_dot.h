@@ -60,6 +60,28 @@ struct ActQuant {
   void QuantizeRow(int64_t m, const float* x) {
     const int64_t nb = K / B;
     int8_t* qm = q.data() + m * K;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // Blocks of 32 (the usual B) in two vectors: the loops below did not vectorize their rounding
+    // (4 % of a 16-row int8 decode step). The same results: VCVTPS2DQ rounds to nearest even, as
+    // nearbyint does in the default rounding mode; the float sum adds in another order.
+    if (B == 32) {
+      const __m512 sign = _mm512_set1_ps(-0.0f);
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+        const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + 32 * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+        scale[m * nb + b] = amax / 127.0f;
+        qsum[m * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        xsum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+      }
+      return;
+    }
+#endif
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + b * B;
       float amax = 0.0f, sum = 0.0f;
@@ -85,6 +107,11 @@ struct ActQuant {
 };
 
 #if JSERVE_INT_DOT
+// Stored quads at 2 rows of x or more: the first row block prefetches into L2 the codes this many
+// bytes ahead (the rest of the panel, then the next panel's). The codes stream from memory while the
+// dot products run: without it one thread at 16 rows ran at 97 GMAC/s, 152 from L2 (with: 127); at
+// one row the hardware prefetcher alone is faster (benchmarks/kernels/int_dot_layout.cc's notes).
+static const int64_t kIntPrefetch = getenv("JSERVE_INT_PF") ? atoll(getenv("JSERVE_INT_PF")) : 16384;
 constexpr int64_t kIntChunk = 128;  // rows of K rearranged at a time (a multiple of every block)
 // Rows of x per micro-kernel: AVX-512, 12 int32 + 12 float sums of 32 registers; AVX2 (one vector
 // of columns at a time), int4 6 integer + 6 float sums of 16, int8 (two more vectors) 5.
@@ -176,7 +203,7 @@ template <int MR, Codes C, typename S, bool kQuads>
 inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl,
                                                      const uint8_t* __restrict buf, const S* __restrict scales,
                                                      int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
-                                                     bool init) {
+                                                     bool init, int64_t pf) {
   constexpr int L = Simd::kLanes;
   constexpr int32_t kBias = C == Codes::kInt8 ? 128 : 8;
   const int64_t B = aq.B, K = aq.K, nb = K / B;
@@ -204,6 +231,10 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
       for (int64_t h = 0; h < B / 4; ++h) {
         const int64_t t = h / 2;
         __m512i w[3];
+        if (pf && h % 2 == 0) {
+#pragma GCC unroll 3
+          for (int v = 0; v < 3; ++v) _mm_prefetch(reinterpret_cast<const char*>(cb + (t * 3 + v) * kQuad + pf), _MM_HINT_T1);
+        }
 #pragma GCC unroll 3
         for (int v = 0; v < 3; ++v) {
           const __m512i c = _mm512_loadu_si512(cb + (t * 3 + v) * kQuad);
@@ -214,6 +245,10 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
     }
     for (int64_t r = 0; r < (kQuads ? 0 : B / 4); ++r) {
       __m512i w[3];
+      if (pf) {
+#pragma GCC unroll 3
+        for (int v = 0; v < 3; ++v) _mm_prefetch(reinterpret_cast<const char*>(wb + (r * 3 + v) * kQuad + pf), _MM_HINT_T1);
+      }
 #pragma GCC unroll 3
       for (int v = 0; v < 3; ++v) w[v] = _mm512_loadu_si512(wb + (r * 3 + v) * kQuad);  // stored quads: unaligned
       DotQuad<MR>(acc, w, qb + 4 * r, K);
@@ -363,7 +398,8 @@ template <int MR, Codes C, typename S, bool kQuads>
 inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl,
                                                      const uint8_t* __restrict buf, const S* __restrict scales,
                                                      int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
-                                                     bool init) {
+                                                     bool init, int64_t pf) {
+  (void)pf;  // kIntPrefetch was measured with AVX-512 only; these kernels keep the hardware prefetcher's
   for (int v = 0; v < 3; ++v) IntKernelV<MR, C, S, kQuads>(aq, m0, k0, kl, v, buf, scales, G, ns, o, ldo, init);
 }
 #endif  // JSERVE_INT_DOT == 2
@@ -371,11 +407,11 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
 #if JSERVE_INT_DOT
 template <int R, Codes C, typename S, bool kQuads>
 inline void IntRows(int rows, const ActQuant& aq, int64_t m0, int64_t k0, int64_t kl, const uint8_t* buf,
-                    const S* scales, int64_t G, int64_t ns, float* o, int64_t ldo, bool init) {
+                    const S* scales, int64_t G, int64_t ns, float* o, int64_t ldo, bool init, int64_t pf = 0) {
   if constexpr (R > 1) {
-    if (rows < R) return IntRows<R - 1, C, S, kQuads>(rows, aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init);
+    if (rows < R) return IntRows<R - 1, C, S, kQuads>(rows, aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init, pf);
   }
-  IntKernel<R, C, S, kQuads>(aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init);
+  IntKernel<R, C, S, kQuads>(aq, m0, k0, kl, buf, scales, G, ns, o, ldo, init, pf);
 }
 
 // All aq.M rows against one quantized panel (codes and scales as PackedQuantPanel's, or int4 codes
@@ -399,7 +435,8 @@ void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scal
       if (quads) {  // the codes as ToVnni would write them
         for (int64_t m = 0; m < M; m += kIntMR<C>) {
           IntRows<kIntMR<C>, C, S, false>(static_cast<int>(std::min<int64_t>(kIntMR<C>, M - m)), aq, m, k0, kl,
-                                          codes + k0 * kPanel, scales, G, ns, tile + m * kPanel, kPanel, k0 == 0);
+                                          codes + k0 * kPanel, scales, G, ns, tile + m * kPanel, kPanel, k0 == 0,
+                                          m == 0 && M > 1 ? kIntPrefetch : 0);
         }
         continue;
       }
@@ -409,7 +446,8 @@ void PackedQuantPanelInt(const ActQuant& aq, const uint8_t* codes, const S* scal
       if (quads) {
         for (int64_t m = 0; m < M; m += kIntMR<C>) {
           IntRows<kIntMR<C>, C, S, true>(static_cast<int>(std::min<int64_t>(kIntMR<C>, M - m)), aq, m, k0, kl,
-                                         codes + k0 / 2 * kPanel, scales, G, ns, tile + m * kPanel, kPanel, k0 == 0);
+                                         codes + k0 / 2 * kPanel, scales, G, ns, tile + m * kPanel, kPanel, k0 == 0,
+                                         m == 0 && M > 1 ? kIntPrefetch : 0);
         }
         continue;
       }
