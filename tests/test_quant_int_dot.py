@@ -137,17 +137,18 @@ def test_the_backend_sets_int8_rows_from_its_option():
     from jserve.runtime.backends import NativeCpuBackend, create
 
     rng = np.random.default_rng(2)
-    w = _weight(rng, 64, 96, "int8", 0, True)  # one group per column: the float path below 8 rows
-    assert native.default_int8_rows("int8", 64) == native.DEFAULT_INT8_ROWS
-    assert NativeCpuBackend()._pack_quantized(w).int8_rows == native.DEFAULT_INT8_ROWS
+    # int8 (per channel, or in groups of 32 as Q8_0): from one row, its codes stored as quads, where
+    # AVX-512 VNNI reads them; else the float path below 8 rows.
+    vnni = native.int_dot_isa() == "avx512-vnni"
+    want8 = (1, True) if vnni else (native.DEFAULT_INT8_ROWS, False)
+    assert native.default_int8_rows("int8") == want8[0]
+    w = _weight(rng, 64, 96, "int8", 0, True)
+    for group in (0, 32):
+        packed = NativeCpuBackend()._pack_quantized(_weight(rng, 64, 96, "int8", group, True))
+        assert (packed.int8_rows, packed.quads) == want8, group
     w4 = _weight(rng, 64, 96, "int4", 32, False)
     want = 1 if native.int_dot_available() else native.DEFAULT_INT8_ROWS
-    assert native.default_int8_rows("int4", 32) == want == NativeCpuBackend()._pack_quantized(w4).int8_rows
-    # int8 in groups of 32 (Q8_0): from one row, its codes stored as quads, where AVX-512 VNNI reads them.
-    w8 = NativeCpuBackend()._pack_quantized(_weight(rng, 64, 96, "int8", 32, True))
-    vnni = native.int_dot_isa() == "avx512-vnni"
-    assert (w8.int8_rows, w8.quads) == ((1, True) if vnni else (native.DEFAULT_INT8_ROWS, False))
-    assert native.default_int8_rows("int8", 128) == native.DEFAULT_INT8_ROWS
+    assert native.default_int8_rows("int4") == want == NativeCpuBackend()._pack_quantized(w4).int8_rows
     assert NativeCpuBackend(int8_activations=False)._pack_quantized(w).int8_rows == 0
     assert NativeCpuBackend(batch_invariant=True)._pack_quantized(w).int8_rows == 0  # rows may not depend on M
     with pytest.raises(ValueError, match="int8_activations"):

@@ -45,7 +45,7 @@ SHAPES = {"q/o": (576, 576), "k/v": (576, 192), "gate/up": (576, 1536), "down": 
 FORMATS = {"float32": ("float32", 0, True), "bfloat16": ("bfloat16", 0, True), "int8": ("int8", 0, True),
            "int8-g32": ("int8", 32, True), "int4-g32-sym": ("int4", 32, True), "int4-g32-asym": ("int4", 32, False)}
 # The quantized formats with int8 activations (quant_dot.h: integer dot products at every row count
-# here; the engine's default takes them from `native.default_int8_rows(scheme, group)` rows on); on AVX2
+# here; the engine's default takes them from `native.default_int8_rows(scheme)` rows on); on AVX2
 # builds int4's "-a8" codes are stored as quads (`PackedQuantized.quads`), "-a8-pairs" as nibble
 # pairs rearranged by each call (the layout before quads).
 FORMATS.update({f"{name}-a8": spec for name, spec in list(FORMATS.items()) if spec[0] in ("int8", "int4")})

@@ -63,22 +63,19 @@ def int_dot_available() -> bool:
     return int_dot_isa() is not None
 
 
-# From how many rows of x on the integer path is faster (docs/performance.md, Quantized matmul):
-# int4 from one row, its codes stored as the integer kernel reads them (`PackedQuantized.quads`);
-# int8 in groups of up to 32 (Q8_0) from one row too where AVX-512 VNNI reads its codes as quads (a
-# SmolLM2-135M decode step: 3 % slower at batch 1, 17-20 % faster at 4, 11 % at 16); other int8
-# from 8: below, its float path is as fast or faster even with the codes stored as quads (an int8
-# per-channel decode step at batch 1: 9.5 ms on the integer path, 6.7 on the float one).
+# From how many rows of x on the integer path is faster (docs/performance.md, "Int8 groups on the
+# integer path from one row"): with its codes stored as the integer kernel reads them
+# (`PackedQuantized.quads`), int4 from one row, and int8 from one row too where AVX-512 VNNI reads
+# its quads (a SmolLM2-135M decode step, int8 in groups of 32 or per channel: 2-3 % slower at
+# batch 1, 1.2x faster at 4 and 16); AVX2 builds store no int8 quads, and their int8 float path is
+# as fast below 8 rows.
 DEFAULT_INT8_ROWS = 8
 ACT_BLOCK = 32  # columns of K per activation scale (quant_dot.h's kActBlock)
 
 
-def default_int8_rows(scheme: str, group_size: int) -> int:
-    """The engine's `int8_rows` for a weight of this scheme ("int8" or "int4") and group size
-    (`PackedQuantized.group_size`: K for one group per column) on this build."""
-    if scheme == "int4" and int_dot_available():
-        return 1
-    if scheme == "int8" and group_size <= ACT_BLOCK and int_dot_isa() == "avx512-vnni":
+def default_int8_rows(scheme: str) -> int:
+    """The engine's `int8_rows` for a weight of this scheme ("int8" or "int4") on this build."""
+    if scheme == "int4" and int_dot_available() or scheme == "int8" and int_dot_isa() == "avx512-vnni":
         return 1
     return DEFAULT_INT8_ROWS
 

@@ -61,8 +61,8 @@ class NativeCpuBackend(Backend):
         (with a mesh, or without a compiler, they stay XLA dots); False keeps XLA's dots, for
         tests and benchmarks that compare the two.
       int8_activations: quantized weights' matmuls (and a quantized head) at
-        `native_matmul.default_int8_rows(scheme, group_size)` rows or more quantize their input to
-        int8 per block of 32 and take integer dot products (`PackedQuantized.int8_rows`; where the build has them,
+        `native_matmul.default_int8_rows(scheme)` rows or more quantize their input to int8 per
+        block of 32 and take integer dot products (`PackedQuantized.int8_rows`; where the build has them,
         `native_matmul.int_dot_available()`); False, or batch_invariant (whose rows must not depend
         on the batch's size), dequantizes the weights to float32 at every row count.
     """
@@ -132,8 +132,7 @@ class NativeCpuBackend(Backend):
 
     def _pack_quantized(self, w) -> native_matmul.PackedQuantized:
         packed = native_matmul.pack_quantized(w)
-        return packed.with_int8_rows(native_matmul.default_int8_rows(packed.scheme, packed.group_size)
-                                   if self.int8_activations else 0)
+        return packed.with_int8_rows(native_matmul.default_int8_rows(packed.scheme) if self.int8_activations else 0)
 
     def ops(self, config: ModelConfig) -> "NativeCpuOps":
         attention = PagedAttention(self.kernel, config.sliding_window, self.mesh, self.kv_layout)
