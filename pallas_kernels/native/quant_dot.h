@@ -69,10 +69,13 @@ struct ActQuant {
       const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
       for (int64_t b = 0; b < nb; ++b) {
         const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
         const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
-        const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+        const __m512i q0 =
+            _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+        const __m512i q1 =
+            _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + 32 * b), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
         scale[m * nb + b] = amax / 127.0f;
@@ -108,10 +111,11 @@ struct ActQuant {
 
 #if JSERVE_INT_DOT
 // Stored quads at 2 rows of x or more: the first row block prefetches into L2 the codes this many
-// bytes ahead (the rest of the panel, then the next panel's). The codes stream from memory while the
-// dot products run: without it one thread at 16 rows ran at 97 GMAC/s, 152 from L2 (with: 127); at
-// one row the hardware prefetcher alone is faster (benchmarks/kernels/int_dot_layout.cc's notes).
-static const int64_t kIntPrefetch = getenv("JSERVE_INT_PF") ? atoll(getenv("JSERVE_INT_PF")) : 16384;
+// bytes ahead (the rest of the panel, then the next panel's), so they stream from memory while the
+// dot products run: one thread at 16 rows ran at 97 G MAC/s without it, 127 with it, 152 from L2;
+// at one row the hardware prefetcher alone is faster (docs/performance.md, "Int8 on the integer
+// path from one row").
+constexpr int64_t kIntPrefetch = 16384;
 constexpr int64_t kIntChunk = 128;  // rows of K rearranged at a time (a multiple of every block)
 // Rows of x per micro-kernel: AVX-512, 12 int32 + 12 float sums of 32 registers; AVX2 (one vector
 // of columns at a time), int4 6 integer + 6 float sums of 16, int8 (two more vectors) 5.
@@ -233,7 +237,9 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
         __m512i w[3];
         if (pf && h % 2 == 0) {
 #pragma GCC unroll 3
-          for (int v = 0; v < 3; ++v) _mm_prefetch(reinterpret_cast<const char*>(cb + (t * 3 + v) * kQuad + pf), _MM_HINT_T1);
+          for (int v = 0; v < 3; ++v) {
+            _mm_prefetch(reinterpret_cast<const char*>(cb + (t * 3 + v) * kQuad + pf), _MM_HINT_T1);
+          }
         }
 #pragma GCC unroll 3
         for (int v = 0; v < 3; ++v) {
@@ -247,7 +253,9 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
       __m512i w[3];
       if (pf) {
 #pragma GCC unroll 3
-        for (int v = 0; v < 3; ++v) _mm_prefetch(reinterpret_cast<const char*>(wb + (r * 3 + v) * kQuad + pf), _MM_HINT_T1);
+        for (int v = 0; v < 3; ++v) {
+          _mm_prefetch(reinterpret_cast<const char*>(wb + (r * 3 + v) * kQuad + pf), _MM_HINT_T1);
+        }
       }
 #pragma GCC unroll 3
       for (int v = 0; v < 3; ++v) w[v] = _mm512_loadu_si512(wb + (r * 3 + v) * kQuad);  // stored quads: unaligned
@@ -399,7 +407,7 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
                                                      const uint8_t* __restrict buf, const S* __restrict scales,
                                                      int64_t G, int64_t ns, float* __restrict o, int64_t ldo,
                                                      bool init, int64_t pf) {
-  (void)pf;  // kIntPrefetch was measured with AVX-512 only; these kernels keep the hardware prefetcher's
+  (void)pf;  // kIntPrefetch was measured with AVX-512 only: these keep to the hardware prefetcher
   for (int v = 0; v < 3; ++v) IntKernelV<MR, C, S, kQuads>(aq, m0, k0, kl, v, buf, scales, G, ns, o, ldo, init);
 }
 #endif  // JSERVE_INT_DOT == 2

@@ -62,9 +62,9 @@ class NativeCpuBackend(Backend):
         tests and benchmarks that compare the two.
       int8_activations: quantized weights' matmuls (and a quantized head) at
         `native_matmul.default_int8_rows(scheme)` rows or more quantize their input to int8 per
-        block of 32 and take integer dot products (`PackedQuantized.int8_rows`; where the build has them,
-        `native_matmul.int_dot_available()`); False, or batch_invariant (whose rows must not depend
-        on the batch's size), dequantizes the weights to float32 at every row count.
+        block of 32 and take integer dot products (`PackedQuantized.int8_rows`; where the build has
+        them, `native_matmul.int_dot_available()`); False, or batch_invariant (whose rows must not
+        depend on the batch's size), dequantizes the weights to float32 at every row count.
     """
 
     name = "native"
