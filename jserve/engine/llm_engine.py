@@ -30,6 +30,7 @@ from jserve.core.stop import StopPolicy
 from jserve.engine import kv_offload, weights
 from jserve.engine import sleep as sleep_mode
 from jserve.engine.config import EngineConfig
+from jserve.engine.engine_stats import engine_stats
 from jserve.engine.lora import LoraManager
 from jserve.engine.sequence import SampleGroup, SequenceState
 from jserve.engine.speculative import DraftModelProposer, SpeculativeStep, build_speculator
@@ -392,66 +393,11 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, Any]:
-        log = self.runner.step_log
-        real, padded = log.total_real_tokens, log.total_padded_tokens
-        pools = [t.pool for t in self.page_tables]
-        return {
-            "num_steps": self.num_steps,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_recomputes": self.scheduler.num_recomputes,
-            "compilations": self.runner.num_compilations,
-            # The prompt-logprob step compiles on first use (not warmed up): counted here.
-            "compilations_after_warmup": self.runner.num_compilations_after_warmup + (
-                self.runner.num_score_compilations) + sum(
-                r.num_compilations_after_warmup for r in self.draft_runners()),
-            "pages_in_use": sum(p.num_used_pages for p in pools),
-            "pages_cached": sum(p.num_cached_pages for p in pools),
-            "pages_free": sum(p.num_free_pages for p in pools),
-            "pages_released_behind_window": sum(t.num_window_released_pages for t in self.page_tables),
-            "num_pages": self.runner.num_pages,
-            "prefix_cache_hit_tokens": sum(t.num_prefix_hit_tokens for t in self.page_tables),
-            "prefix_cache_query_tokens": sum(t.num_prefix_query_tokens for t in self.page_tables),
-            "padded_token_fraction": (padded - real) / padded if padded else 0.0,
-            "computed_tokens": real,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            **self._idle_stats(),
-            **self._bucket_stats(),
-            **self._structured_stats(),
-            **self.kv_offload.stats(),
-            **(self.speculator.stats() if self.speculator is not None else {}),
-            **({"launched_steps": self.runner.overlap.num_launched,
-                "overlapped_steps": self.runner.overlap.num_overlapped,
-                "sync_steps": self.step_fn.num_sync_steps} if self.async_scheduling else {}),
-        }
-
-    def _idle_stats(self, recent: int = 64) -> dict[str, float]:
-        """The host time between consecutive device calls (the device idles), over the last
-        `recent` calls: its mean, and its share of the calls' time plus it."""
-        records = list(self.runner.records)[-recent:]
-        idle = sum(r.idle_before for r in records)
-        busy = sum(r.seconds for r in records)
-        return {"step_idle_seconds": idle / len(records) if records else 0.0,
-                "step_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0}
-
-    def _bucket_stats(self) -> dict[str, int]:
-        """Lazy buckets (`jserve.runtime.lazy_buckets`): calls run in a larger compiled shape than
-        their own while it compiled in the background, and the shapes still compiling."""
-        lazy = self.runner.lazy
-        return {"bucket_fallbacks": lazy.fallbacks if lazy else 0,
-                "buckets_pending": len(lazy.pending) if lazy else 0,
-                "warming": int(bool(lazy and lazy.warming)), "buckets_failed": len(lazy.failed) if lazy else 0}
+        """The engine's counters and gauges (`jserve.engine.engine_stats`): what `/metrics`,
+        the logs and the watchdog read."""
+        return engine_stats(self)
 
     def draft_runners(self) -> list[Runner]:
         """The draft model's runner (speculative method "draft_model"), else none."""
         proposer = self.speculator.proposer if self.speculator is not None else None
         return [proposer.runner] if isinstance(proposer, DraftModelProposer) else []
-
-    def _structured_stats(self) -> dict[str, Any]:
-        return {
-            "structured_requests": self.num_structured_requests,
-            "grammar_errors": self.scheduler.num_grammar_errors,
-            "grammars_compiled": self.grammars.num_compiled,
-            "grammar_compile_seconds": self.grammars.compile_seconds,
-            **self.runner.masks.stats(),  # host time filling masks: in all, and per step of the last 64
-        }

@@ -186,6 +186,12 @@ inline void ToVnni(const uint8_t* codes, int64_t k0, int64_t kl, uint8_t* buf) {
   }
 }
 
+// The 3 code vectors at p (a panel's row of quads) into L2 (kIntPrefetch).
+inline __attribute__((always_inline)) void PrefetchQuads(const uint8_t* p) {
+#pragma GCC unroll 3
+  for (int v = 0; v < 3; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + v * kQuad), _MM_HINT_T1);
+}
+
 // acc[m][v] += the 3 code vectors w[v] . row m's quad of activations (x + 4 k, rows K apart),
 // broadcast: one VPDPBUSD per vector.
 template <int MR>
@@ -235,12 +241,7 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
       for (int64_t h = 0; h < B / 4; ++h) {
         const int64_t t = h / 2;
         __m512i w[3];
-        if (pf && h % 2 == 0) {
-#pragma GCC unroll 3
-          for (int v = 0; v < 3; ++v) {
-            _mm_prefetch(reinterpret_cast<const char*>(cb + (t * 3 + v) * kQuad + pf), _MM_HINT_T1);
-          }
-        }
+        if (pf && h % 2 == 0) PrefetchQuads(cb + t * 3 * kQuad + pf);
 #pragma GCC unroll 3
         for (int v = 0; v < 3; ++v) {
           const __m512i c = _mm512_loadu_si512(cb + (t * 3 + v) * kQuad);
@@ -251,12 +252,7 @@ inline __attribute__((always_inline)) void IntKernel(const ActQuant& aq, int64_t
     }
     for (int64_t r = 0; r < (kQuads ? 0 : B / 4); ++r) {
       __m512i w[3];
-      if (pf) {
-#pragma GCC unroll 3
-        for (int v = 0; v < 3; ++v) {
-          _mm_prefetch(reinterpret_cast<const char*>(wb + (r * 3 + v) * kQuad + pf), _MM_HINT_T1);
-        }
-      }
+      if (pf) PrefetchQuads(wb + r * 3 * kQuad + pf);
 #pragma GCC unroll 3
       for (int v = 0; v < 3; ++v) w[v] = _mm512_loadu_si512(wb + (r * 3 + v) * kQuad);  // stored quads: unaligned
       DotQuad<MR>(acc, w, qb + 4 * r, K);
