@@ -63,8 +63,8 @@ def int_dot_available() -> bool:
     return int_dot_isa() is not None
 
 
-# From how many rows of x on the integer path is faster (docs/performance.md, "Int8 on the integer
-# path from one row"): with its codes stored as the integer kernel reads them
+# From how many rows of x on the integer path is faster (docs/performance.md, "Int8 activations and
+# integer dot products"): with its codes stored as the integer kernel reads them
 # (`PackedQuantized.quads`), int4 from one row, and int8 from one row too where AVX-512 VNNI reads
 # its quads (a SmolLM2-135M decode step, int8 in groups of 32 or per channel: 2-3 % slower at
 # batch 1, 1.2x faster at 4 and 16); AVX2 builds store no int8 quads, and their int8 float path is

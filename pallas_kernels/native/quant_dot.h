@@ -113,8 +113,8 @@ struct ActQuant {
 // Stored quads at 2 rows of x or more: the first row block prefetches into L2 the codes this many
 // bytes ahead (the rest of the panel, then the next panel's), so they stream from memory while the
 // dot products run: one thread at 16 rows ran at 97 G MAC/s without it, 127 with it, 152 from L2;
-// at one row the hardware prefetcher alone is faster (docs/performance.md, "Int8 on the integer
-// path from one row").
+// at one row the hardware prefetcher alone is faster (docs/performance.md, "Int8 activations and
+// integer dot products").
 constexpr int64_t kIntPrefetch = 16384;
 constexpr int64_t kIntChunk = 128;  // rows of K rearranged at a time (a multiple of every block)
 // Rows of x per micro-kernel: AVX-512, 12 int32 + 12 float sums of 32 registers; AVX2 (one vector
