@@ -332,3 +332,53 @@ def test_the_params_device_is_found_once_per_params_object(monkeypatch):
     runner.params = dict(runner.params)  # replaced (as update_weights and wake-up do): looked up again
     runner.execute(rows([(7, [8], [1, 2])]))
     assert len(calls) == 2 and runner.device == jax.devices()[0]
+
+
+def test_plain_greedy_calls_take_the_argmax_alone_and_sample_as_the_full_sampler_does():
+    """A call whose rows are all plain greedy runs `greedy_fn` (not the full sampler), gives the
+    tokens the full sampler gives on the same logits, and zeros for the logprob outputs; a row
+    with a temperature, logprobs, a penalty or a logit entry sends the call to the full sampler.
+    Warm-up compiles both for every batch, so neither kind of call compiles afterwards."""
+    from jserve.runtime.sampler import SamplingArrays
+
+    def plain(**settings):
+        return SamplingArrays.build([(SamplingParams(temperature=0.0, **settings), 0), None], 2).plain_greedy()
+
+    assert plain() and SamplingArrays.build([None] * 3, 3).plain_greedy()
+    for settings in ({"logprobs": 2}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
+                     {"frequency_penalty": 0.5}, {"logit_bias": {3: 1.0}}, {"allowed_token_ids": [1, 2]}):
+        assert not plain(**settings), settings
+    assert not SamplingArrays.build([(SamplingParams(temperature=0.7), 0)], 1).plain_greedy()
+
+    config, params, _ = _load("smollm2")
+    runner = Runner(config, params, num_pages=16, page_size=4, max_model_len=16, backend="cpu",
+                    batch_buckets=(2, 4), token_buckets=(8,), max_num_batched_tokens=8)
+    runner.warmup(progress=False)
+    calls = {"greedy": 0, "full": 0}
+    for name, attr in (("greedy", "greedy_fn"), ("full", "sample_fn")):
+        fn = getattr(runner, attr)
+
+        def counted(*args, _fn=fn, _name=name):
+            calls[_name] += 1
+            return _fn(*args)
+
+        setattr(runner, attr, counted)
+    greedy = runner.execute(rows([(0, [1, 2, 3, 4, 5], [1, 2]), (0, [7, 8], [3])]))
+    assert calls == {"greedy": 1, "full": 0}
+    assert not greedy.logprob.any() and not greedy.rank.any() and not greedy.top_ids.any()
+    wanted = runner.execute(rows([(0, [1, 2, 3, 4, 5], [4, 5]), (0, [7, 8], [6])],
+                                 SamplingParams(temperature=0.0, logprobs=1)))
+    assert calls == {"greedy": 1, "full": 1}
+    np.testing.assert_array_equal(greedy.tokens, wanted.tokens)
+    assert wanted.rank.min() == 1  # the full sampler's logprob outputs where asked
+    runner.execute(rows([(5, [int(greedy.tokens[0])], [1, 2]), (2, [int(greedy.tokens[1])], [3])],
+                        SamplingParams(temperature=0.8, seed=1)))
+    assert calls == {"greedy": 1, "full": 2} and runner.num_compilations_after_warmup == 0
+
+    logits = jax.random.normal(jax.random.key(0), (4, config.vocab_size))
+    logits = logits.at[1, 7].set(50.0).at[1, 9].set(50.0)  # a tie: the first index, as jnp.argmax
+    sampling = SamplingArrays.build([None] * 4, 4)
+    history = runner.sampling_inputs([None] * 4, 4)[1]
+    full = runner.sample_fn(logits, sampling, history, runner.masks.device(4, ()))
+    np.testing.assert_array_equal(runner.greedy_fn(logits)["tokens"], full["tokens"])
+    np.testing.assert_array_equal(runner.greedy_fn(logits)["tokens"], np.argmax(np.asarray(logits), -1))

@@ -18,7 +18,7 @@ from flax import nnx
 from jserve.core.request import MAX_LOGPROBS
 from jserve.model.config import LONG_ROPE_FLAG
 from jserve.runtime.paged_attention import PagedMeta
-from jserve.runtime.sampler import prompt_logprobs, sample, token_counts
+from jserve.runtime.sampler import argmax, prompt_logprobs, sample, token_counts
 
 
 def with_lora(ops, lora):
@@ -47,6 +47,17 @@ def sample_rows(logits, sampling, history, bitmask, feed_rows: int = 0, invarian
     out = sample(logits, sampling, penalties=history, bitmask=bitmask, num_logprobs=MAX_LOGPROBS, invariant=invariant)
     if feed_rows:
         tokens = out["tokens"]
+        out["feed"] = jnp.zeros((feed_rows,), tokens.dtype).at[:tokens.shape[0]].set(tokens)
+    return out
+
+
+def greedy_rows(logits, feed_rows: int = 0):
+    """`sample_rows` where every row is plain greedy (`SamplingArrays.plain_greedy`): the argmax
+    and the feed only, without the sampler's branches or its settings and history as arguments;
+    the logprob outputs are the host's zeros (`Runner.device_step`)."""
+    tokens = argmax(logits.astype(jnp.float32)).astype(jnp.int32)
+    out = {"tokens": tokens}
+    if feed_rows:
         out["feed"] = jnp.zeros((feed_rows,), tokens.dtype).at[:tokens.shape[0]].set(tokens)
     return out
 

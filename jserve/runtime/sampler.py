@@ -68,6 +68,14 @@ class SamplingArrays:
         return cls(**{name: np.asarray([value(p, step) for p, step, *_ in padded], dtype)
                       for name, (dtype, value) in _FIELDS.items()}, bias_ids=ids, bias_values=values)
 
+    def plain_greedy(self) -> bool:
+        """Whether every row (padding included) takes its logits' argmax and nothing else: no
+        temperature, penalty, logit entry, allowed-token list or logprobs (host arrays only).
+        Such a call's sampler is `argmax` alone (`device_steps.greedy_rows`)."""
+        return bool(np.all(self.temperature <= 0.0) and not np.any(self.logprobs) and not np.any(self.allowed_only)
+                    and np.all(self.bias_ids < 0) and np.all(self.repetition_penalty == 1.0)
+                    and not np.any(self.presence_penalty) and not np.any(self.frequency_penalty))
+
     def at_step(self, j) -> "SamplingArrays":
         """The same rows `j` samples later (multi-step decode: per-row seeds fold in the step)."""
         return dataclasses.replace(self, step=self.step + j)
