@@ -142,7 +142,8 @@ def compile_variant(runner, config, params, backend, options, native_matmuls, fu
     rows = [StepRow(*r) for r in rows] + [None] * (batch - len(rows))
     tokens, positions, meta, last = step_rows.pack(rows, batch, width, max_pages=runner.max_pages,
                                                    page_size=runner.page_size, config=runner.config)
-    lowered = jax.jit(step, donate_argnums=(1,)).lower(params, runner.kv, tokens, positions, meta, last)
+    # The runner's call passes the rows' LoRA slots too (None without adapters).
+    lowered = jax.jit(step, donate_argnums=(1,)).lower(params, runner.kv, tokens, positions, meta, last, None)
     compiled = lowered.compile(compiler_options=options)
     return lambda _runner_params, *args: compiled(params, *args)
 
