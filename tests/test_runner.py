@@ -335,7 +335,7 @@ def test_the_params_device_is_found_once_per_params_object(monkeypatch):
 
 
 def test_plain_greedy_calls_take_the_argmax_alone_and_sample_as_the_full_sampler_does():
-    """A call whose rows are all plain greedy runs `greedy_fn` (not the full sampler), gives the
+    """A call whose rows are all plain greedy runs the argmax alone (not the full sampler), gives the
     tokens the full sampler gives on the same logits, and zeros for the logprob outputs; a row
     with a temperature, logprobs, a penalty or a logit entry sends the call to the full sampler.
     Warm-up compiles both for every batch, so neither kind of call compiles afterwards."""
@@ -355,14 +355,14 @@ def test_plain_greedy_calls_take_the_argmax_alone_and_sample_as_the_full_sampler
                     batch_buckets=(2, 4), token_buckets=(8,), max_num_batched_tokens=8)
     runner.warmup(progress=False)
     calls = {"greedy": 0, "full": 0}
-    for name, attr in (("greedy", "greedy_fn"), ("full", "sample_fn")):
-        fn = getattr(runner, attr)
+    for name in ("greedy", "full"):
+        fn = getattr(runner.sampler, name)
 
         def counted(*args, _fn=fn, _name=name):
             calls[_name] += 1
             return _fn(*args)
 
-        setattr(runner, attr, counted)
+        setattr(runner.sampler, name, counted)
     greedy = runner.execute(rows([(0, [1, 2, 3, 4, 5], [1, 2]), (0, [7, 8], [3])]))
     assert calls == {"greedy": 1, "full": 0}
     assert not greedy.logprob.any() and not greedy.rank.any() and not greedy.top_ids.any()
@@ -379,6 +379,6 @@ def test_plain_greedy_calls_take_the_argmax_alone_and_sample_as_the_full_sampler
     logits = logits.at[1, 7].set(50.0).at[1, 9].set(50.0)  # a tie: the first index, as jnp.argmax
     sampling = SamplingArrays.build([None] * 4, 4)
     history = runner.sampling_inputs([None] * 4, 4)[1]
-    full = runner.sample_fn(logits, sampling, history, runner.masks.device(4, ()))
-    np.testing.assert_array_equal(runner.greedy_fn(logits)["tokens"], full["tokens"])
-    np.testing.assert_array_equal(runner.greedy_fn(logits)["tokens"], np.argmax(np.asarray(logits), -1))
+    full = runner.sampler.full(logits, sampling, history, runner.masks.device(4, ()))
+    np.testing.assert_array_equal(runner.sampler.greedy(logits)["tokens"], full["tokens"])
+    np.testing.assert_array_equal(runner.sampler.greedy(logits)["tokens"], np.argmax(np.asarray(logits), -1))

@@ -93,8 +93,8 @@ class PartTimer:
 
         wrap(engine.scheduler, "schedule", "schedule")
         wrap(runner, "prepare", "inputs")
-        wrap(runner, "sample_fn", "sample", jax.block_until_ready)
-        wrap(runner, "greedy_fn", "sample", jax.block_until_ready)  # a call of plain greedy rows
+        wrap(runner.sampler, "full", "sample", jax.block_until_ready)
+        wrap(runner.sampler, "greedy", "sample", jax.block_until_ready)  # a call of plain greedy rows
         wrap(engine, "update", "update")
         step_fn = runner.step_fn
 
@@ -142,13 +142,9 @@ def alone(llm, reps: int = 20) -> dict[str, float]:
         return logits
 
     logits = jax.block_until_ready(forward())
-    bitmask = runner.masks.device(x.last.size, [])
-    if runner.greedy_step(x):  # the sampler the runner runs for this row (plain greedy)
-        def sample():
-            return runner.greedy_fn(logits)
-    else:
-        def sample():
-            return runner.sample_fn(logits, x.sampling, x.history, bitmask)
+
+    def sample():  # the sampler the runner runs for this row (plain greedy: the argmax alone)
+        return runner.sampler(logits, x, x)
     result = {"forward alone": median_ms(forward, reps, sync=jax.block_until_ready),
               "sample alone": median_ms(sample, reps, sync=jax.block_until_ready)}
     nbytes, _ = runner.cost([row])

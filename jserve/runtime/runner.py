@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 from jserve.core import buckets
-from jserve.core.request import MAX_LOGPROBS
 from jserve.model import lora as lora_model
 from jserve.model import model_graphdef, quant
 from jserve.model.config import ModelConfig
@@ -35,6 +34,7 @@ from jserve.runtime.paged_attention import local_pages_per_group, with_local_pag
 from jserve.runtime.sampler import SamplingArrays, penalty_history
 from jserve.runtime.step_log import StepLog
 from jserve.runtime.step_masks import StepMasks
+from jserve.runtime.step_sampler import StepSampler
 from jserve.runtime.steps import PreparedCall, PromptLogprobs, StepInputs, StepOutput, StepRecord, StepRow
 
 
@@ -139,11 +139,7 @@ class Runner:
         # The most rows a decode or mixed call samples: its samples, padded to this, feed the next
         # call's tokens on the device when steps overlap (`launch`, jserve.runtime.overlap).
         self.feed_rows = self.batch_buckets[-1] * self.dp
-        self.sample_fn = jax.jit(functools.partial(device_steps.sample_rows, feed_rows=self.feed_rows,
-                                                   invariant=self.ops.batch_invariant))
-        # A call whose rows are all plain greedy samples with the argmax alone (`greedy_step`);
-        # on one device (a mesh's calls keep the one sampler).
-        self.greedy_fn = jax.jit(functools.partial(device_steps.greedy_rows, feed_rows=self.feed_rows))
+        self.sampler = StepSampler(self.feed_rows, self.ops.batch_invariant, self.mesh is None, self.masks)
         self._score_step = jax.jit(functools.partial(device_steps.score, self.graphdef, self.ops), **score_kwargs)
 
     # ------------------------------------------------------------------ what others read
@@ -308,8 +304,8 @@ class Runner:
                               kv_itemsize=self.kv_itemsize, kv_scale_bytes=self.kv_scale_bytes)
 
     def device_step(self, inputs: StepInputs, constraints=(), fed=None):
-        """The forward, dispatched (the device runs it meanwhile); then the grammar bitmask
-        (filled now, unless it came with `inputs`) and the sampler. `fed`: (the previous call's
+        """The forward, dispatched (the device runs it meanwhile); then the sampler (`StepSampler`:
+        the grammar bitmask filled now, unless it came with `inputs`). `fed`: (the previous call's
         samples, dst, src) for `overlap.feed_tokens`, which puts them into the tokens first."""
         x = self.place(inputs)
         tokens = self.device_tokens(x.tokens)
@@ -317,26 +313,7 @@ class Runner:
             tokens = self.overlap.feed_fn(tokens, *fed)
         logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, x.positions, x.meta, x.last,
                                                       x.lora)
-        if self.greedy_step(inputs, constraints):
-            return self.greedy_outputs(logits)
-        bitmask = x.mask if x.mask is not None else self.masks.device(x.last.size, constraints)  # a row per sample
-        return self.sample_fn(logits, x.sampling, x.history, bitmask)
-
-    def greedy_step(self, inputs: StepInputs, constraints=()) -> bool:
-        """Whether a call samples with `greedy_fn`: on one device, no grammar, every row plain
-        greedy (`SamplingArrays.plain_greedy`, read on the host before the call is placed). Such a
-        call's tokens come 3-7 % sooner than through the full sampler's dispatch, branches and
-        outputs (docs/performance.md, "The sampler")."""
-        return (self.mesh is None and not constraints and inputs.mask is None
-                and isinstance(inputs.sampling.temperature, np.ndarray) and inputs.sampling.plain_greedy())
-
-    def greedy_outputs(self, logits) -> dict[str, Any]:
-        """`greedy_fn`'s tokens and feed, with the logprob outputs `sample_rows` gives a call whose
-        rows want none (zeros), here on the host."""
-        B = logits.shape[0]
-        return {**self.greedy_fn(logits), "logprob": np.zeros((B,), np.float32), "rank": np.zeros((B,), np.int32),
-                "top_ids": np.zeros((B, MAX_LOGPROBS), np.int32),
-                "top_logprobs": np.zeros((B, MAX_LOGPROBS), np.float32)}
+        return self.sampler(logits, inputs, x, constraints)
 
     def run_program(self, fn, *inputs):
         """A compiled multi-token program over the params and the donated pages: its outputs."""
@@ -386,7 +363,7 @@ class Runner:
 
     def compiled_fns(self) -> list:
         """Every jitted step function (their caches grow when a call compiles)."""
-        return [*self._steps.values(), self.sample_fn, self.greedy_fn, self.overlap.feed_fn, *self.multi.compiled_fns()]
+        return [*self._steps.values(), *self.sampler.compiled_fns(), self.overlap.feed_fn, *self.multi.compiled_fns()]
 
     # ------------------------------------------------------------------ shapes
 

@@ -84,10 +84,10 @@ def warm(runner, kind: str, B: int, T: int) -> None:
         parts = [list(range(g * B, (g + 1) * B)) for g in range(runner.dp)]
         runner.run_call(rows, parts, {}, kind)
         call = runner.prepare(rows, parts, kind)
-        if runner.greedy_step(call.inputs):  # the call sampled greedily: the full sampler of its batch too
+        if runner.sampler.takes_greedy(call.inputs):  # the call sampled greedily: the full sampler of its batch too
             logits = jax.device_put(np.zeros((call.B, runner.config.vocab_size), np.float32), runner.device)
             x = runner.place(call.inputs)
-            jax.block_until_ready(runner.sample_fn(logits, x.sampling, x.history, runner.masks.device(call.B, [])))
+            jax.block_until_ready(runner.sampler.full(logits, x.sampling, x.history, runner.masks.device(call.B, [])))
         if runner.launchable:  # the feed of this shape's tokens, for overlapped steps
             tokens = np.zeros((B, 1) if kind == "decode" else (1, T), np.int32)
             dst, src = overlap.feed_indices([], [], runner.feed_rows, tokens.size)
@@ -98,10 +98,10 @@ def warm(runner, kind: str, B: int, T: int) -> None:
 
 def compile_samplers(runner, logits, x):
     """Compile the full sampler for a call's logits (abstract) and placed inputs `x`, and the
-    greedy one where the runner uses it (`Runner.greedy_step`); returns the full one."""
+    greedy one where the runner uses it (`StepSampler.takes_greedy`); returns the full one."""
     if runner.mesh is None:
-        runner.greedy_fn.lower(logits).compile()
-    return runner.sample_fn.lower(logits, x.sampling, x.history, runner.masks.device(logits.shape[0], [])).compile()
+        runner.sampler.greedy.lower(logits).compile()
+    return runner.sampler.full.lower(logits, x.sampling, x.history, runner.masks.device(logits.shape[0], [])).compile()
 
 
 def compile_order(shapes: list[tuple]) -> list[tuple]:
