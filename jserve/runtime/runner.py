@@ -308,9 +308,9 @@ class Runner:
         the grammar bitmask filled now, unless it came with `inputs`). `fed`: (the previous call's
         samples, dst, src) for `overlap.feed_tokens`, which puts them into the tokens first."""
         x = self.place(inputs)
-        tokens = self.device_tokens(x.tokens)
-        if fed is not None:
-            tokens = self.overlap.feed_fn(tokens, *fed)
+        # A fed call's tokens go to the feed as they are (jit's own transfer is cheaper than a
+        # device_put first); its output is committed, as `device_tokens` makes the others'.
+        tokens = self.device_tokens(x.tokens) if fed is None else self.overlap.feed_fn(x.tokens, *fed)
         logits, self.kv = self.step_fn(*tokens.shape)(self.params, self.kv, tokens, x.positions, x.meta, x.last,
                                                       x.lora)
         return self.sampler(logits, inputs, x, constraints)

@@ -92,8 +92,7 @@ def warm(runner, kind: str, B: int, T: int) -> None:
             tokens = np.zeros((B, 1) if kind == "decode" else (1, T), np.int32)
             dst, src = overlap.feed_indices([], [], runner.feed_rows, tokens.size)
             launcher = runner.overlap
-            jax.block_until_ready(launcher.feed_fn(runner.device_tokens(runner.place(tokens)), launcher.last_feed,
-                                                   dst, src))
+            jax.block_until_ready(launcher.feed_fn(runner.place(tokens), launcher.last_feed, dst, src))
 
 
 def compile_samplers(runner, logits, x):
@@ -174,4 +173,4 @@ def compile_ahead(runner, kind: str, B: int, T: int, kv_spec) -> None:
         prev = jax.ShapeDtypeStruct(sample.out_info["feed"].shape, sample.out_info["feed"].dtype,
                                     sharding=sample.output_shardings["feed"])
         dst, src = overlap.feed_indices([], [], runner.feed_rows, tokens.size)
-        runner.overlap.feed_fn.lower(tokens, prev, dst, src).compile()
+        runner.overlap.feed_fn.lower(x.tokens, prev, dst, src).compile()
