@@ -109,11 +109,26 @@ def test_lazy_warmup_serves_from_larger_shapes_then_compiles_nothing_on_the_serv
 
 
 def test_lazy_warmup_of_multi_step_and_verify_steps(model):
-    for kw, call in (
-            (dict(max_decode_steps=3), lambda r: r.execute_decode_steps([StepRow(2, [4], [1, 2], decode_steps=3)])),
-            (dict(num_speculative_tokens=2), lambda r: r.execute_verify([StepRow(2, [4], [1, 2], draft_ids=[1, 2])]))):
+    for kw, call, kind in (
+            (dict(max_decode_steps=3), lambda r: r.execute_decode_steps([StepRow(2, [4], [1, 2], decode_steps=3)]),
+             "multi_decode"),
+            (dict(num_speculative_tokens=2), lambda r: r.execute_verify([StepRow(2, [4], [1, 2], draft_ids=[1, 2])]),
+             "verify")):
         runner = _runner(model, "reference", **kw)
-        runner.warmup(progress=False, lazy=True)
+        gate = threading.Event()
+        start = BucketCompiler.start
+        # The thread waits: what is ready now was compiled before serving.
+        BucketCompiler.start = lambda self, jobs: start(self, [(k, lambda j=j: (gate.wait(), j())) for k, j in jobs])
+        try:
+            runner.warmup(progress=False, lazy=True)
+        finally:
+            BucketCompiler.start = start
+        # One stream's call of this kind at the fewest rows, besides the largest (it ran 0.70x
+        # its steady speed padded to the largest one); the other shapes wait for the thread.
+        sizes = runner.batch_buckets if kind == "multi_decode" else runner.verify_buckets
+        assert runner.lazy.is_ready((kind, sizes[0], 3)) and runner.lazy.is_ready((kind, sizes[-1], 3))
+        assert runner.lazy.pending
+        gate.set()
         assert runner.lazy.wait(300) and not runner.lazy.failed
         before = _compiles_here()
         out = call(runner)
