@@ -123,8 +123,8 @@ def test_lazy_warmup_of_multi_step_and_verify_steps(model):
             runner.warmup(progress=False, lazy=True)
         finally:
             BucketCompiler.start = start
-        # One stream's call of this kind at the fewest rows, besides the largest (it ran 0.70x
-        # its steady speed padded to the largest one); the other shapes wait for the thread.
+        # One stream's call of this kind at the fewest rows, besides the largest (a lone request
+        # padded to the largest runs slower); the other shapes wait for the thread.
         sizes = runner.batch_buckets if kind == "multi_decode" else runner.verify_buckets
         assert runner.lazy.is_ready((kind, sizes[0], 3)) and runner.lazy.is_ready((kind, sizes[-1], 3))
         assert runner.lazy.pending

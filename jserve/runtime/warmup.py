@@ -51,9 +51,8 @@ def single_stream_shapes(runner) -> list[tuple]:
     """The shapes one stream runs on its own: a short prompt's step (the fewest rows over the
     fewest tokens) and its decode steps (the fewest rows; with multi-step decode or speculation
     also their call at the fewest rows). Lazy buckets compile them before serving too, so that a
-    lone request runs at its steady speed from the first call: padded to the largest shapes, and
-    competing with their compilation, a single stream ran 0.84x its steady rate, and 0.70x with
-    multi-step decode (docs/performance.md, "Ready vs steady state")."""
+    lone request runs at its steady speed from the first call, not padded to the largest shapes
+    while competing with their compilation (docs/performance.md, "Ready vs steady state")."""
     one, short = runner.batch_buckets[0], runner.token_buckets[0]
     shapes = [("mixed", one, max(one, short)), ("decode", one, 1)]
     if runner.max_decode_steps > 1:
