@@ -60,3 +60,37 @@ def test_jserve_huge_pages_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("JSERVE_HUGE_PAGES", "0")
     assert not huge_pages.supported()
     assert huge_pages.advise(jnp.zeros(1 << 20)) == 0
+
+
+def test_closing_the_runner_stops_the_advice_thread(monkeypatch):
+    """The thread must not outlive its runner (it logs, and the buffers' owner may free them)."""
+    stopped = []
+
+    def slow_advise(buffers, stop):
+        stopped.append(stop.wait(30))  # a collapse still running when the runner closes
+        return 0
+
+    monkeypatch.setattr(huge_pages, "_advise", slow_advise)
+    config, params = read_params(DATA / "arch" / "smollm2")
+    runner = Runner(config, {k: jnp.asarray(v) for k, v in params.items()}, num_pages=64, page_size=16,
+                    max_model_len=64, kv_dtype=jnp.float32)
+    runner.close()
+    assert stopped == [True] and not runner.huge_pages._thread.is_alive()
+
+
+def test_a_stopped_advice_leaves_the_remaining_buffers_alone(monkeypatch):
+    stop = huge_pages.threading.Event()
+    stop.set()
+    calls = []
+
+    class Libc:
+        class madvise:  # noqa: N801 (libc's name)
+            def __new__(cls, *args):
+                calls.append(args)
+                return 0
+
+    monkeypatch.setattr(huge_pages.ctypes, "CDLL", lambda *a, **k: Libc)
+    assert huge_pages._advise([(0, huge_pages.HUGE_PAGE)] * 3, stop) == 0 and calls == []
+    stop.clear()
+    assert huge_pages._advise([(0, huge_pages.HUGE_PAGE)] * 3, stop) == 3 * huge_pages.HUGE_PAGE
+    assert len(calls) == 6  # MADV_HUGEPAGE and MADV_COLLAPSE for each

@@ -52,13 +52,16 @@ def advise(tree: Any) -> int:
     return _advise(list(_buffers(tree)) if supported() else [])
 
 
-def _advise(buffers: list[tuple[int, int]]) -> int:
+def _advise(buffers: list[tuple[int, int]], stop: threading.Event | None = None) -> int:
+    """`advise` over (address, bytes) ranges; `stop`: when set, the rest are left alone."""
     if not buffers:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done, failed = 0, 0
     for ptr, nbytes in buffers:
+        if stop is not None and stop.is_set():
+            return done
         # The 2 MiB pages around the buffer (small buffers share them with their neighbours); if
         # some of that is not mapped (a buffer of its own mapping), the whole pages inside it.
         outward = (ptr // HUGE_PAGE * HUGE_PAGE, -(-(ptr + nbytes) // HUGE_PAGE) * HUGE_PAGE)
@@ -77,7 +80,8 @@ def _advise(buffers: list[tuple[int, int]]) -> int:
 
 
 class Advice:
-    """`advise(tree)` running on a daemon thread; `wait()` returns its result.
+    """`advise(tree)` running on a daemon thread; `wait()` returns its result, `stop()` ends it
+    after the buffer at hand (its owner closing: the thread must not outlive it, nor log after).
 
     The buffers' addresses are taken now: a donated array is deleted by the step that reuses
     its buffer (same address, see above), so the thread never touches the arrays themselves.
@@ -89,18 +93,24 @@ class Advice:
 
     def __init__(self, tree: Any):
         self._bytes = 0
+        self._stop = threading.Event()
         buffers = list(_buffers(tree)) if supported() else []
         self._thread = threading.Thread(target=self._run, args=(buffers,), name="jserve-huge-pages",
                                         daemon=True)
         self._thread.start()
 
     def _run(self, buffers: list[tuple[int, int]]) -> None:
-        self._bytes = _advise(buffers)
+        self._bytes = _advise(buffers, self._stop)
 
     def wait(self, timeout: float | None = None) -> int:
         """Bytes turned into huge pages (0 while the thread still runs after `timeout`)."""
         self._thread.join(timeout)
         return self._bytes
+
+    def stop(self) -> None:
+        """Leave the buffers not yet advised alone and wait for the thread (one `madvise` at most)."""
+        self._stop.set()
+        self._thread.join()
 
 
 def _buffers(tree: Any):

@@ -428,11 +428,12 @@ class Runner:
         warmup.warm_up(self, progress=progress, lazy=lazy)
 
     def close(self, *, free_memory: bool = False) -> None:
-        """Stop the lazy buckets' thread (after the shape it is compiling); `free_memory`: delete
-        the params' and KV pages' device buffers too (the runner cannot step after that; for the
-        owner of those params, `LLM.close`)."""
+        """Stop the lazy buckets' thread (after the shape it is compiling) and the huge pages'
+        (after the buffer it is advising); `free_memory`: delete the params' and KV pages' device
+        buffers too (the runner cannot step after that; for the owner of those params, `LLM.close`)."""
         if self.lazy is not None:
             self.lazy.stop()
+        self.huge_pages.stop()
         if free_memory:
             for leaf in jax.tree.leaves((self.params, self.kv)):
                 if isinstance(leaf, jax.Array) and not leaf.is_deleted():
