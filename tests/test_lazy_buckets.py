@@ -108,6 +108,27 @@ def test_lazy_warmup_serves_from_larger_shapes_then_compiles_nothing_on_the_serv
     assert runner.num_compilations_after_warmup == 0
 
 
+def test_the_thread_waits_for_an_idle_spell_after_warm_up(model, monkeypatch):
+    """Right after warm-up the runner counts as busy (calls usually follow ready at once): the
+    thread starts no shape nobody wants until no call has come for `IDLE_S`."""
+    from jserve.runtime import warmup
+
+    runner = _runner(model, "reference")
+    gate = threading.Event()
+    start = BucketCompiler.start
+    BucketCompiler.start = lambda self, jobs: start(self, [(k, lambda j=j: (gate.wait(), j())) for k, j in jobs])
+    try:
+        runner.warmup(progress=False, lazy=True)
+    finally:
+        BucketCompiler.start = start
+    assert runner.lazy.pending and runner.lazy._next([("shape", None)]) is None  # busy: wait
+    monkeypatch.setattr(warmup, "IDLE_S", 0.0)
+    assert runner.lazy._next([("shape", None)]) == 0  # idle: the first job
+    gate.set()
+    assert runner.lazy.wait(300) and not runner.lazy.failed
+    runner.close()
+
+
 def test_lazy_warmup_of_multi_step_and_verify_steps(model):
     for kw, call, kind in (
             (dict(max_decode_steps=3), lambda r: r.execute_decode_steps([StepRow(2, [4], [1, 2], decode_steps=3)]),

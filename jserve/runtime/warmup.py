@@ -133,7 +133,9 @@ def start_lazy(runner, later: list[tuple], now: list[tuple]) -> None:
     def key(kind: str, B: int, T: int) -> tuple:  # as `_count` names the shape: its global batch
         return kind, B * runner.groups_spanned(kind), T
 
-    last_call = [0.0]
+    # Serving starts busy: the first calls usually follow ready at once (a benchmark, a gateway's
+    # traffic), and a job started in between (a job is not interrupted) would run beside them.
+    last_call = [time.perf_counter()]
     runner.step_log.subscribe(lambda record: last_call.__setitem__(0, time.perf_counter()))
     runner.lazy = BucketCompiler(ready=[key(*s) for s in now],
                                  busy=lambda: time.perf_counter() - last_call[0] < IDLE_S)
