@@ -1,6 +1,6 @@
 """Phi-3 (fused weights, sliding window, partial rotary, LongRoPE) against transformers.
 
-The tiny random models in tests/data/arch/phi3 and phi3_longrope (scripts/make_arch_goldens.py):
+The tiny random models in tests/data/arch/phi3 and phi3_longrope (tests/tools/make_arch_goldens.py):
 `phi3` is Phi-3-mini-4k's layer (qkv_proj and gate_up_proj fused, a sliding window of 8 on every
 layer, full rotary); `phi3_longrope` Phi-3.5 / Phi-4-mini's (partial rotary 0.75, LongRoPE with an
 original context of 12 tokens, tied). transformers rotates a sequence of at most 12 tokens by the

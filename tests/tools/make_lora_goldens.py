@@ -41,7 +41,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_arch_goldens as arch  # noqa: E402  (sets HF_HUB_OFFLINE, imports torch and transformers)
+import arch_cases as arch  # noqa: E402  (sets Hugging Face's offline flags before transformers loads)
+import arch_reference as ref  # noqa: E402
 import numpy as np  # noqa: E402
 import peft  # noqa: E402
 import torch  # noqa: E402
@@ -112,7 +113,7 @@ def greedy_gap(model, ids: np.ndarray, greedy: np.ndarray) -> float:
     """The smallest top-1 minus top-2 logit over the greedy tokens' steps (a near tie could flip
     under another implementation's rounding)."""
     seq = np.concatenate([ids[:1, :arch.PROMPT_LEN], greedy], axis=1)
-    logits = arch.forward_logits(model, seq)[0, arch.PROMPT_LEN - 1:-1]
+    logits = ref.forward_logits(model, seq)[0, arch.PROMPT_LEN - 1:-1]
     top = np.sort(logits, axis=-1)
     gap = float((top[:, -1] - top[:, -2]).min())
     assert gap > 1e-4, gap
@@ -122,8 +123,8 @@ def greedy_gap(model, ids: np.ndarray, greedy: np.ndarray) -> float:
 @torch.no_grad()
 def write_adapter(model: str, adapter: str, ids: np.ndarray, base: dict, out: Path) -> dict:
     peft_model = make_adapter(model, adapter)
-    logits = arch.forward_logits(peft_model, ids)
-    greedy = arch.greedy(peft_model, ids[:1, :arch.PROMPT_LEN])
+    logits = ref.forward_logits(peft_model, ids)
+    greedy = ref.greedy(peft_model, ids[:1, :arch.PROMPT_LEN])
     diff = float(np.abs(logits - base["logits"]).max())
     assert diff > 0.3 and np.abs(logits).max() < 20, (model, adapter, diff, np.abs(logits).max())
     assert not np.array_equal(greedy, base["greedy"]), (model, adapter, greedy)
@@ -137,8 +138,8 @@ def write_adapter(model: str, adapter: str, ids: np.ndarray, base: dict, out: Pa
     (d / "README.md").unlink(missing_ok=True)
     tidy_config(d / "adapter_config.json", model)
     reloaded = PeftModel.from_pretrained(load_base(model), d).eval()
-    assert np.array_equal(arch.forward_logits(reloaded, ids), logits), (model, adapter)
-    merged = arch.forward_logits(reloaded.merge_and_unload(), ids)
+    assert np.array_equal(ref.forward_logits(reloaded, ids), logits), (model, adapter)
+    merged = ref.forward_logits(reloaded.merge_and_unload(), ids)
     merge_err = float(np.abs(merged - logits).max())
     assert merge_err < 1e-4, (model, adapter, merge_err)
     notes.append(f"max abs dlogit vs base {diff:.3f}, merged vs unmerged {merge_err:.1e}")
@@ -150,7 +151,7 @@ def write_model(model: str, out_root: Path) -> list[dict]:
     golden = np.load(ARCH / model / "reference.npz")
     ids = golden["input_ids"]
     base_model = load_base(model)
-    base = dict(logits=arch.forward_logits(base_model, ids), greedy=arch.greedy(base_model, ids[:1, :arch.PROMPT_LEN]))
+    base = dict(logits=ref.forward_logits(base_model, ids), greedy=ref.greedy(base_model, ids[:1, :arch.PROMPT_LEN]))
     base_err = float(np.abs(base["logits"] - golden["logits"]).max())
     assert base_err < 1e-5 and np.array_equal(base["greedy"], golden["greedy_ids"]), (model, base_err)
     out = out_root / model
