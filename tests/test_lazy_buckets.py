@@ -59,6 +59,18 @@ def _greedy(runner, prompts, steps=4):
     return tokens
 
 
+def _lazy_warmup_held(runner) -> threading.Event:
+    """`runner.warmup(lazy=True)` with the thread's every job held until the returned gate is set."""
+    gate = threading.Event()
+    start = BucketCompiler.start
+    BucketCompiler.start = lambda self, jobs: start(self, [(k, lambda j=j: (gate.wait(), j())) for k, j in jobs])
+    try:
+        runner.warmup(progress=False, lazy=True)
+    finally:
+        BucketCompiler.start = start
+    return gate
+
+
 def test_cover_picks_the_smallest_ready_shape():
     lazy = BucketCompiler(ready=[("decode", 8, 1), ("prefill", 1, 64), ("prefill", 2, 16), ("prefill", 4, 16)])
     shapes = [(b, t) for b in (1, 2, 4) for t in (16, 32, 64)]
@@ -114,13 +126,7 @@ def test_the_thread_waits_for_an_idle_spell_after_warm_up(model, monkeypatch):
     from jserve.runtime import warmup
 
     runner = _runner(model, "reference")
-    gate = threading.Event()
-    start = BucketCompiler.start
-    BucketCompiler.start = lambda self, jobs: start(self, [(k, lambda j=j: (gate.wait(), j())) for k, j in jobs])
-    try:
-        runner.warmup(progress=False, lazy=True)
-    finally:
-        BucketCompiler.start = start
+    gate = _lazy_warmup_held(runner)
     assert runner.lazy.pending and runner.lazy._next([("shape", None)]) is None  # busy: wait
     monkeypatch.setattr(warmup, "IDLE_S", 0.0)
     assert runner.lazy._next([("shape", None)]) == 0  # idle: the first job
@@ -136,14 +142,7 @@ def test_lazy_warmup_of_multi_step_and_verify_steps(model):
             (dict(num_speculative_tokens=2), lambda r: r.execute_verify([StepRow(2, [4], [1, 2], draft_ids=[1, 2])]),
              "verify")):
         runner = _runner(model, "reference", **kw)
-        gate = threading.Event()
-        start = BucketCompiler.start
-        # The thread waits: what is ready now was compiled before serving.
-        BucketCompiler.start = lambda self, jobs: start(self, [(k, lambda j=j: (gate.wait(), j())) for k, j in jobs])
-        try:
-            runner.warmup(progress=False, lazy=True)
-        finally:
-            BucketCompiler.start = start
+        gate = _lazy_warmup_held(runner)  # what is ready now was compiled before serving
         # One stream's call of this kind at the fewest rows, besides the largest (a lone request
         # padded to the largest runs slower); the other shapes wait for the thread.
         sizes = runner.batch_buckets if kind == "multi_decode" else runner.verify_buckets
