@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from jserve.engine.config import KV_CACHE_DTYPES, add_engine_args, engine_kwargs, parse_bytes
+from jserve.engine.config import KV_CACHE_DTYPES, SERVE_DEFAULTS, add_engine_args, engine_kwargs, parse_bytes
 from jserve.model.model_args import add_model_args, model_source
 from jserve.plan_command import add_offload_arg, run_plan
 from jserve.runtime.distributed import add_multihost_args
@@ -286,6 +286,7 @@ def _add_warmup(sub: Any) -> None:
     add_model_args(p)
     p.add_argument("--out", required=True, help="the artifact's folder (created)")
     add_engine_args(p, exclude=("seed",))
+    p.set_defaults(**SERVE_DEFAULTS)  # what the server compiles: its key is the server's
     p.set_defaults(func=_warmup)
 
 

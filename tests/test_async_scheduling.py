@@ -155,6 +155,25 @@ def test_none_overlaps_wherever_it_applies_and_serve_defaults_to_it(tiny):  # no
     assert parse(["serve", "--async-scheduling"]).async_scheduling is True
 
 
+def test_serve_runs_two_decode_steps_a_call_on_a_cpu(tiny):  # noqa: F811
+    """`jserve serve`'s defaults on a CPU (num_scheduler_steps and async_scheduling None): multi-step
+    decode, two steps a call, and no overlap; single steps overlap where async scheduling is asked."""
+    from jserve.cli import build_parser
+    from jserve.engine.step_functions import MultiStep, OverlappedStep
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).num_scheduler_steps is None
+    assert parse(["serve", "--num-scheduler-steps", "1"]).num_scheduler_steps == 1
+    served = make_engine(tiny, async_scheduling=None, num_scheduler_steps=None)
+    assert served.config.num_scheduler_steps == 2 and served.runner.max_decode_steps == 2
+    assert served.async_scheduling is False and isinstance(served.step_fn, MultiStep)
+    asked = make_engine(tiny, async_scheduling=True, num_scheduler_steps=None)
+    assert asked.config.num_scheduler_steps == 1 and isinstance(asked.step_fn, OverlappedStep)
+    prompts, params = workload(n=6, seed=3)
+    _same(run_outputs(served, prompts, params), run_outputs(make_engine(tiny), prompts, params))
+    assert any(record.steps == 2 for record in served.runner.step_log.records)
+
+
 def test_metrics_report_the_overlap(engines):
     from prometheus_client import CollectorRegistry
 

@@ -30,6 +30,19 @@ def test_the_key_names_what_differs(tmp_path, smollm2_checkpoint):
     assert compile_cache.resolve(tmp_path, str(smollm2_checkpoint), None, SMALL) is None  # compiles as usual
 
 
+def test_warmup_defaults_to_the_servers_key(smollm2_checkpoint):
+    """`jserve warmup` and `jserve serve` with the same flags (none, or some) key alike: the server's
+    defaults (async scheduling, decode steps a call) are warm-up's."""
+    from jserve.cli import build_parser
+    from jserve.engine.config import engine_kwargs
+
+    parse = build_parser().parse_args
+    for flags in ([], ["--max-num-seqs", "4", "--num-scheduler-steps", "1"]):
+        serve, warmup = (compile_cache.artifact_key(str(smollm2_checkpoint), None, engine_kwargs(parse(command)))
+                         for command in (["serve", *flags], ["warmup", "--out", "x", *flags]))
+        assert serve == warmup, flags
+
+
 def test_warmup_then_serve_from_the_artifact(tmp_path, smollm2_checkpoint):
     """As a user runs them: `jserve warmup` in one process, a server's engine in another, which
     finds every step in the artifact (no new cache entry) and compiles nothing after warm-up."""
@@ -45,9 +58,11 @@ def test_warmup_then_serve_from_the_artifact(tmp_path, smollm2_checkpoint):
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
     entries = sorted(p.name for p in compile_cache.cache_dir(out).iterdir())
     assert entries and (out / "manifest.json").is_file()
-    code = (f"from jserve.engine import compile_cache\n"
-            f"from jserve.llm import LLM\n"
-            f"settings = {SMALL!r}\n"
+    code = (f"from jserve.cli import build_parser\n"
+            f"from jserve.engine import compile_cache\n"
+            f"from jserve.engine.config import engine_kwargs\n"
+            f"from jserve.llm import LLM\n"  # the server's settings, every bucket compiled before serving
+            f"settings = engine_kwargs(build_parser().parse_args(['serve', '--no-lazy-buckets', *{flags!r}]))\n"
             f"cache = compile_cache.resolve({str(out)!r}, {str(smollm2_checkpoint)!r}, None, settings)\n"
             f"assert cache is not None\n"
             f"llm = LLM({str(smollm2_checkpoint)!r}, compilation_cache=cache, **settings)\n"

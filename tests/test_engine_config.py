@@ -47,7 +47,7 @@ def test_flags_reach_the_settings_by_name():
 @pytest.mark.parametrize("settings,needle", [
     ({"max_num_seq": 4}, "unknown engine setting 'max_num_seq'"),
     ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer or None, got 0"),
-    ({"num_scheduler_steps": 0}, "num_scheduler_steps must be an integer >= 1, got 0"),
+    ({"num_scheduler_steps": 0}, "num_scheduler_steps must be an integer >= 1 or None, got 0"),
     ({"page_size": -16}, "page_size must be a positive integer or None, got -16"),
     ({"memory_fraction": 1.5}, r"memory_fraction must be in \(0, 1\], got 1.5"),
     ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype must be one of"),
@@ -122,6 +122,32 @@ def test_batch_defaults_follow_the_device(platform, kind, memory, expected):
 def test_unsettled_batch_settings_are_not_scheduled():
     with pytest.raises(ValueError, match="settled first"):
         EngineConfig().scheduler_config()
+    with pytest.raises(ValueError, match="num_scheduler_steps are settled first"):
+        EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=None).scheduler_config()
+
+
+@pytest.mark.parametrize("settings,platform,steps", [
+    ({}, "cpu", 2),
+    ({}, "tpu", 1),
+    ({}, "gpu", 1),
+    ({"backend": "native"}, "tpu", 2),  # a native backend is a CPU's
+    ({"async_scheduling": True}, "cpu", 1),
+    ({"async_scheduling": False}, "cpu", 2),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "cpu", 1),
+    ({"mesh": "tp=2"}, "cpu", 1),
+])
+def test_unset_decode_steps_are_two_on_a_cpu_alone(settings, platform, steps):
+    """num_scheduler_steps None (`jserve serve`'s default): two decode steps a call on a CPU, where
+    async scheduling and speculation are not asked and there is no mesh; one elsewhere."""
+    config = EngineConfig(num_scheduler_steps=None, **settings).with_platform_defaults(platform)
+    assert config.num_scheduler_steps == steps
+    # a given count stays, the batch settings given or not
+    for given in (1, 4):
+        for batch in ({}, {"max_num_seqs": 4, "max_num_batched_tokens": 64}):
+            config = EngineConfig(num_scheduler_steps=given, **batch).with_platform_defaults(platform)
+            assert config.num_scheduler_steps == given
+    assert EngineConfig(num_scheduler_steps=None, max_num_seqs=4, max_num_batched_tokens=64).with_platform_defaults(
+        "cpu").num_scheduler_steps == 2
 
 
 def test_a_backend_refuses_another_backends_option():

@@ -387,7 +387,7 @@ def test_streams_from_a_multi_step_engine_equal_single_steps(engines):
 def test_the_cli_flag_reaches_the_engine_config():
     from jserve.cli import build_parser, engine_kwargs
 
-    for command in (["serve"], ["generate", "--prompt", "hi"]):
-        assert engine_kwargs(build_parser().parse_args(command))["num_scheduler_steps"] == 1
+    for command, default in ((["serve"], None), (["generate", "--prompt", "hi"], 1)):  # serve's: per device
+        assert engine_kwargs(build_parser().parse_args(command))["num_scheduler_steps"] == default
         args = build_parser().parse_args(command + ["--num-scheduler-steps", "4"])
         assert engine_kwargs(args)["num_scheduler_steps"] == 4

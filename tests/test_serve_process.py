@@ -119,7 +119,8 @@ def test_sigterm_under_load_drains_and_exits_zero(smollm2_checkpoint):
         log = proc.stderr.read()
         frozen = re.search(r"; (\d+) startup objects frozen", log)
         assert frozen and int(frozen.group(1)) > 10_000, frozen
-        assert "(async scheduling off;" in log  # the engine's own mode: this loader's EngineConfig has it off
+        # the engine's own modes: this loader's EngineConfig has async scheduling off, single steps
+        assert "(async scheduling off; decode steps a call: 1;" in log
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -86,10 +86,11 @@ def build_engine(model_config, params: dict, tokenizer: Tokenizer, eos_token_ids
     from jserve.runtime import backends
     from jserve.runtime.kv_cache import kv_page_dtype
 
-    config = resolve_platform_defaults(resolve_max_model_len(config, model_config))
+    config = resolve_max_model_len(config, model_config)
     pooling = resolve_pooling(config, pooling)
-    if pooling is not None:
-        config = dataclasses.replace(config, enable_prefix_caching=False)
+    if pooling is not None:  # plain prefill steps
+        config = dataclasses.replace(config, enable_prefix_caching=False, num_scheduler_steps=1)
+    config = resolve_platform_defaults(config)
     source_config = model_config  # what new weights are named and shaped by (update_weights)
     spec = config.speculative_config
     mesh, dp, tp = None, 1, 1

@@ -27,7 +27,9 @@ LORA_DTYPES = ("auto", "float32", "bfloat16")  # the native fused layers read fl
 # Where `jserve serve` defaults otherwise than the offline LLM: a server is ready once the largest
 # shapes compile, the others compile while it serves (--no-lazy-buckets compiles them all first);
 # it overlaps steps wherever that applies (`async_scheduling` None; --no-async-scheduling: never).
-SERVE_DEFAULTS = {"lazy_buckets": True, "async_scheduling": None}
+# On a CPU it runs two decode steps a call instead (`num_scheduler_steps` None: `decode_steps_for`).
+SERVE_DEFAULTS = {"lazy_buckets": True, "async_scheduling": None, "num_scheduler_steps": None}
+CPU_DECODE_STEPS = 2  # `num_scheduler_steps` None on a CPU: see `EngineConfig.decode_steps_for`
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own context length when none is given
 
 
@@ -108,8 +110,11 @@ class EngineConfig:
                                            "bytes, int8 and fp8 (float8_e4m3fn codes with a float32 scale "
                                            "per token and KV head) about halve them again",
                                    choices=KV_CACHE_DTYPES)
-    num_scheduler_steps: int = _setting(1, "decode steps per device call while only decodes run "
-                                           "(multi-step decode)", parse=int)
+    num_scheduler_steps: int | None = _setting(
+        1, "decode steps per device call while only decodes run (multi-step decode: a stream receives "
+           "that many tokens at a time). None (the default of `jserve serve`): 2 on a CPU, where the "
+           "host's work between steps takes the step's cores, else 1; 1 wherever async scheduling or "
+           "speculative decoding is asked, or with a mesh", parse=int)
     async_scheduling: bool | None = _setting(False, "overlap steps (vLLM's name): plan and dispatch step N+1 "
                                                     "before reading step N's samples, which feed N+1's decode "
                                                     "rows on the device, so the device never waits for the host "
@@ -186,9 +191,9 @@ class EngineConfig:
                                             "the native CPU backend's one code path per token, no fused decode")
 
     def __post_init__(self):
-        if not isinstance(self.num_scheduler_steps, int) or isinstance(self.num_scheduler_steps, bool) \
-                or self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
+        steps = self.num_scheduler_steps
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1 or None, got {steps!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages",
                      "kv_cache_bytes", "kv_offload_bytes"):
             value = getattr(self, name)
@@ -212,10 +217,10 @@ class EngineConfig:
         if self.speculative_config is not None and self.mesh is not None:
             raise ValueError("speculative decoding runs on one device for now: give no mesh, or no "
                              "speculative_config")
-        if self.speculative_config is not None and self.num_scheduler_steps != 1:
+        if self.speculative_config is not None and steps not in (1, None):
             raise ValueError(f"speculative decoding and multi-step decode (num_scheduler_steps="
                              f"{self.num_scheduler_steps}) do not combine: give one of them")
-        if self.async_scheduling and (self.speculative_config is not None or self.num_scheduler_steps != 1):
+        if self.async_scheduling and (self.speculative_config is not None or steps not in (1, None)):
             raise ValueError("async_scheduling overlaps single steps: give no speculative_config and "
                              f"num_scheduler_steps=1 with it (got {self.num_scheduler_steps})")
         if self.kv_offload_bytes is not None and not self.enable_prefix_caching:
@@ -265,20 +270,35 @@ class EngineConfig:
     def with_platform_defaults(self, platform: str, device_kind: str = "",
                                device_memory: int | None = None) -> "EngineConfig":
         """The config with `max_num_seqs` and `max_num_batched_tokens` that were left None set to
-        `platform_defaults`' (a native backend counts as a CPU)."""
-        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
-            return self
+        `platform_defaults`', and `num_scheduler_steps` to `decode_steps_for` (a native backend
+        counts as a CPU)."""
         if self.backend in ("native", "cpu"):
             platform = "cpu"
+        config = dataclasses.replace(self, num_scheduler_steps=self.decode_steps_for(platform))
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            return config
         seqs, tokens = platform_defaults(platform, device_kind, device_memory)
         tokens = self.max_num_batched_tokens or tokens
-        return dataclasses.replace(self, max_num_batched_tokens=tokens,
+        return dataclasses.replace(config, max_num_batched_tokens=tokens,
                                    max_num_seqs=self.max_num_seqs or min(seqs, tokens))
+
+    def decode_steps_for(self, platform: str) -> int:
+        """`num_scheduler_steps` as given, or for None: `CPU_DECODE_STEPS` on a CPU, one stream of
+        steps on one device, where neither async scheduling nor speculative decoding is asked. A
+        CPU step shares its cores with the host's work between steps (scheduling, the call's
+        dispatch, sampling, streaming), which several steps a call pay once; on a TPU or GPU
+        that work runs beside the device's, and async scheduling hides it there."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        if (platform == "cpu" and self.mesh is None and self.speculative_config is None
+                and not self.async_scheduling):
+            return CPU_DECODE_STEPS
+        return 1
 
     def scheduler_config(self, dp: int = 1, max_model_len: int | None = None) -> SchedulerConfig:
         """The scheduler's knobs; with `dp` groups, each group's share of seqs and tokens."""
-        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
-            raise ValueError("max_num_seqs and max_num_batched_tokens are settled first "
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None or self.num_scheduler_steps is None:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and num_scheduler_steps are settled first "
                              "(EngineConfig.with_platform_defaults)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) % dp:

@@ -170,7 +170,7 @@ def resolve_pooling(config: EngineConfig, declared: PoolingConfig | None) -> Poo
                              "(give task='embed' / --task embed)")
         return None
     for name, value, plain in (("speculative_config", config.speculative_config, None),
-                               ("num_scheduler_steps", config.num_scheduler_steps, 1),
+                               ("num_scheduler_steps", config.num_scheduler_steps or 1, 1),  # None: 1 here
                                ("async_scheduling", config.async_scheduling or False, False),  # None: off here
                                ("mesh", config.mesh, None)):
         if value != plain:

@@ -330,9 +330,10 @@ async def serve(args: argparse.Namespace) -> int:
         llm.engine.grammars.close_at_limit = args.structured_outputs_close_at_limit
         frozen = freeze_startup_heap()
         state.attach(AsyncLLMEngine(llm.engine), sampling_defaults=_sampling_defaults(args, llm))
-        logger.info("ready: serving %s on http://%s:%d (async scheduling %s; %d startup objects frozen out of "
-                    "the garbage collector)", ", ".join(names), args.host, args.port,
-                    "on" if getattr(llm.engine, "async_scheduling", False) else "off", frozen)
+        logger.info("ready: serving %s on http://%s:%d (async scheduling %s; decode steps a call: %d; %d startup "
+                    "objects frozen out of the garbage collector)", ", ".join(names), args.host, args.port,
+                    "on" if getattr(llm.engine, "async_scheduling", False) else "off",
+                    llm.engine.config.num_scheduler_steps, frozen)
         stats = None if args.disable_log_stats else asyncio.ensure_future(logs.StatsLine(
             state.engine.stats, lambda: state.num_finished, args.log_stats_interval).run())
         await stopping
