@@ -135,10 +135,12 @@ def test_unsettled_batch_settings_are_not_scheduled():
     ({"async_scheduling": False}, "cpu", 2),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "cpu", 1),
     ({"mesh": "tp=2"}, "cpu", 1),
+    ({"batch_invariant": True}, "cpu", 1),
 ])
 def test_unset_decode_steps_are_two_on_a_cpu_alone(settings, platform, steps):
     """num_scheduler_steps None (`jserve serve`'s default): two decode steps a call on a CPU, where
-    async scheduling and speculation are not asked and there is no mesh; one elsewhere."""
+    async scheduling, speculation and batch invariance are not asked and there is no mesh; one
+    elsewhere."""
     config = EngineConfig(num_scheduler_steps=None, **settings).with_platform_defaults(platform)
     assert config.num_scheduler_steps == steps
     # a given count stays, the batch settings given or not

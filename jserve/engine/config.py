@@ -113,8 +113,8 @@ class EngineConfig:
     num_scheduler_steps: int | None = _setting(
         1, "decode steps per device call while only decodes run (multi-step decode: a stream receives "
            "that many tokens at a time). None (the default of `jserve serve`): 2 on a CPU, where the "
-           "host's work between steps takes the step's cores, else 1; 1 wherever async scheduling or "
-           "speculative decoding is asked, or with a mesh", parse=int)
+           "host's work between steps takes the step's cores, else 1; 1 wherever async scheduling, "
+           "speculative decoding or batch invariance is asked, or with a mesh", parse=int)
     async_scheduling: bool | None = _setting(False, "overlap steps (vLLM's name): plan and dispatch step N+1 "
                                                     "before reading step N's samples, which feed N+1's decode "
                                                     "rows on the device, so the device never waits for the host "
@@ -284,14 +284,15 @@ class EngineConfig:
 
     def decode_steps_for(self, platform: str) -> int:
         """`num_scheduler_steps` as given, or for None: `CPU_DECODE_STEPS` on a CPU, one stream of
-        steps on one device, where neither async scheduling nor speculative decoding is asked. A
-        CPU step shares its cores with the host's work between steps (scheduling, the call's
-        dispatch, sampling, streaming), which several steps a call pay once; on a TPU or GPU
-        that work runs beside the device's, and async scheduling hides it there."""
+        steps on one device, where neither async scheduling, speculative decoding nor batch
+        invariance (whose bits follow one step's program) is asked. A CPU step shares its cores
+        with the host's work between steps (scheduling, the call's dispatch, sampling,
+        streaming), which several steps a call pay once; on a TPU or GPU that work runs beside
+        the device's, and async scheduling hides it there."""
         if self.num_scheduler_steps is not None:
             return self.num_scheduler_steps
         if (platform == "cpu" and self.mesh is None and self.speculative_config is None
-                and not self.async_scheduling):
+                and not self.async_scheduling and not self.batch_invariant):
             return CPU_DECODE_STEPS
         return 1
 
