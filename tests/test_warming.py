@@ -86,6 +86,25 @@ def test_a_busy_runner_compiles_only_the_shapes_its_calls_fell_back_from():
     assert not lazy.warming and lazy.pending == []
 
 
+def test_a_held_thread_compiles_only_wanted_shapes_and_counts_busy_from_the_release():
+    """`BucketCompiler.held` (a server's setup between warm-up and ready): an idle runner's shapes
+    wait inside, a wanted one compiles; on leaving, `last_call` is that moment."""
+    done: list = []
+    lazy = BucketCompiler(ready=[("decode", 4, 1)], busy=lambda: False)
+    with lazy.held():
+        lazy.start([(k, lambda k=k: done.append(k)) for k in [("decode", 1, 1), ("decode", 2, 1)]])
+        time.sleep(0.3)
+        assert done == []  # idle, but held
+        assert lazy.cover("decode", 2, 1, [(1, 1), (2, 1), (4, 1)]) == (4, 1)
+        deadline = time.monotonic() + 10
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == [("decode", 2, 1)]  # wanted: compiled inside
+        left = time.perf_counter()
+    assert lazy.last_call >= left
+    assert lazy.wait(10) and done == [("decode", 2, 1), ("decode", 1, 1)]
+
+
 @pytest.fixture(scope="module")
 def lazy_engine(smollm2_checkpoint):
     """A tiny-vocabulary engine with lazy buckets whose background thread waits for `gate`."""

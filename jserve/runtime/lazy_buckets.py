@@ -20,11 +20,12 @@ Pure bookkeeping plus the thread: the runner supplies each shape's compile job.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
 import weakref
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 _LIVE: "weakref.WeakSet[BucketCompiler]" = weakref.WeakSet()  # compilers whose thread was started
@@ -55,8 +56,25 @@ class BucketCompiler:
         self.pending: list[Key] = []
         self.fallbacks = 0  # calls run in a larger shape than their own because it was not ready
         self.compile_seconds = 0.0  # spent by the thread
+        self.last_call = time.perf_counter()  # when the runner was last busy (`note_call`)
+        self._held = False  # inside `held`: only wanted shapes compile
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def note_call(self) -> None:
+        """The runner is busy now (`busy` may measure idle spells from `last_call`)."""
+        self.last_call = time.perf_counter()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Compile only wanted shapes inside (a server's setup between warm-up and ready: its first
+        calls come at once after it); the runner counts as busy from the moment it leaves."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self.note_call()
+            self._held = False
 
     def mark_ready(self, key: Key) -> None:
         self._ready.add(key)
@@ -95,7 +113,7 @@ class BucketCompiler:
         wanted = [i for i, (key, _) in enumerate(jobs) if key in self.wanted]
         if wanted:
             return wanted[0]
-        return None if self._busy() else 0
+        return None if self._held or self._busy() else 0
 
     def _work(self, jobs: list[tuple[Key, Callable[[], None]]]) -> None:
         t0 = time.perf_counter()

@@ -134,11 +134,11 @@ def start_lazy(runner, later: list[tuple], now: list[tuple]) -> None:
         return kind, B * runner.groups_spanned(kind), T
 
     # Serving starts busy: the first calls usually follow ready at once (a benchmark, a gateway's
-    # traffic), and a job started in between (a job is not interrupted) would run beside them.
-    last_call = [time.perf_counter()]
-    runner.step_log.subscribe(lambda record: last_call.__setitem__(0, time.perf_counter()))
-    runner.lazy = BucketCompiler(ready=[key(*s) for s in now],
-                                 busy=lambda: time.perf_counter() - last_call[0] < IDLE_S)
+    # traffic), and a job started in between (a job is not interrupted) would run beside them. A
+    # server holds the thread through its own setup after warm-up (`BucketCompiler.held`).
+    lazy = BucketCompiler(ready=[key(*s) for s in now], busy=lambda: time.perf_counter() - lazy.last_call < IDLE_S)
+    runner.step_log.subscribe(lambda record: lazy.note_call())
+    runner.lazy = lazy
     runner.compiles.ahead = lambda k: k in runner.lazy.ahead
     runner.lazy.start([(key(*s), job(*s)) for s in later])
 
