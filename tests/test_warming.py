@@ -128,9 +128,14 @@ def _metric(srv: Server, name: str) -> float:
 
 
 def test_health_and_metrics_say_warming_while_buckets_compile(lazy_engine):
+    from jserve.engine.async_engine import AsyncLLMEngine
+
     engine, gate = lazy_engine
     pending = len(engine.runner.lazy.pending)
     assert pending > 0
+    with AsyncLLMEngine(engine, start=False).lazy_buckets_held():  # the server's setup before ready
+        assert engine.runner.lazy._next([("shape", None)]) is None
+    assert engine.runner.lazy.last_call > time.perf_counter() - 1
     with serving(engine, "tiny-smollm2") as srv:
         assert request(srv, "GET", "/health")[:3:2] == (200, {"status": "ok", "warming": True,
                                                               "buckets_pending": pending})

@@ -195,8 +195,18 @@ class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
     @property
     def buckets_pending(self) -> int:
         """Shapes the lazy buckets' thread has still to compile (a plain read: any thread)."""
-        lazy = getattr(getattr(self.engine, "runner", None), "lazy", None)
+        lazy = self._lazy_buckets()
         return len(lazy.pending) if lazy is not None else 0
+
+    def lazy_buckets_held(self) -> contextlib.AbstractContextManager:
+        """Inside, the lazy buckets' thread compiles only shapes a call fell back from, and the
+        runner counts as busy from the moment it leaves (`BucketCompiler.held`): a server's setup
+        before it says ready, whose first calls come at once after."""
+        lazy = self._lazy_buckets()
+        return contextlib.nullcontext() if lazy is None else lazy.held()
+
+    def _lazy_buckets(self):
+        return getattr(getattr(self.engine, "runner", None), "lazy", None)
 
     @property
     def task(self) -> str:

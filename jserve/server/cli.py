@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import errno
 import gc
@@ -329,11 +328,12 @@ async def serve(args: argparse.Namespace) -> int:
     if loaded.done():
         llm = loaded.result()  # a load error propagates: exit non-zero
         llm.engine.grammars.close_at_limit = args.structured_outputs_close_at_limit
+        engine = AsyncLLMEngine(llm.engine)
         # The lazy buckets' thread compiles nothing through the setup below (a second or two: the
         # tokenizer worker's start) that would still run beside the first requests after ready.
-        with contextlib.nullcontext() if llm.runner.lazy is None else llm.runner.lazy.held():
+        with engine.lazy_buckets_held():
             frozen = freeze_startup_heap()
-            state.attach(AsyncLLMEngine(llm.engine), sampling_defaults=_sampling_defaults(args, llm))
+            state.attach(engine, sampling_defaults=_sampling_defaults(args, llm))
         logger.info("ready: serving %s on http://%s:%d (async scheduling %s; decode steps a call: %d; %d startup "
                     "objects frozen out of the garbage collector)", ", ".join(names), args.host, args.port,
                     "on" if getattr(llm.engine, "async_scheduling", False) else "off",
