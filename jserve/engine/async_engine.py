@@ -29,6 +29,7 @@ from jserve.engine.arrivals import Arrivals
 from jserve.engine.async_loras import AsyncLoraControl
 from jserve.engine.async_weights import AsyncWeightControl
 from jserve.engine.engine_facts import EngineFacts
+from jserve.engine.engine_warming import EngineWarming
 from jserve.engine.handover import Command, latest, post
 from jserve.engine.request_ledger import RequestLedger, requests_of
 from jserve.engine.stream_output import RequestTimings, Tracker
@@ -55,7 +56,7 @@ class _Live:
     seen_first_output: bool = False
 
 
-class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
+class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts, EngineWarming):
     """Runs an `LLMEngine` on a daemon thread and streams each request's outputs to asyncio.
 
     Args:
@@ -191,22 +192,6 @@ class AsyncLLMEngine(AsyncWeightControl, AsyncLoraControl, EngineFacts):
         kwargs = dict(prompt=prompt, priority=priority, arrival_time=time.monotonic())
         async with contextlib.aclosing(self._outputs(request_id, (list(prompt_token_ids), params), kwargs)) as outs:
             return [out async for out in outs][-1]  # one output, finished
-
-    @property
-    def buckets_pending(self) -> int:
-        """Shapes the lazy buckets' thread has still to compile (a plain read: any thread)."""
-        lazy = self._lazy_buckets()
-        return len(lazy.pending) if lazy is not None else 0
-
-    def lazy_buckets_held(self) -> contextlib.AbstractContextManager:
-        """Inside, the lazy buckets' thread compiles only shapes a call fell back from, and the
-        runner counts as busy from the moment it leaves (`BucketCompiler.held`): a server's setup
-        before it says ready, whose first calls come at once after."""
-        lazy = self._lazy_buckets()
-        return contextlib.nullcontext() if lazy is None else lazy.held()
-
-    def _lazy_buckets(self):
-        return getattr(getattr(self.engine, "runner", None), "lazy", None)
 
     @property
     def task(self) -> str:
